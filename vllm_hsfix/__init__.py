@@ -1,0 +1,45 @@
+"""vllm-hsfix: backport of vLLM PR 46301 to pinned vLLM 0.17.0-0.24.x.
+
+Importing this package activates it: the patches are applied when vLLM's target
+modules are imported (or at once if they already are). Importing it costs almost
+nothing where vLLM is never used: nothing heavy loads until ``vllm`` is imported.
+
+Public API: :func:`apply`, :func:`unapply`, :func:`status`, ``__version__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "apply", "status", "unapply"]
+
+
+def apply() -> None:
+    """Activate (idempotent). Patches now if vLLM's targets are imported, else on import."""
+    from . import activation
+
+    activation.start("apply")
+
+
+def unapply() -> None:
+    """Restore every original vLLM object exactly and stop patching in this process."""
+    from . import activation
+
+    activation.unapply()
+
+
+def status() -> dict[str, Any]:
+    """Structured state: vLLM found, each patch's status and reason, activation paths."""
+    from . import activation
+
+    return activation.status()
+
+
+def _activate_on_import() -> None:
+    from ._lazy import activate
+
+    activate("import")
+
+
+_activate_on_import()

