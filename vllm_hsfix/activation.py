@@ -17,10 +17,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import __version__, _lazy, config, detect
-from .gate import in_release_range
+from . import __version__, _lazy, config, detect, gate
 from .patches import FIXED_FROM, MODULES, PATCH_IDS, PATCHES
-from .state import APPLIED, FAILED, LOCK, PENDING, REFUSED, STATE, Record
+from .state import APPLIED, FAILED, LOCK, PENDING, REFUSED, SKIPPED, STATE, Record
 
 log = logging.getLogger("vllm_hsfix")
 
@@ -126,6 +125,7 @@ def _on_import(module: ModuleType) -> None:
         for rec in STATE.records.values():
             if rec.patch.module == module.__name__ and rec.status in (PENDING, "reverted"):
                 _decide(rec, module)
+        _maybe_observe()
         _report()
         cfg = STATE.config
         if cfg is not None and cfg.strict:
@@ -137,50 +137,57 @@ def _on_import(module: ModuleType) -> None:
 
 
 def _decide(rec: Record, module: ModuleType) -> None:
-    from packaging.version import Version
-
     cfg = STATE.config
     assert cfg is not None
     patch = rec.patch
     try:
-        if patch.id in cfg.disabled_patches:
-            rec.set("disabled", f"named in {config.DISABLED_PATCHES}")
-            return
         inst = install()
-        if inst.version is None:
-            rec.set(
-                "unknown-version",
-                (inst.problem or "vLLM version unknown")
-                + f"; not patching. Set {config.VLLM_VERSION} to override",
-            )
-            log.warning("%s refused: %s", patch.id, rec.reason)
-            return
-        version = Version(inst.version)
-        if in_release_range(version, f">={FIXED_FROM}"):
-            rec.set("upstream-fix-present", f"vLLM {inst.version} >= {FIXED_FROM} has PR 46301")
-            return
-        if not in_release_range(version, patch.releases):
-            rec.set("not-needed", f"vLLM {inst.version}: {patch.not_needed}")
-            return
         impl = patch.implementation()
-        probe = impl.probe(module)
-        rec.shape, rec.fingerprints = probe.shape, dict(probe.fingerprints)
-        if probe.fixed:
-            rec.set("upstream-fix-present", f"vLLM {inst.version}: code already fixed ({probe.detail})")
-            return
-        if probe.shape is None:
-            rec.set(
-                "unknown-shape",
-                f"vLLM {inst.version}: {patch.target} does not look like any known shape, "
-                f"not patched ({probe.detail})",
-            )
-            log.warning("%s refused: %s", patch.id, rec.reason)
-            return
-        rec.replacements = impl.apply(module)
-        rec.set("applied", f"vLLM {inst.version}: shape {probe.shape}")
+        decision = gate.decide(
+            patch,
+            inst.version,
+            inst.problem,
+            patch.id in cfg.disabled_patches,
+            lambda: impl.probe(module),
+            FIXED_FROM,
+        )
+        if decision.probe is not None:
+            rec.shape = decision.probe.shape
+            rec.fingerprints = dict(decision.probe.fingerprints)
+        if decision.code == "apply":
+            rec.replacements = impl.apply(module)
+            rec.set("applied", decision.reason)
+        else:
+            rec.set(decision.code, decision.reason)
+            if rec.status == REFUSED:
+                log.warning("%s refused: %s", patch.id, rec.reason)
     except Exception as exc:
         rec.set("error", f"{type(exc).__name__}: {exc}")
         log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+def _maybe_observe() -> None:
+    """Where only the clamp applies, hook the in-situ check onto register_kv_caches."""
+    scatter = STATE.records["scatter-clamp"]
+    conn = STATE.records["hidden-group-block-size"]
+    cfg = STATE.config
+    module = sys.modules.get(conn.patch.module)
+    if (
+        module is None
+        or cfg is None
+        or not cfg.verify
+        or scatter.status != APPLIED
+        or conn.status != SKIPPED  # decided, and not wrapping register_kv_caches itself
+    ):
+        return
+    try:
+        from .patches import connector
+
+        rep = connector.observe(module)
+        if rep is not None:
+            scatter.replacements.append(rep)
+    except Exception as exc:
+        log.warning("in-situ check not hooked: %r", exc)
 
 
 def runtime_failure(patch_id: str, exc: BaseException) -> None:

@@ -80,7 +80,9 @@ def _slow_candidates() -> list[metadata.Distribution]:
     return out
 
 
-def _from_version(dist_name: str | None, raw: str, location: str | None, source: str) -> VllmInstall:
+def _from_version(
+    dist_name: str | None, raw: str, location: str | None, source: str
+) -> VllmInstall:
     try:
         parsed = Version(raw)
     except InvalidVersion:
@@ -97,7 +99,7 @@ def _from_version(dist_name: str | None, raw: str, location: str | None, source:
         distribution=dist_name,
         raw_version=raw,
         version=str(parsed),
-        release=".".join(str(p) for p in (parsed.release + (0, 0, 0))[:3]),
+        release=".".join(str(p) for p in ((*parsed.release, 0, 0, 0))[:3]),
         location=location,
         source=source,
     )

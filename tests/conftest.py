@@ -1,0 +1,101 @@
+"""Shared fixtures. The suite runs inside an environment built by scripts/vllm_env.py,
+with one real vLLM release first on PYTHONPATH; ``scripts/test.sh`` runs it per release."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_hsfix import detect
+from vllm_hsfix.gate import in_release_range
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALL = detect.detect()
+RELEASE = INSTALL.release
+AFFECTED = bool(INSTALL.parsed and in_release_range(INSTALL.parsed, ">=0.17.0,<0.25.0"))
+FIXED = bool(INSTALL.parsed and in_release_range(INSTALL.parsed, ">=0.25.0"))
+MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"vllm under test: {INSTALL.distribution} {INSTALL.version} at {INSTALL.location}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # scripts/test.sh deselects by marker; these skips only guard a hand-run pytest.
+    for item in items:
+        if "affected" in item.keywords and not AFFECTED:
+            item.add_marker(pytest.mark.skip(reason=f"needs vLLM 0.17-0.24, have {RELEASE}"))
+        if "fixed" in item.keywords and not FIXED:
+            item.add_marker(pytest.mark.skip(reason=f"needs vLLM >= 0.25, have {RELEASE}"))
+        if "needs_vllm" in item.keywords and not INSTALL.present:
+            item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
+
+
+def clean_env(**extra: str | None) -> dict[str, str]:
+    """The current environment without any VLLM_HSFIX_* switch, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
+    env.pop("VLLM_PLUGINS", None)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env["VLLM_HSFIX_CACHE"] = str(CACHE)
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def run_py(
+    code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (activation is per process)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env if env is not None else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+def last_json(stdout: str) -> Any:
+    """The last line of ``stdout`` that is a JSON document (vLLM prints logs too)."""
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith(("{", "[")):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in output:\n{stdout[-2000:]}")
+
+
+@pytest.fixture
+def patched() -> Any:
+    """vllm-hsfix applied in this process for one test, and reverted after it."""
+    import importlib
+
+    import vllm_hsfix
+
+    vllm_hsfix.apply()
+    importlib.import_module(MODEL_MODULE)
+    importlib.import_module(CONNECTOR_MODULE)
+    yield vllm_hsfix
+    vllm_hsfix.unapply()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from vllm_hsfix.demo import tiny_model
+
+    root = CACHE / "models"
+    return {kind: tiny_model.build(root / kind, kind) for kind in ("hybrid", "dense")}

@@ -1,0 +1,224 @@
+"""The connector's group / block-size resolution with vLLM's own config objects."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import CONNECTOR_MODULE, FIXED, MODEL_MODULE
+
+from vllm_hsfix.patches import connector as patch
+
+pytestmark = pytest.mark.needs_vllm
+
+
+def specs() -> Any:
+    return importlib.import_module("vllm.v1.kv_cache_interface")
+
+
+def full(bs: int = 528) -> Any:
+    return specs().FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64,
+                                     dtype=torch.bfloat16)
+
+
+def hidden(bs: int = 22, heads: int = 3, head: int = 256) -> Any:
+    return specs().HiddenStateCacheSpec(block_size=bs, num_kv_heads=heads, head_size=head,
+                                        dtype=torch.bfloat16)
+
+
+def mamba(bs: int = 528) -> Any:
+    return specs().MambaSpec(block_size=bs, shapes=((4, 8),), dtypes=(torch.float32,))
+
+
+def layout(*group_specs: Any) -> Any:
+    k = specs()
+    groups = [
+        k.KVCacheGroupSpec([f"model.layers.{i}.x" if not isinstance(s, k.HiddenStateCacheSpec)
+                            else "cache_only_layers.0"], s)
+        for i, s in enumerate(group_specs)
+    ]
+    return k.KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+LAYOUTS = {
+    "hidden group not first (528 vs 22)": (lambda: layout(full(), hidden(22), full()), 1, 22),
+    "hybrid with mamba, hidden last": (lambda: layout(mamba(), full(), hidden(85)), 2, 85),
+    "hidden group bigger than the others": (lambda: layout(full(128), hidden(256)), 1, 256),
+    "single non-hidden group": (lambda: layout(full(16)), 0, 16),
+    "single hidden group": (lambda: layout(hidden(16)), 0, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_group_and_block_size_found_by_spec_type(name: str) -> None:
+    make, group, block = LAYOUTS[name]
+    cfg = make()
+    assert patch.find_hidden_group(cfg) == group
+    assert patch.group_block_size(None, cfg, group) == block
+
+
+def test_no_config_falls_back_to_group_zero_and_the_global_block_size() -> None:
+    from types import SimpleNamespace
+
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=528))
+    assert patch.find_hidden_group(None) == 0
+    assert patch.group_block_size(vcfg, None, 0) == 528
+
+
+@pytest.mark.parametrize(
+    ("make", "count"),
+    [(lambda: layout(full(), mamba()), 0), (lambda: layout(hidden(), full(), hidden()), 2)],
+    ids=["none hidden among two", "two hidden groups"],
+)
+def test_ambiguous_layouts_raise_naming_the_groups(make: Any, count: int) -> None:
+    with pytest.raises(ValueError) as err:
+        patch.find_hidden_group(make())
+    msg = str(err.value)
+    assert f"{count} HiddenStateCacheSpec group(s) among" in msg
+    assert "0: " in msg and "1: " in msg and "block_size=" in msg
+    assert "MLA verifiers are unsupported" in msg
+
+
+@pytest.mark.fixed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_same_answers_as_upstreams_own_fix(name: str) -> None:
+    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    cfg = LAYOUTS[name][0]()
+    assert patch.find_hidden_group(cfg) == cls._find_cache_kv_group_id(cfg)
+
+
+# --- the real connector, constructed with real vLLM config objects -----------------
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    out = tmp_path_factory.mktemp("hs")
+    args = EngineArgs(
+        model=str(tiny_models["hybrid"]),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        mamba_ssm_cache_dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}},
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(out)},
+        },
+    )
+    vc = args.create_engine_config()
+    vc.cache_config.block_size = 528  # what a hybrid verifier's global value looks like
+    return vc
+
+
+def _roles() -> Any:
+    return importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.base"
+    ).KVConnectorRole
+
+
+@pytest.mark.affected
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_real_connector_uses_the_hidden_groups_block_size(
+    patched: Any, vllm_config: Any, role: str
+) -> None:
+    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    conn = cls(vllm_config, getattr(_roles(), role), layout(full(), hidden(22), mamba()))
+    if patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied":
+        assert (conn._hs_group_idx, conn._block_size) == (1, 22)
+    else:  # 0.17-0.23: the connector is left as the release wrote it
+        assert conn._block_size == 528
+    conn._executor.shutdown(wait=False)
+
+
+@pytest.mark.affected
+def test_unpatched_024_connector_shows_the_bug(vllm_config: Any) -> None:
+    import vllm_hsfix
+
+    vllm_hsfix.unapply()
+    module = importlib.import_module(CONNECTOR_MODULE)
+    if not hasattr(module.ExampleHiddenStatesConnector, "_submit_async_write"):
+        pytest.skip("only 0.24.0 reads with the block size on the worker")
+    conn = module.ExampleHiddenStatesConnector(
+        vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
+    )
+    assert conn._block_size == 528  # the global value: the 0.24.0 bug
+    conn._executor.shutdown(wait=False)
+
+
+@pytest.fixture(scope="module")
+def distributed(vllm_config: Any) -> Any:
+    """A one-process gloo world, so the connector's real register_kv_caches can run."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(vllm_config):
+        ps.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo",
+        )
+        ps.initialize_model_parallel(1, 1)
+        layer = importlib.import_module(MODEL_MODULE).CacheOnlyAttentionLayer(
+            num_heads=3, head_size=256, prefix="cache_only_layers.0"
+        )
+    return layer
+
+
+@pytest.mark.affected
+@pytest.mark.parametrize(("buffer_block", "ok"), [(22, True), (528, False), (16, False)])
+def test_register_kv_caches_checks_the_buffer(
+    patched: Any, vllm_config: Any, distributed: Any, buffer_block: int, ok: bool
+) -> None:
+    module = importlib.import_module(CONNECTOR_MODULE)
+    if patched.status()["patches"]["hidden-group-block-size"]["status"] != "applied":
+        pytest.skip("the mismatch check belongs to the 0.24 connector patch")
+    conn = module.ExampleHiddenStatesConnector(
+        vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
+    )
+    buffer = torch.zeros(4, buffer_block, 3, 256, dtype=torch.bfloat16)
+    try:
+        if ok:
+            conn.register_kv_caches({"cache_only_layers.0": buffer})
+            assert conn._kv_cache is buffer and conn._hs_group_idx == 1
+        else:
+            with pytest.raises(ValueError, match=f"block dimension {buffer_block}"):
+                conn.register_kv_caches({"cache_only_layers.0": buffer})
+    finally:
+        conn._executor.shutdown(wait=False)
+
+
+@pytest.mark.affected
+def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
+    patched: Any, vllm_config: Any
+) -> None:
+    module = importlib.import_module(CONNECTOR_MODULE)
+    cls = module.ExampleHiddenStatesConnector
+    if patched.status()["patches"]["hidden-group-block-size"]["status"] != "applied":
+        pytest.skip("0.24 only")
+    conn = cls(vllm_config, _roles().SCHEDULER, layout(full(), hidden(22), mamba()))
+    seen: list[Any] = []
+    conn.request_finished = lambda request, block_ids: seen.append(block_ids) or (False, None)
+    conn.request_finished_all_groups(object(), ([1, 2], [7, 8], [3]))
+    assert seen == [[7, 8]]
+    conn._executor.shutdown(wait=False)
+
+
+def test_fixed_release_flag() -> None:
+    # Sanity of the matrix plumbing: a release is affected or fixed, never both.
+    from conftest import AFFECTED
+
+    assert not (AFFECTED and FIXED)

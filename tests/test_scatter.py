@@ -1,0 +1,108 @@
+"""The real ``basic_cache`` of the installed release, unpatched and patched."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from conftest import MODEL_MODULE
+
+from vllm_hsfix import verify
+from vllm_hsfix.patches._wrap import patch_id_of
+
+pytestmark = pytest.mark.needs_vllm
+
+
+def _last_slot(case: dict) -> torch.Tensor:
+    return case["kv_cache"][-1, -1]
+
+
+def _padding_rows(case: dict) -> torch.Tensor:
+    return case["rows"][case["slots"] < 0]
+
+
+def _is_padding_row(row: torch.Tensor, case: dict) -> bool:
+    return any(torch.equal(row, r) for r in _padding_rows(case))
+
+
+@pytest.mark.affected
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unpatched_release_writes_padding_into_the_last_block(dtype: torch.dtype) -> None:
+    import vllm_hsfix
+
+    vllm_hsfix.unapply()
+    module = importlib.import_module(MODEL_MODULE)
+    assert patch_id_of(module.basic_cache) is None
+    case = verify.scratch_case(device="cpu", dtype=dtype)
+    problems = verify.check_scatter(module.basic_cache, case)
+    # The bug, shown on the release's own code: a padding row lands in the last slot.
+    assert _is_padding_row(_last_slot(case), case)
+    assert any("padding or stray writes" in p for p in problems)
+
+
+@pytest.mark.affected
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("strided", [False, True])
+def test_patched_release_sends_padding_to_block_zero(
+    patched: object, dtype: torch.dtype, strided: bool
+) -> None:
+    module = importlib.import_module(MODEL_MODULE)
+    shape = patched.status()["patches"]["scatter-clamp"]["shape"]  # type: ignore[attr-defined]
+    if strided and shape == "flat-view":
+        pytest.skip("0.17-0.21's own flat view() cannot take a strided buffer, patched or not")
+    case = verify.scratch_case(device="cpu", dtype=dtype, strided=strided)
+    sentinel = _last_slot(case).clone()
+    problems = verify.check_scatter(module.basic_cache, case)
+    assert problems == []
+    assert torch.equal(_last_slot(case), sentinel)  # the last block is untouched
+    assert _is_padding_row(case["kv_cache"][0, 0], case)  # padding went to the null block
+    real = case["slots"] >= 0
+    flat = case["kv_cache"].reshape(-1, *case["kv_cache"].shape[2:])
+    assert torch.equal(flat[case["slots"][real]], case["rows"][real])
+
+
+@pytest.mark.affected
+def test_vllms_own_caller_reaches_the_patched_function(patched: object) -> None:
+    """CacheOnlyAttentionImpl.do_kv_cache_update looks basic_cache up at call time."""
+    module = importlib.import_module(MODEL_MODULE)
+    impl = module.CacheOnlyAttentionImpl(3, 16, "auto", torch.bfloat16, "decoder")
+    case = verify.scratch_case(device="cpu", dtype=torch.bfloat16)
+    sentinel = _last_slot(case).clone()
+    impl.do_kv_cache_update(None, case["rows"], case["kv_cache"], case["slots"])
+    assert torch.equal(_last_slot(case), sentinel)
+    assert _is_padding_row(case["kv_cache"][0, 0], case)
+
+
+@pytest.mark.affected
+def test_wrapped_once_and_unapply_restores_the_original() -> None:
+    import vllm_hsfix
+
+    vllm_hsfix.unapply()
+    module = importlib.import_module(MODEL_MODULE)
+    original = module.basic_cache
+    for _ in range(3):
+        vllm_hsfix.apply()
+    live = module.basic_cache
+    assert patch_id_of(live) == "scatter-clamp"
+    assert live.__wrapped__ is original and patch_id_of(live.__wrapped__) is None
+    vllm_hsfix.unapply()
+    assert module.basic_cache is original
+    assert vllm_hsfix.status()["patches"]["scatter-clamp"]["status"] == "reverted"
+    vllm_hsfix.apply()
+    assert module.basic_cache.__wrapped__ is original
+    vllm_hsfix.unapply()
+
+
+@pytest.mark.fixed
+def test_fixed_release_is_left_alone_and_is_right() -> None:
+    import vllm_hsfix
+
+    module = importlib.import_module(MODEL_MODULE)
+    vllm_hsfix.apply()
+    rec = vllm_hsfix.status()["patches"]["scatter-clamp"]
+    assert rec["code"] == "upstream-fix-present"
+    assert patch_id_of(module.basic_cache) is None
+    assert module.basic_cache.__module__ == MODEL_MODULE
+    case = verify.scratch_case(device="cpu", dtype=torch.bfloat16)
+    assert verify.check_scatter(module.basic_cache, case) == []

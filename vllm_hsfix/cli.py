@@ -1,0 +1,244 @@
+"""``vllm-hsfix``: status | verify | run | bootstrap-dir.
+
+Exit codes are meant for a Dockerfile ``RUN``:
+
+* ``status``: 0 the fix is in place or not needed; 1 vLLM is in the affected range
+  but the fix cannot apply (unknown shape or version, disabled, plugin filtered out).
+* ``verify``: 0 every check passed; 1 a check failed or a patch is not in place;
+  2 it cannot run here (no vLLM, or ``--device cuda`` without a GPU).
+* ``run``: the exit code of the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
+ENTRY_POINT = "vllm_hsfix"
+OK_CODES = {"applied", "would-apply", "upstream-fix-present", "not-needed", "no-vllm"}
+
+
+def _entry_point() -> dict[str, Any]:
+    eps = [
+        ep for ep in metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT
+    ]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    filtered = allowed is not None and ENTRY_POINT not in [n.strip() for n in allowed.split(",")]
+    return {
+        "registered": bool(eps),
+        "value": eps[0].value if eps else None,
+        "vllm_plugins": allowed,
+        "filtered_out_by_VLLM_PLUGINS": filtered,
+    }
+
+
+def static_status() -> dict[str, Any]:
+    """What activation would do here, from metadata and source files: vLLM is NOT imported."""
+    from . import __version__, _lazy, config, detect, gate
+    from .patches import FIXED_FROM, PATCH_IDS, PATCHES
+
+    cfg = config.load(known_patches=PATCH_IDS)
+    inst = detect.detect(cfg.vllm_version_override)
+    patches: dict[str, Any] = {}
+    for patch in PATCHES:
+        if not inst.present:
+            patches[patch.id] = {"code": "no-vllm", "reason": "vLLM is not installed"}
+            continue
+        impl = patch.implementation()
+        root = Path(inst.location or "").parent
+        path = root.joinpath(*patch.module.split(".")[1:]).with_suffix(".py")
+        decision = gate.decide(
+            patch,
+            inst.version,
+            inst.problem,
+            cfg.disabled or patch.id in cfg.disabled_patches,
+            lambda path=path, impl=impl: gate.probe_file(str(path), impl.probe_tree),
+            FIXED_FROM,
+        )
+        code = "would-apply" if decision.code == "apply" else decision.code
+        patches[patch.id] = {
+            "code": code,
+            "reason": decision.reason,
+            "target": patch.target,
+            "releases": patch.releases,
+            "why": patch.why,
+            "shape": decision.probe.shape if decision.probe else None,
+            "fingerprints": dict(decision.probe.fingerprints) if decision.probe else {},
+        }
+    from . import tested
+    from .state import Record
+
+    recs = {}
+    for patch in PATCHES:
+        rec = Record(patch)
+        rec.fingerprints = patches[patch.id].get("fingerprints", {})
+        recs[patch.id] = rec
+    ep = _entry_point()
+    return {
+        "vllm_hsfix": __version__,
+        "vllm": inst.as_dict(),
+        "tested_build": tested.describe(inst, recs),
+        "patches": patches,
+        "activation": {
+            "entry_point": ep,
+            "bootstrap_dir": str(BOOTSTRAP_DIR),
+            "bootstrap_usable": (BOOTSTRAP_DIR / "sitecustomize.py").is_file(),
+            "active_in_this_process": _lazy.sources(),
+        },
+        "config": {
+            "disabled": cfg.disabled,
+            "disabled_patches": sorted(cfg.disabled_patches),
+            "strict": cfg.strict,
+            "warnings": list(cfg.warnings),
+        },
+    }
+
+
+def status_exit_code(report: dict[str, Any]) -> tuple[int, list[str]]:
+    problems = [
+        f"{pid}: {p['code']}: {p['reason']}"
+        for pid, p in report["patches"].items()
+        if p["code"] not in OK_CODES
+    ]
+    ep = report["activation"]["entry_point"]
+    affected = any(p["code"] == "would-apply" for p in report["patches"].values())
+    if affected and not ep["registered"]:
+        problems.append("the vllm.general_plugins entry point is not registered here")
+    if affected and ep["filtered_out_by_VLLM_PLUGINS"]:
+        problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
+    return (1 if problems else 0), problems
+
+
+def _print_status(report: dict[str, Any], problems: list[str]) -> None:
+    v = report["vllm"]
+    if v["present"]:
+        print(
+            f"vLLM: {v['version'] or v['raw_version']} ({v['distribution'] or v['source']}) "
+            f"at {Path(v['location'] or '').parent}"
+        )
+    else:
+        print("vLLM: not installed")
+    print(
+        f"tested build: {'yes' if report['tested_build']['tested'] else 'no'} "
+        f"({report['tested_build']['reason']})"
+    )
+    for pid, p in report["patches"].items():
+        print(f"  {pid:<24} {p['code']:<22} {p['reason']}")
+    act = report["activation"]
+    ep = act["entry_point"]
+    print(
+        f"plugin entry point: {'registered' if ep['registered'] else 'MISSING'}"
+        + (" (filtered out by VLLM_PLUGINS)" if ep["filtered_out_by_VLLM_PLUGINS"] else "")
+    )
+    print(
+        f"bootstrap: {'usable' if act['bootstrap_usable'] else 'missing'} ({act['bootstrap_dir']})"
+    )
+    for w in report["config"]["warnings"]:
+        print(f"warning: {w}")
+    print("result: " + ("OK" if not problems else "FIX CANNOT APPLY: " + "; ".join(problems)))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    report = static_status()
+    code, problems = status_exit_code(report)
+    report["ok"], report["problems"] = code == 0, problems
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_status(report, problems)
+    return code
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from . import verify
+
+    try:
+        code, report = verify.run(args.device)
+    except Exception as exc:  # the report must come out whatever happens
+        code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r}"}
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        if "error" in report:
+            print(f"error: {report['error']}")
+        for name, p in report.get("patches", {}).items():
+            print(f"  {name:<24} {p['status']:<9} {p['reason']}")
+        for c in report.get("checks", []):
+            mark = "ok  " if c["ok"] else "FAIL"
+            print(f"  [{mark}] {c['check']}" + (f" ({c['skipped']})" if c.get("skipped") else ""))
+            for p in c.get("problems", []):
+                print(f"         {p}")
+        print("result: " + ("verified" if code == 0 else "NOT verified"))
+    return code
+
+
+def bootstrap_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if env is None else env)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(BOOTSTRAP_DIR) not in parts:
+        parts.insert(0, str(BOOTSTRAP_DIR))
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print(
+            "vllm-hsfix run: no command given (usage: vllm-hsfix run -- CMD ARGS...)",
+            file=sys.stderr,
+        )
+        return 2
+    env = bootstrap_env()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:
+        print(f"vllm-hsfix run: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+def cmd_bootstrap_dir(args: argparse.Namespace) -> int:
+    print(BOOTSTRAP_DIR)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    ap = argparse.ArgumentParser(
+        prog="vllm-hsfix",
+        description="Backport of vLLM PR 46301 for pinned vLLM 0.17.0-0.24.x",
+    )
+    ap.add_argument("--version", action="version", version=f"vllm-hsfix {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("status", help="what is (or would be) patched here, without importing vLLM")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("verify", help="import vLLM, activate, and check the live patched code")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("run", help="run CMD with vllm-hsfix active in it and its Python children")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("bootstrap-dir", help="print the directory to put first on PYTHONPATH")
+    p.set_defaults(fn=cmd_bootstrap_dir)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
