@@ -74,7 +74,7 @@ def last_json(stdout: str) -> Any:
     """The last line of ``stdout`` that is a JSON document (vLLM prints logs too)."""
     for line in reversed(stdout.strip().splitlines()):
         line = line.strip()
-        if line.startswith(("{", "[")):
+        if line.startswith(("{", "[", '"')) or line == "null":
             return json.loads(line)
     raise AssertionError(f"no JSON line in output:\n{stdout[-2000:]}")
 

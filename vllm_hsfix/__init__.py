@@ -37,9 +37,13 @@ def status() -> dict[str, Any]:
 
 
 def _activate_on_import() -> None:
+    import sys
+
     from ._lazy import activate
 
-    activate("import")
+    # The sitecustomize bootstrap leaves this marker so its import is recorded as itself.
+    source = "bootstrap" if sys.modules.pop("_vllm_hsfix_bootstrapping", None) else "import"
+    activate(source)
 
 
 _activate_on_import()

@@ -55,7 +55,13 @@ def install() -> detect.VllmInstall:
     with LOCK:
         cfg = _init_locked()
         if STATE.install is None:
-            STATE.install = detect.detect(cfg.vllm_version_override)
+            try:
+                STATE.install = detect.detect(cfg.vllm_version_override)
+            except Exception as exc:
+                STATE.install = detect.VllmInstall(
+                    present=False, source="error", problem=f"vLLM detection failed: {exc!r}"
+                )
+                _internal_error(STATE.install.problem or "", exc)
         return STATE.install
 
 
@@ -103,8 +109,12 @@ def start(source: str) -> None:
 
 def _internal_error(message: str, exc: BaseException | None = None) -> None:
     STATE.errors.append(message)
+    try:
+        cfg = _init_locked()
+    except Exception:
+        cfg = config.load()
     log.error(message, exc_info=exc is not None and log.isEnabledFor(logging.DEBUG))
-    if STATE.config is not None and STATE.config.strict:
+    if cfg.strict:
         raise HsfixError(message) from exc
 
 
@@ -142,6 +152,9 @@ def _decide(rec: Record, module: ModuleType) -> None:
     patch = rec.patch
     try:
         inst = install()
+        if inst.source == "error":
+            rec.set("error", inst.problem or "vLLM detection failed")
+            return
         impl = patch.implementation()
         decision = gate.decide(
             patch,

@@ -54,12 +54,17 @@ def _chain_user_sitecustomize() -> None:
 def _activate() -> None:
     if os.environ.get("VLLM_HSFIX_BOOTSTRAP", "1") == "0":
         return
+    if "vllm_hsfix" in sys.modules:
+        sys.modules["vllm_hsfix"]._lazy.activate("bootstrap")
+        return
+    sys.modules["_vllm_hsfix_bootstrapping"] = True  # type: ignore[assignment]
     try:
-        from vllm_hsfix._lazy import activate
+        import vllm_hsfix  # noqa: F401  (importing activates, recorded as "bootstrap")
     except ImportError:
         # This interpreter has no vllm-hsfix (e.g. another virtualenv): nothing to do.
-        return
-    activate("bootstrap")
+        pass
+    finally:
+        sys.modules.pop("_vllm_hsfix_bootstrapping", None)
 
 
 _chain_user_sitecustomize()
