@@ -40,7 +40,7 @@ def _entry_point() -> dict[str, Any]:
 
 def static_status() -> dict[str, Any]:
     """What activation would do here, from metadata and source files: vLLM is NOT imported."""
-    from . import __version__, _lazy, config, detect, gate
+    from . import __version__, config, detect, gate
     from .patches import FIXED_FROM, PATCH_IDS, PATCHES
 
     cfg = config.load(known_patches=PATCH_IDS)
@@ -89,7 +89,6 @@ def static_status() -> dict[str, Any]:
             "entry_point": ep,
             "bootstrap_dir": str(BOOTSTRAP_DIR),
             "bootstrap_usable": (BOOTSTRAP_DIR / "sitecustomize.py").is_file(),
-            "active_in_this_process": _lazy.sources(),
         },
         "config": {
             "disabled": cfg.disabled,
@@ -158,10 +157,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from . import verify
 
+    # vLLM logs to stdout; while it loads, stdout is stderr so --json output stays parseable.
+    real_stdout, sys.stdout = sys.stdout, sys.stderr
     try:
         code, report = verify.run(args.device)
     except Exception as exc:  # the report must come out whatever happens
         code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r}"}
+    finally:
+        sys.stdout = real_stdout
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -1,0 +1,122 @@
+"""``vllm-hsfix status|verify|run``: output and exit codes a Dockerfile can rely on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import AFFECTED, FIXED, INSTALL, clean_env
+
+pytestmark = pytest.mark.needs_vllm
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hsfix", *args],
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_status_json_reads_the_environment_without_importing_vllm() -> None:
+    out = cli("status", "--json")
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, out.stdout
+    assert report["vllm"]["version"] == INSTALL.version
+    assert report["activation"]["entry_point"]["registered"] is True
+    assert report["activation"]["entry_point"]["value"] == "vllm_hsfix.plugin:register"
+    assert report["activation"]["bootstrap_usable"] is True
+    codes = {k: v["code"] for k, v in report["patches"].items()}
+    if FIXED:
+        assert set(codes.values()) == {"upstream-fix-present"}
+    elif INSTALL.release == "0.24.0":
+        assert codes == {"scatter-clamp": "would-apply", "hidden-group-block-size": "would-apply"}
+    else:
+        assert codes == {"scatter-clamp": "would-apply", "hidden-group-block-size": "not-needed"}
+    assert report["ok"] is True and report["problems"] == []
+
+
+def test_status_text() -> None:
+    out = cli("status")
+    assert out.returncode == 0
+    assert "result: OK" in out.stdout and "plugin entry point: registered" in out.stdout
+
+
+@pytest.mark.affected
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"VLLM_HSFIX_DISABLE": "1"}, "disabled"),
+        ({"VLLM_PLUGINS": "some_other_plugin"}, "leaves out vllm_hsfix"),
+        ({"VLLM_HSFIX_VLLM_VERSION": "garbage"}, "unknown-version"),
+    ],
+)
+def test_status_exit_code_is_nonzero_when_the_fix_cannot_apply(
+    env: dict[str, str], needle: str
+) -> None:
+    out = cli("status", "--json", env=clean_env(**env))
+    report = json.loads(out.stdout)
+    assert out.returncode == 1
+    assert report["ok"] is False
+    assert any(needle in p for p in report["problems"]), report["problems"]
+
+
+def test_status_without_vllm_is_ok() -> None:
+    out = cli("status", "--json", env=clean_env(PYTHONPATH=None))
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and report["vllm"]["present"] is False
+    assert {v["code"] for v in report["patches"].values()} == {"no-vllm"}
+
+
+def test_verify_cpu_json_passes_on_the_real_release() -> None:
+    out = cli("verify", "--device", "cpu", "--json")
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report
+    assert report["ok"] is True and report["device"] == "cpu"
+    names = [c["check"] for c in report["checks"]]
+    assert "scatter bfloat16 contiguous" in names
+    assert any(n.startswith("connector group / block size") for n in names)
+    if AFFECTED:
+        assert report["patches"]["scatter-clamp"]["status"] == "applied"
+
+
+def test_verify_cuda_without_a_gpu_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the CUDA path is tested in tests/test_gpu.py")
+    out = cli("verify", "--device", "cuda", "--json")
+    report = json.loads(out.stdout)
+    assert out.returncode == 2
+    assert "no CUDA GPU is available" in report["error"]
+    auto = cli("verify", "--json")  # auto falls back to the CPU and passes
+    assert auto.returncode == 0 and json.loads(auto.stdout)["device"] == "cpu"
+
+
+def test_verify_without_vllm_cannot_run() -> None:
+    out = cli("verify", "--json", env=clean_env(PYTHONPATH=None))
+    assert out.returncode == 2
+    assert "not installed" in json.loads(out.stdout)["error"]
+
+
+def test_run_without_a_command_is_a_usage_error() -> None:
+    out = cli("run")
+    assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def test_run_passes_the_exit_code_through(tmp_path: Path) -> None:
+    out = cli("run", "--", sys.executable, "-c", "import sys; sys.exit(7)")
+    assert out.returncode == 7
+
+
+def test_bootstrap_dir_holds_the_sitecustomize() -> None:
+    out = cli("bootstrap-dir")
+    assert os.path.isfile(os.path.join(out.stdout.strip(), "sitecustomize.py"))
