@@ -1,0 +1,107 @@
+"""``vllm-hsfix demo``: show the bug and the fix on the real installed vLLM.
+
+Builds the tiny hybrid verifier, runs ``extract_hidden_states`` with the worker in
+its own process, once with vllm-hsfix disabled and once active through its vLLM
+plugin (no code change in the run), and compares the saved hidden states with a
+``transformers`` reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import e2e
+
+
+def _say(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def table(results: list[e2e.Result]) -> str:
+    head = (f"{'case':<12} {'vllm-hsfix':<10} {'rows ok':>9} {'zero rows':>9} "
+            f"{'max rel err':>11} {'block size: read/buffer':>24} {'time':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        bs = ", ".join(f"{b['connector_block_size']}/{b['buffer_block_size']}"
+                       for b in r.block_sizes) or "-"
+        if r.ok_run:
+            lines.append(
+                f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
+                f"{r.correct_pct:>8.1f}% {r.rows_zero:>9} {r.max_rel_err:>11.4f} {bs:>24} "
+                f"{r.wall_s:>5.0f}s"
+            )
+        else:
+            lines.append(f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
+                         f"RUN FAILED: {(r.error or '').splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def verdict(results: list[e2e.Result], fixed_release: bool) -> tuple[int, str]:
+    by = {(r.case, r.patched): r for r in results}
+    bad_runs = [r for r in results if not r.ok_run]
+    if bad_runs:
+        return 2, f"could not run: {bad_runs[0].error}"
+    cases = sorted({r.case for r in results})
+    all_right = all(r.rows_correct == r.rows for r in results)
+    if fixed_release:
+        if all_right:
+            return 0, "this vLLM already has the upstream fix: right with and without vllm-hsfix"
+        return 1, "this vLLM should be fixed but the hidden states are wrong: report it"
+    unpatched_wrong = all(by[(c, False)].rows_correct < by[(c, False)].rows for c in cases)
+    patched_right = all(by[(c, True)].rows_correct == by[(c, True)].rows for c in cases)
+    if unpatched_wrong and patched_right:
+        return 0, "THE FIX WORKED: wrong without vllm-hsfix, right with it"
+    if not patched_right:
+        return 1, "THE FIX DID NOT WORK: hidden states still wrong with vllm-hsfix active"
+    return 1, "unpatched run was already right: this configuration does not show the bug"
+
+
+def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
+    from .. import detect
+    from ..gate import in_release_range
+
+    inst = detect.detect()
+    if not inst.present or inst.parsed is None:
+        print("vllm-hsfix demo: vLLM is not installed here; run `python3 scripts/demo.py` "
+              "from the repository to build a pinned environment first", file=sys.stderr)
+        return 2
+    fixed = not in_release_range(inst.parsed, ">=0.17.0,<0.25.0")
+    root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
+    models = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
+    _say(f"vLLM {inst.version} ({inst.distribution}); work dir {root}")
+    _say("building the tiny hybrid verifier (Qwen3-Next, 4 layers, random weights)")
+    results = []
+    for name in cases:
+        case = e2e.CASES[name]
+        for patched in (False, True):
+            _say(f"{name}: {case.note}; vllm-hsfix {'ACTIVE' if patched else 'disabled'} "
+                 "(one vLLM run, about a minute on 2 CPU cores)")
+            r = e2e.run_case(case, patched=patched, workdir=root, models=models / "models")
+            _say(f"  -> {r.correct_pct:.1f}% rows correct, {r.rows_zero} zero rows"
+                 if r.ok_run else f"  -> run failed: {(r.error or '').splitlines()[0]}")
+            results.append(r)
+    code, line = verdict(results, fixed)
+    if as_json:
+        print(json.dumps({"vllm": inst.version, "ok": code == 0, "verdict": line,
+                          "results": [r.as_dict() for r in results]}, indent=2, default=str))
+    else:
+        print(f"\nvLLM {inst.version}, reference: transformers fp32 forward, a row is correct "
+              f"when its relative L2 error < {e2e.THRESHOLD}\n")
+        print(table(results))
+        print(f"\n{line}")
+    return code
+
+
+def cli_entry(args: Any) -> int:
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in e2e.CASES]
+    if unknown:
+        print(f"unknown case(s) {unknown}; known: {list(e2e.CASES)}", file=sys.stderr)
+        return 2
+    return main(cases, args.json, args.workdir)
