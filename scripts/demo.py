@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import vllm_env  # noqa: E402
+import vllm_env
 
 
 def main() -> int:

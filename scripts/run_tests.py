@@ -9,9 +9,14 @@
 3. Prints one total line ``total: N passed, N failed, N skipped`` and exits non-zero
    if any run failed.
 
-Options: ``--releases 0.24.0,0.25.0`` (default), ``--matrix`` (every release in
-``scripts/matrix.py``), ``--fast`` (leave out the ``e2e`` tests); anything after
-``--`` goes to pytest.
+Default: the whole suite on 0.24.0 (affected, both patches) and 0.25.0 (fixed), and
+the release-sensitive tests (``RELEASE_TESTS``) on a representative subset of the
+matrix: 0.17.0 (flat-view shape, torch 2.10), 0.22.0 (2-D shape, clamp only) and
+0.32.0 (fixed, newer buffer layout, torch 2.13).
+
+Options: ``--matrix`` (release-sensitive tests on every release of
+``scripts/matrix.py``), ``--releases A,B`` (whole suite on just these), ``--fast``
+(leave out the ``e2e`` tests); anything after ``--`` goes to pytest.
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import vllm_env  # noqa: E402
 
-DEFAULT = ["0.24.0", "0.25.0"]
+FULL = ["0.24.0", "0.25.0"]
+SUBSET = ["0.17.0", "0.22.0", "0.32.0"]
+RELEASE_TESTS = [
+    "tests/test_matrix.py",
+    "tests/test_probes.py",
+    "tests/test_scatter.py",
+    "tests/test_connector.py",
+]
 
 
 def is_fixed(release: str) -> bool:
@@ -37,19 +49,23 @@ def is_fixed(release: str) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--releases", default=",".join(DEFAULT))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--releases", default=None)
     ap.add_argument("--matrix", action="store_true", help="every release of scripts/matrix.py")
     ap.add_argument("--fast", action="store_true", help="leave out the e2e tests")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
-    if args.matrix:
+    if args.releases:
+        releases = [r.strip() for r in args.releases.split(",") if r.strip()]
+        full = set(releases)
+    elif args.matrix:
         import matrix
 
-        releases = matrix.RELEASES
+        releases, full = list(matrix.RELEASES), set(FULL)
     else:
-        releases = [r.strip() for r in args.releases.split(",") if r.strip()]
+        releases, full = FULL + SUBSET, set(FULL)
     t0 = time.monotonic()
     envs = vllm_env.ensure(releases)
     print(f"[run_tests] environments ready in {time.monotonic() - t0:.0f} s", flush=True)
@@ -63,8 +79,23 @@ def main() -> int:
         junit = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-hsfix-junit-{release}.xml"
         env = vllm_env.env_for(overlay)
         env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
-        cmd = [str(py), "-m", "pytest", "-p", "no:cacheprovider", "-m", marker,
-               f"--junitxml={junit}", "-q", *args.pytest_args]
+        env["VLLM_HSFIX_EXPECT_RELEASE"] = release
+        files: list[str] = []
+        if release not in full:
+            files, marker = RELEASE_TESTS, marker + " and not e2e"
+        cmd = [
+            str(py),
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            marker,
+            f"--junitxml={junit}",
+            "-q",
+            *files,
+            *args.pytest_args,
+        ]
         print(f"\n[run_tests] vLLM {release}: {' '.join(cmd[1:])}", flush=True)
         t1 = time.monotonic()
         rc = subprocess.call(cmd, cwd=ROOT, env=env)
@@ -85,12 +116,20 @@ def main() -> int:
         rows.append((release, counts, took))
         worst = max(worst, 0 if rc == 0 else 1)
     print("\n[run_tests] per release:")
+    print(
+        f"  {'release':<8} {'torch':<7} {'suite':<16} {'passed':>6} {'failed':>6} "
+        f"{'skipped':>7} {'time':>7}"
+    )
     for release, c, took in rows:
-        print(f"  vLLM {release:<8} {c['passed']:>4} passed {c['failed']:>3} failed "
-              f"{c['skipped']:>3} skipped  {took:6.0f} s")
+        suite = "whole" if release in full else "release-sensitive"
+        print(
+            f"  {release:<8} {vllm_env.TORCH_FOR_RELEASE[release]:<7} {suite:<16} "
+            f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {took:6.0f}s"
+        )
     print(f"[run_tests] wall time {time.monotonic() - t0:.0f} s")
-    print(f"total: {totals['passed']} passed, {totals['failed']} failed, "
-          f"{totals['skipped']} skipped")
+    print(
+        f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
+    )
     return worst
 
 

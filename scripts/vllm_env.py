@@ -145,15 +145,22 @@ def ensure_venv(torch_version: str, releases: list[str]) -> Path:
         run([sys.executable, "-m", "venv", str(env)])
     reqs = sorted({r for v in releases for r in wheel_requirements(wheel_path(v))})
     pins = [f"torch=={torch_version}", *TORCH_COMPANIONS[torch_version]]
-    key = json.dumps({"pins": pins, "reqs": reqs, "tools": TOOLS})
+    # Installed requirement lines accumulate over releases sharing this torch: asking
+    # for a subset (one release of several) must not reinstall anything.
     stamp = env / ".vllm-hsfix-deps"
-    if not stamp_ok(stamp, key):
+    done: dict[str, list[str]] = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if done.get("pins") != pins or not set(reqs + TOOLS) <= set(done.get("reqs", [])):
+        reqs = (
+            sorted(set(reqs) | set(done.get("reqs", [])) - set(TOOLS))
+            if done.get("pins") == pins
+            else reqs
+        )
         log(
             f"installing torch {torch_version} and vLLM's requirements into {env} "
             "(cold: several minutes, about 2 GB of downloads)"
         )
         run([str(py), "-m", "pip", "install", "--progress-bar", "off", "-q", *pins, *reqs, *TOOLS])
-        stamp.write_text(key)
+        stamp.write_text(json.dumps({"pins": pins, "reqs": sorted(set(reqs) | set(TOOLS))}))
     # The project itself, editable, so its entry point is registered in the venv.
     src_key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + str(ROOT)
     src_stamp = env / ".vllm-hsfix-src"

@@ -35,7 +35,10 @@ REPORT = {
 
 def test_status_after_import_shows_both_patches_applied_and_one_log_line() -> None:
     out = run_py(
-        "import json, vllm_hsfix\n" + TARGETS + WRAP_REPORT + """
+        "import json, vllm_hsfix\n"
+        + TARGETS
+        + WRAP_REPORT
+        + """
 st = vllm_hsfix.status()
 print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
                   st["activated_by"]]))
@@ -64,10 +67,16 @@ import vllm_hsfix.plugin; vllm_hsfix.plugin.register()
 """
     body = (TARGETS + activate) if order == "targets-first" else (activate + TARGETS)
     env = clean_env(PYTHONPATH=f"{BOOTSTRAP_DIR}:" + clean_env()["PYTHONPATH"])
-    out = run_py("import json\n" + body + WRAP_REPORT + """
+    out = run_py(
+        "import json\n"
+        + body
+        + WRAP_REPORT
+        + """
 st = vllm_hsfix.status()
 print(json.dumps([REPORT, st["activated_by"], {k: v["status"] for k, v in st["patches"].items()}]))
-""", env=env)
+""",
+        env=env,
+    )
     depths, sources, statuses = last_json(out.stdout)
     assert depths == {"basic_cache": 1, "__init__": 1, "register_kv_caches": 1}
     assert sources[0] == "bootstrap"
@@ -77,7 +86,10 @@ print(json.dumps([REPORT, st["activated_by"], {k: v["status"] for k, v in st["pa
 
 
 def test_concurrent_activation_from_threads_patches_once() -> None:
-    out = run_py("import json, threading\n" + TARGETS + """
+    out = run_py(
+        "import json, threading\n"
+        + TARGETS
+        + """
 import vllm_hsfix
 barrier = threading.Barrier(8)
 def go():
@@ -85,23 +97,29 @@ def go():
     vllm_hsfix.apply()
 ts = [threading.Thread(target=go) for _ in range(8)]
 [t.start() for t in ts]; [t.join() for t in ts]
-""" + WRAP_REPORT + "print(json.dumps(REPORT))")
+"""
+        + WRAP_REPORT
+        + "print(json.dumps(REPORT))"
+    )
     assert last_json(out.stdout) == {"basic_cache": 1, "__init__": 1, "register_kv_caches": 1}
 
 
 def test_disable_switches() -> None:
-    code = "import json, vllm_hsfix\n" + TARGETS + WRAP_REPORT + """
+    code = (
+        "import json, vllm_hsfix\n"
+        + TARGETS
+        + WRAP_REPORT
+        + """
 st = vllm_hsfix.status()
 print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
 """
+    )
     off = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLE="1")).stdout)
     assert off == [
         {"basic_cache": 0, "__init__": 0, "register_kv_caches": 0},
         {"scatter-clamp": "disabled", "hidden-group-block-size": "disabled"},
     ]
-    one = last_json(
-        run_py(code, env=clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")).stdout
-    )
+    one = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")).stdout)
     assert one == [
         {"basic_cache": 0, "__init__": 1, "register_kv_caches": 1},
         {"scatter-clamp": "disabled", "hidden-group-block-size": "applied"},
@@ -118,16 +136,22 @@ d.detect = broken
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_failure_inside_activation_escapes_only_in_strict_mode(strict: bool) -> None:
-    code = "import json\n" + FORCE_FAILURE + """
+    code = (
+        "import json\n"
+        + FORCE_FAILURE
+        + """
 import vllm_hsfix
 try:
-""" + "\n".join("    " + ln for ln in TARGETS.strip().splitlines()) + """
+"""
+        + "\n".join("    " + ln for ln in TARGETS.strip().splitlines())
+        + """
     raised = None
 except Exception as exc:
     raised = type(exc).__name__ + ": " + str(exc)
 st = vllm_hsfix.status() if raised is None else None
 print(json.dumps([raised, st and {k: v["code"] for k, v in st["patches"].items()}]))
 """
+    )
     env = clean_env(VLLM_HSFIX_STRICT="1" if strict else None)
     out = run_py(code, env=env)
     if strict:

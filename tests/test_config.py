@@ -9,7 +9,10 @@ from vllm_hsfix.patches import PATCH_IDS
 def test_defaults_patch_everything() -> None:
     cfg = config.load({})
     assert (cfg.disabled, cfg.strict, cfg.verify, cfg.disabled_patches) == (
-        False, False, True, frozenset(),
+        False,
+        False,
+        True,
+        frozenset(),
     )
     assert cfg.warnings == ()
 

@@ -39,10 +39,12 @@ def test_release_gate(version: str, scatter: str, connector: str) -> None:
 
 def test_probe_decides_inside_the_range() -> None:
     patch = PATCHES[0]
-    fixed = gate.decide(patch, "0.24.1.dev3", None, False, lambda: gate.Probe(None, fixed=True),
-                        FIXED_FROM)
-    unknown = gate.decide(patch, "0.24.0", None, False,
-                          lambda: gate.Probe(None, detail="something else"), FIXED_FROM)
+    fixed = gate.decide(
+        patch, "0.24.1.dev3", None, False, lambda: gate.Probe(None, fixed=True), FIXED_FROM
+    )
+    unknown = gate.decide(
+        patch, "0.24.0", None, False, lambda: gate.Probe(None, detail="something else"), FIXED_FROM
+    )
     assert fixed.code == "upstream-fix-present" and "upstream fix present" in fixed.reason
     assert unknown.code == "unknown-shape" and "something else" in unknown.reason
 

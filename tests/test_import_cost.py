@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import clean_env, last_json, run_py
+from conftest import last_json, run_py
 
 HEAVY = ("vllm", "torch", "wrapt", "packaging", "importlib.metadata", "vllm_hsfix.activation")
 

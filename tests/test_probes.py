@@ -48,7 +48,9 @@ def test_static_probe_of_the_file_matches_the_live_probe() -> None:
     live = scatter.probe(module)
     static = gate.probe_file(module.__file__, scatter.probe_tree)
     assert (static.shape, static.fixed, static.fingerprints) == (
-        live.shape, live.fixed, live.fingerprints,
+        live.shape,
+        live.fixed,
+        live.fingerprints,
     )
 
 
@@ -69,7 +71,10 @@ def test_one_line_changed_in_basic_cache_is_refused(tmp_path: Path) -> None:
     if Version(RELEASE or "0") >= Version("0.22.0"):
         old, new = "block_size = kv_cache.shape[1]", "block_size = kv_cache.size(1)"
     else:
-        old, new = "token_kv_cache[slot_mapping] = to_cache", "token_kv_cache.index_copy_(0, slot_mapping, to_cache)"
+        old, new = (
+            "token_kv_cache[slot_mapping] = to_cache",
+            "token_kv_cache.index_copy_(0, slot_mapping, to_cache)",
+        )
     probe = scatter.probe(_altered_copy(tmp_path, MODEL_MODULE, old, new))
     assert not probe.known
     assert "expected an unclamped scatter" in probe.detail
@@ -90,7 +95,9 @@ def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     """A vendor build whose basic_cache changed: refused, warned, left untouched."""
     src = Path(importlib.util.find_spec(MODEL_MODULE).origin).read_text()  # type: ignore[union-attr]
     old = "slot_mapping % block_size" if "slot_mapping % block_size" in src else "[slot_mapping]"
-    new = "slot_mapping.remainder(block_size)" if old.startswith("slot") else "[slot_mapping.long()]"
+    new = (
+        "slot_mapping.remainder(block_size)" if old.startswith("slot") else "[slot_mapping.long()]"
+    )
     path = tmp_path / "ehs.py"
     path.write_text(src.replace(old, new, 1))
     out = run_py(
@@ -131,7 +138,7 @@ def test_a_target_replaced_by_someone_else_is_refused() -> None:
 def test_probes_do_not_need_vllm_imported() -> None:
     # The static path used by `vllm-hsfix status`: parse the files, import nothing.
     out = run_py(
-        f"""
+        """
         import importlib.util, json, sys, os
         from vllm_hsfix import detect, gate
         from vllm_hsfix.patches import scatter

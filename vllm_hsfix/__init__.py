@@ -36,13 +36,38 @@ def status() -> dict[str, Any]:
     return activation.status()
 
 
+def _loaded_as_entry_point() -> bool:
+    """Whether this import comes from an entry point's ``load()`` (vLLM's plugin loader):
+    then the plugin function records the activation itself, as "plugin"."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if (
+            code.co_name == "load"
+            and "importlib" in code.co_filename
+            and "metadata" in (code.co_filename)
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _activate_on_import() -> None:
     import sys
 
+    # The sitecustomize bootstrap leaves this marker so its import is recorded as itself.
+    if sys.modules.pop("_vllm_hsfix_bootstrapping", None):
+        source = "bootstrap"
+    elif _loaded_as_entry_point():
+        return
+    else:
+        source = "import"
     from ._lazy import activate
 
-    # The sitecustomize bootstrap leaves this marker so its import is recorded as itself.
-    source = "bootstrap" if sys.modules.pop("_vllm_hsfix_bootstrapping", None) else "import"
     activate(source)
 
 

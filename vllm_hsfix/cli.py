@@ -239,9 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run CMD with vllm-hsfix active in it and its Python children")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("demo", help="show the bug and the fix on this vLLM with a tiny hybrid model")
-    p.add_argument("--cases", default="hybrid-mp",
-                   help="comma list of: hybrid-mp, hybrid-1aux, dense-mp (default hybrid-mp)")
+    p = sub.add_parser(
+        "demo", help="show the bug and the fix on this vLLM with a tiny hybrid model"
+    )
+    p.add_argument(
+        "--cases",
+        default="hybrid-mp",
+        help="comma list of: hybrid-mp, hybrid-1aux, dense-mp (default hybrid-mp)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--workdir", default=None)
     p.set_defaults(fn=cmd_demo)

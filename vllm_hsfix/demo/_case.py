@@ -72,14 +72,20 @@ def main():
         kicks += 1
     t_gen = time.monotonic() - t1
     config = llm.llm_engine.vllm_config
-    print("HSFIX_CASE_RESULT " + json.dumps({
-        "paths": paths,
-        "kicks": kicks,
-        "global_block_size": config.cache_config.block_size,
-        "startup_s": round(t_start, 2),
-        "generate_s": round(t_gen, 2),
-        "prompt_tokens": sum(len(p) for p in args["prompts"]),
-    }), flush=True)
+    print(
+        "HSFIX_CASE_RESULT "
+        + json.dumps(
+            {
+                "paths": paths,
+                "kicks": kicks,
+                "global_block_size": config.cache_config.block_size,
+                "startup_s": round(t_start, 2),
+                "generate_s": round(t_gen, 2),
+                "prompt_tokens": sum(len(p) for p in args["prompts"]),
+            }
+        ),
+        flush=True,
+    )
     del llm
 
 

@@ -132,7 +132,7 @@ def install_sampler_fix(module: Any) -> None:
     if func is None or "USE_FP64_GUMBEL" in inspect.signature(func).parameters:
         return
 
-    def without_fp64_gumbel(*args: Any, USE_FP64_GUMBEL: Any = None, **kwargs: Any) -> Any:  # noqa: N803
+    def without_fp64_gumbel(*args: Any, USE_FP64_GUMBEL: Any = None, **kwargs: Any) -> Any:
         return func(*args, **kwargs)
 
     kernel.func = without_fp64_gumbel

@@ -40,8 +40,13 @@ CASES = {
     c.name: c
     for c in (
         Case("hybrid-mp", "hybrid", (1, 2, 3), True, "hybrid, worker in its own process"),
-        Case("hybrid-1aux", "hybrid", (2,), False,
-             "hybrid, in-process, hidden-states group not the smallest"),
+        Case(
+            "hybrid-1aux",
+            "hybrid",
+            (2,),
+            False,
+            "hybrid, in-process, hidden-states group not the smallest",
+        ),
         Case("dense-mp", "dense", (1, 2, 3), True, "dense control, worker in its own process"),
     )
 }
@@ -102,11 +107,10 @@ def reference(model_path: Path, batch: list[list[int]], aux_ids: tuple[int, ...]
 
 
 def compare(saved: list[dict[str, Any]], ref: list[Any], batch: list[list[int]]) -> dict[str, Any]:
-    import torch
 
     rows = correct = zero = 0
     worst = 0.0
-    for data, want, ids in zip(saved, ref, batch):
+    for data, want, ids in zip(saved, ref, batch, strict=False):
         got = data["hidden_states"].float()
         if data["token_ids"].tolist() != ids or got.shape != want.shape:
             rows += want.shape[0] * want.shape[1]
@@ -162,25 +166,43 @@ def run_case(
     else:
         env["VLLM_HSFIX_DISABLE"] = "1"
     env.update(extra_env or {})
-    args = {"model": str(model), "aux_ids": list(case.aux_ids), "mp": case.mp,
-            "hybrid": case.kind == "hybrid", "out": str(out_dir / "hs"), "prompts": batch}
+    args = {
+        "model": str(model),
+        "aux_ids": list(case.aux_ids),
+        "mp": case.mp,
+        "hybrid": case.kind == "hybrid",
+        "out": str(out_dir / "hs"),
+        "prompts": batch,
+    }
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(CASE_SCRIPT), json.dumps(args)],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    result = Result(case.name, patched, inst.version or "?", ok_run=False,
-                    wall_s=round(time.monotonic() - t0, 1))
+    result = Result(
+        case.name,
+        patched,
+        inst.version or "?",
+        ok_run=False,
+        wall_s=round(time.monotonic() - t0, 1),
+    )
     (out_dir / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")),
-                None)
+    line = next(
+        (ln for ln in proc.stdout.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")), None
+    )
     for f in sorted(status_dir.glob("*.json")):
         st = json.loads(f.read_text())
-        result.statuses.append({
-            "pid": st["pid"], "role": st["role"],
-            "patches": {k: v["status"] for k, v in st["patches"].items()},
-            "verify": st.get("verify"),
-        })
+        result.statuses.append(
+            {
+                "pid": st["pid"],
+                "role": st["role"],
+                "patches": {k: v["status"] for k, v in st["patches"].items()},
+                "verify": st.get("verify"),
+            }
+        )
     for f in sorted(observe_dir.glob("*.json")):
         result.block_sizes.append(json.loads(f.read_text()))
     if proc.returncode != 0 or line is None:

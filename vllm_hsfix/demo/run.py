@@ -24,12 +24,18 @@ def _say(msg: str) -> None:
 
 
 def table(results: list[e2e.Result]) -> str:
-    head = (f"{'case':<12} {'vllm-hsfix':<10} {'rows ok':>9} {'zero rows':>9} "
-            f"{'max rel err':>11} {'block size: read/buffer':>24} {'time':>6}")
+    head = (
+        f"{'case':<12} {'vllm-hsfix':<10} {'rows ok':>9} {'zero rows':>9} "
+        f"{'max rel err':>11} {'block size: read/buffer':>24} {'time':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
-        bs = ", ".join(f"{b['connector_block_size']}/{b['buffer_block_size']}"
-                       for b in r.block_sizes) or "-"
+        bs = (
+            ", ".join(
+                f"{b['connector_block_size']}/{b['buffer_block_size']}" for b in r.block_sizes
+            )
+            or "-"
+        )
         if r.ok_run:
             lines.append(
                 f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
@@ -37,8 +43,10 @@ def table(results: list[e2e.Result]) -> str:
                 f"{r.wall_s:>5.0f}s"
             )
         else:
-            lines.append(f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
-                         f"RUN FAILED: {(r.error or '').splitlines()[0]}")
+            lines.append(
+                f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
+                f"RUN FAILED: {(r.error or '').splitlines()[0]}"
+            )
     return "\n".join(lines)
 
 
@@ -68,8 +76,11 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
 
     inst = detect.detect()
     if not inst.present or inst.parsed is None:
-        print("vllm-hsfix demo: vLLM is not installed here; run `python3 scripts/demo.py` "
-              "from the repository to build a pinned environment first", file=sys.stderr)
+        print(
+            "vllm-hsfix demo: vLLM is not installed here; run `python3 scripts/demo.py` "
+            "from the repository to build a pinned environment first",
+            file=sys.stderr,
+        )
         return 2
     fixed = not in_release_range(inst.parsed, ">=0.17.0,<0.25.0")
     root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
@@ -80,19 +91,36 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     for name in cases:
         case = e2e.CASES[name]
         for patched in (False, True):
-            _say(f"{name}: {case.note}; vllm-hsfix {'ACTIVE' if patched else 'disabled'} "
-                 "(one vLLM run, about a minute on 2 CPU cores)")
+            _say(
+                f"{name}: {case.note}; vllm-hsfix {'ACTIVE' if patched else 'disabled'} "
+                "(one vLLM run, about a minute on 2 CPU cores)"
+            )
             r = e2e.run_case(case, patched=patched, workdir=root, models=models / "models")
-            _say(f"  -> {r.correct_pct:.1f}% rows correct, {r.rows_zero} zero rows"
-                 if r.ok_run else f"  -> run failed: {(r.error or '').splitlines()[0]}")
+            _say(
+                f"  -> {r.correct_pct:.1f}% rows correct, {r.rows_zero} zero rows"
+                if r.ok_run
+                else f"  -> run failed: {(r.error or '').splitlines()[0]}"
+            )
             results.append(r)
     code, line = verdict(results, fixed)
     if as_json:
-        print(json.dumps({"vllm": inst.version, "ok": code == 0, "verdict": line,
-                          "results": [r.as_dict() for r in results]}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "vllm": inst.version,
+                    "ok": code == 0,
+                    "verdict": line,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=2,
+                default=str,
+            )
+        )
     else:
-        print(f"\nvLLM {inst.version}, reference: transformers fp32 forward, a row is correct "
-              f"when its relative L2 error < {e2e.THRESHOLD}\n")
+        print(
+            f"\nvLLM {inst.version}, reference: transformers fp32 forward, a row is correct "
+            f"when its relative L2 error < {e2e.THRESHOLD}\n"
+        )
         print(table(results))
         print(f"\n{line}")
     return code

@@ -42,7 +42,12 @@ def build(path: str | Path, kind: str = "hybrid", seed: int = 0) -> Path:
             hidden_size=HIDDEN,
             intermediate_size=512,
             num_hidden_layers=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
             num_attention_heads=4,
             num_key_value_heads=4,
             head_dim=64,

