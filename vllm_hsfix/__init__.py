@@ -9,8 +9,6 @@ Public API: :func:`apply`, :func:`unapply`, :func:`status`, ``__version__``.
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 __all__ = ["__version__", "apply", "status", "unapply"]
 
@@ -29,7 +27,7 @@ def unapply() -> None:
     activation.unapply()
 
 
-def status() -> dict[str, Any]:
+def status() -> dict[str, object]:
     """Structured state: vLLM found, each patch's status and reason, activation paths."""
     from . import activation
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import _thread
 import sys
-from typing import Any
 
 _LOCK = _thread.RLock()
 _SOURCES: list[str] = []
@@ -31,7 +30,7 @@ def sources() -> list[str]:
 class _VllmImportWatcher:
     """Meta-path finder that only observes: it never finds anything itself."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
         global _armed
         if _armed and (fullname == "vllm" or fullname.startswith("vllm.")):
             with _LOCK:

@@ -52,13 +52,13 @@ CASES = {
 }
 
 
-def prompts(seed: int = 0) -> list[list[int]]:
+def prompts(seed: int = 0, count: int = 4) -> list[list[int]]:
+    """Token-id prompts of mixed lengths (several KV blocks each, partial last blocks)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(4, tiny_model.VOCAB, (n,), generator=gen).tolist() for n in (37, 64, 101, 150)
-    ]
+    lengths = [(37, 64, 101, 150)[i % 4] + 7 * (i // 4) for i in range(count)]
+    return [torch.randint(4, tiny_model.VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
 @dataclass
@@ -135,7 +135,7 @@ def run_case(
     workdir: Path,
     models: Path,
     extra_env: dict[str, str] | None = None,
-    log: Any = None,
+    count: int = 4,
 ) -> Result:
     """One vLLM run of ``case`` with the fix active (plugin) or disabled."""
     import torch
@@ -145,7 +145,7 @@ def run_case(
 
     inst = detect.detect()
     model = tiny_model.build(models / case.kind, case.kind)
-    batch = prompts()
+    batch = prompts(count=count)
     tag = f"{case.name}-{'patched' if patched else 'unpatched'}"
     out_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
     status_dir, observe_dir = out_dir / "status", out_dir / "observe"
