@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -61,6 +62,16 @@ TORCH_FOR_RELEASE: dict[str, str] = {
     },
     **{v: "2.13.0" for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")},
     "0.33.0": "2.14.0",
+}
+# The releases whose requirements a torch version's venv is built from. Releases of the
+# same torch pin conflicting versions of a few packages (compressed-tensors,
+# transformers, ...): for the others, exactly the requirement lines that differ are
+# installed into the release's own overlay (first on PYTHONPATH, so they win).
+BASE_RELEASES: dict[str, list[str]] = {
+    "2.10.0": ["0.19.1"],
+    "2.11.0": ["0.24.0", "0.25.0"],
+    "2.13.0": ["0.32.0"],
+    "2.14.0": ["0.33.0"],
 }
 TORCH_COMPANIONS: dict[str, list[str]] = {
     "2.10.0": ["torchvision==0.25.0", "torchaudio==2.10.0"],
@@ -137,13 +148,19 @@ def stamp_ok(path: Path, key: str) -> bool:
     return path.exists() and path.read_text() == key
 
 
-def ensure_venv(torch_version: str, releases: list[str]) -> Path:
+def base_requirements(torch_version: str) -> list[str]:
+    return sorted(
+        {r for v in BASE_RELEASES[torch_version] for r in wheel_requirements(wheel_path(v))}
+    )
+
+
+def ensure_venv(torch_version: str) -> Path:
     env = CACHE / "envs" / f"torch-{torch_version}"
     py = env / "bin" / "python"
     if not py.exists():
         log(f"creating venv {env}")
         run([sys.executable, "-m", "venv", str(env)])
-    reqs = sorted({r for v in releases for r in wheel_requirements(wheel_path(v))})
+    reqs = base_requirements(torch_version)
     pins = [f"torch=={torch_version}", *TORCH_COMPANIONS[torch_version]]
     # Installed requirement lines accumulate over releases sharing this torch: asking
     # for a subset (one release of several) must not reinstall anything.
@@ -184,15 +201,23 @@ def ensure_venv(torch_version: str, releases: list[str]) -> Path:
     return py
 
 
-def ensure_overlay(version: str) -> Path:
+def ensure_overlay(version: str, py: Path) -> Path:
     overlay = CACHE / "overlays" / f"vllm-{version}"
     whl = wheel_path(version)
+    base = set(base_requirements(TORCH_FOR_RELEASE[version]))
+    extra = sorted(set(wheel_requirements(whl)) - base)
+    key = json.dumps({"wheel": whl.name, "extra": extra})
     stamp = overlay / ".vllm-hsfix-overlay"
-    if not stamp_ok(stamp, whl.name):
-        log(f"unpacking {whl.name} into {overlay}")
+    if not stamp_ok(stamp, key):
+        log(
+            f"unpacking {whl.name} into {overlay}"
+            + (f" with its own {len(extra)} differing requirement(s)" if extra else "")
+        )
+        if overlay.exists():
+            shutil.rmtree(overlay)
         run(
             [
-                sys.executable,
+                str(py),
                 "-m",
                 "pip",
                 "install",
@@ -201,13 +226,13 @@ def ensure_overlay(version: str) -> Path:
                 "--progress-bar",
                 "off",
                 "-q",
-                "--upgrade",
                 "--target",
                 str(overlay),
                 str(whl),
+                *extra,
             ]
         )
-        stamp.write_text(whl.name)
+        stamp.write_text(key)
     return overlay
 
 
@@ -222,9 +247,9 @@ def ensure(releases: list[str]) -> list[tuple[str, Path, Path]]:
         by_torch.setdefault(TORCH_FOR_RELEASE[v], []).append(v)
     out = []
     for torch_version, vs in by_torch.items():
-        py = ensure_venv(torch_version, vs)
+        py = ensure_venv(torch_version)
         for v in vs:
-            out.append((v, py, ensure_overlay(v)))
+            out.append((v, py, ensure_overlay(v, py)))
     return out
 
 

@@ -93,3 +93,31 @@ def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
         for k in ta:
             assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
             assert ta[k].view(-1).view(torch.uint8).equal(tb[k].view(-1).view(torch.uint8)), k
+
+
+def _audit(files: list[str]) -> dict[str, str]:
+    from vllm_hsfix import audit
+
+    report = audit.audit_paths(files, workers=1)
+    return {f.path: f.verdict for f in report.files}
+
+
+@pytest.mark.affected
+def test_audit_flags_every_unpatched_file_with_zero_rows_and_no_good_file(workdir: Path) -> None:
+    """`vllm-hsfix audit` on what the real vLLM wrote (issue: find the corrupted files)."""
+    from safetensors.torch import load_file
+
+    bad, good = result("hybrid-mp", False, workdir), result("hybrid-mp", True, workdir)
+    verdicts = _audit(bad.files)
+    with_zero_rows = [
+        f for f in bad.files if (load_file(f)["hidden_states"].float().abs().amax(-1) == 0).any()
+    ]
+    assert with_zero_rows, "the unpatched run should have written all-zero rows"
+    assert all(verdicts[f] == "corrupt" for f in with_zero_rows), verdicts
+    assert set(_audit(good.files).values()) == {"ok"}
+
+
+@pytest.mark.fixed
+def test_audit_flags_nothing_written_by_a_fixed_release(workdir: Path) -> None:
+    files = result("hybrid-mp", False, workdir).files + result("hybrid-mp", True, workdir).files
+    assert set(_audit(files).values()) == {"ok"}

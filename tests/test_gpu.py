@@ -63,3 +63,17 @@ def test_cuda_graph_capture_and_replay_with_new_inputs() -> None:
     results = verify.cuda_checks(scatter_clamped)
     assert [r["check"] for r in results] == ["no host-device sync", "CUDA graph capture and replay"]
     assert all(r["ok"] for r in results), results
+
+
+def test_activation_and_plugin_do_not_initialise_cuda() -> None:
+    """Initialising CUDA in vLLM's process 0 would force its workers into spawn."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, vllm_hsfix, vllm_hsfix.plugin\n"
+        "vllm_hsfix.plugin.register(); vllm_hsfix.apply(); vllm_hsfix.status()\n"
+        "print(torch.cuda.is_initialized())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr

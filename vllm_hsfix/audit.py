@@ -414,26 +414,31 @@ def _scan_window(
     import numpy as np
 
     mm = np.memmap(path, dtype=HIDDEN_RAW[dtype], mode="r", offset=offset, shape=(n_rows, hidden))
-    ints = mm.view(HIDDEN_INT[dtype])
+    # Plain ndarray views of the mapping: slicing np.memmap itself costs a Python-level
+    # __getitem__/__array_finalize__ per slice, a fifth of the scan on small hidden sizes.
+    raw = np.asarray(mm)
+    ints = raw.view(HIDDEN_INT[dtype])
     if dtype == "F64":
         block = max(1, BLOCK_BYTES // (hidden * 8))
     else:
         block = max(1, BLOCK_BYTES // (hidden * 4))
-    buf = np.empty((block, hidden), dtype=np.uint32 if dtype == "BF16" else np.float32)
+    buf = None
+    if dtype in ("BF16", "F16"):
+        buf = np.empty((block, hidden), dtype=np.uint32 if dtype == "BF16" else np.float32)
     for b in range(0, n_rows, block):
         e = min(n_rows, b + block)
-        if dtype == "BF16":
+        if buf is not None and dtype == "BF16":
             # bf16 is the top half of a float32: widen, shift left 16, reinterpret.
             w = buf[: e - b]
             np.left_shift(ints[b:e], 16, out=w, dtype=np.uint32)
             work = w.view(np.float32)
-        elif dtype == "F16":
+        elif buf is not None:  # F16
             work = buf[: e - b]
-            work[...] = mm[b:e]
+            work[...] = raw[b:e]
         else:
-            work = np.asarray(mm[b:e])
+            work = raw[b:e]
         _block_rows(scan, row0 + b, work, ints[b:e], cols, mult)
-    del ints, mm  # the last references: the window is unmapped here
+    del ints, raw, mm  # the last references: the window is unmapped here
 
 
 def _read_token_ids(path: str, offset: int, n: int) -> NDArray[Any]:
@@ -497,6 +502,12 @@ def _duplicates(
             f"(e.g. {'; '.join(examples)})",
         )
     return per_layer
+
+
+def _finite(x: Any) -> float | None:
+    """A statistic as a JSON-safe float: ``None`` where F64 norms overflowed."""
+    v = float(x)
+    return v if math.isfinite(v) else None
 
 
 def _scan_hidden(
@@ -572,8 +583,12 @@ def _scan_hidden(
         )
         if len(v):
             med = float(np.median(v))
-            st.mean_norm, st.std_norm = float(v.mean()), float(v.std())
-            st.median_norm, st.min_norm, st.max_norm = med, float(v.min()), float(v.max())
+            st.mean_norm, st.std_norm = _finite(v.mean()), _finite(v.std())
+            st.median_norm, st.min_norm, st.max_norm = (
+                _finite(med),
+                _finite(v.min()),
+                _finite(v.max()),
+            )
             st.near_zero_rows = int((v < NEAR_ZERO_FRACTION * med).sum())
         rep.layers.append(st)
     rep.duplicate_rows = sum(dups)

@@ -1,4 +1,4 @@
-"""``vllm-hsfix``: status | verify | run | demo | bootstrap-dir.
+"""``vllm-hsfix``: status | verify | run | demo | audit | bootstrap-dir.
 
 Exit codes are meant for a Dockerfile ``RUN``:
 
@@ -7,6 +7,8 @@ Exit codes are meant for a Dockerfile ``RUN``:
 * ``verify``: 0 every check passed; 1 a check failed or a patch is not in place;
   2 it cannot run here (no vLLM, or ``--device cuda`` without a GPU).
 * ``run``: the exit code of the command.
+* ``audit``: 0 no corrupt file (suspect files are listed, not failed); 1 corrupt files
+  found; 2 usage error (missing path, ``--workers`` < 1, no ``.safetensors`` found).
 """
 
 from __future__ import annotations
@@ -252,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bootstrap-dir", help="print the directory to put first on PYTHONPATH")
     p.set_defaults(fn=cmd_bootstrap_dir)
+    from . import audit
+
+    audit.add_parser(sub)
     return ap
 
 

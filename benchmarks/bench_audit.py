@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""How fast is ``vllm-hsfix audit`` next to just reading the same bytes?
+
+Generates a corpus shaped like ``ExampleHiddenStatesConnector`` output (by default up
+to 200 files of 128-2048 tokens, 3 aux layers, hidden 2048, bf16, about 1 GB in all;
+``--total-gb`` changes the size), then, in one run and in this order:
+
+1. raw read #1: ``cat FILES > /dev/null`` (nothing dropped from the page cache first:
+   the corpus was just written, so this is usually already a cached read);
+2. audit with ``--workers 1``, then with ``--workers 2`` (``audit_paths``, pool start-up
+   included, as the CLI pays it);
+3. raw read #2, to show what the cache did between the two.
+
+Prints one table: seconds, GB/s, files/s and each run's time over raw read #1 and #2.
+Also prints the verdict counts: the corpus is clean, so anything but "ok" is a false
+positive. Nothing here is asserted by the test suite.
+
+    python benchmarks/bench_audit.py --total-gb 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_hsfix import audit
+
+
+def write_file(path: Path, tokens: int, n_aux: int, hidden: int, rng: np.random.Generator) -> int:
+    """One bf16 safetensors file, written through a memmap a slab of tokens at a time.
+    Each aux layer gets its own scale, as real layers have different norms."""
+    n_hs = tokens * n_aux * hidden * 2
+    header = {
+        "hidden_states": {
+            "dtype": "BF16",
+            "shape": [tokens, n_aux, hidden],
+            "data_offsets": [0, n_hs],
+        },
+        "token_ids": {"dtype": "I64", "shape": [tokens], "data_offsets": [n_hs, n_hs + 8 * tokens]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    start = 8 + len(raw)
+    size = start + n_hs + 8 * tokens
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(size)
+    hs = np.memmap(path, dtype="<u2", mode="r+", offset=start, shape=(tokens, n_aux, hidden))
+    scale = np.array([1.0, 4.0, 16.0][:n_aux] + [1.0] * max(0, n_aux - 3), dtype=np.float32)
+    for t in range(0, tokens, 512):
+        block = rng.standard_normal((min(512, tokens - t), n_aux, hidden), dtype=np.float32)
+        block *= scale[None, :, None]
+        hs[t : t + 512] = (block.view(np.uint32) >> 16).astype(np.uint16)
+    hs.flush()
+    del hs
+    ids = np.memmap(path, dtype="<i8", mode="r+", offset=start + n_hs, shape=(tokens,))
+    ids[:] = rng.integers(0, 150_000, size=tokens)
+    ids.flush()
+    del ids
+    return size
+
+
+def make_corpus(root: Path, args: argparse.Namespace) -> list[str]:
+    """Files of random length until ``--total-gb`` or ``--files`` is reached."""
+    rng = np.random.default_rng(args.seed)
+    budget = int(args.total_gb * 1e9)
+    files: list[str] = []
+    total = 0
+    while len(files) < args.files and total < budget:
+        tokens = int(rng.integers(args.min_tokens, args.max_tokens + 1))
+        path = root / f"req-{len(files):05d}.safetensors"
+        total += write_file(path, tokens, args.n_aux, args.hidden, rng)
+        (root / f"{path.name}.lock").touch()  # the connector leaves these beside
+        files.append(str(path))
+    return files
+
+
+def raw_read(files: list[str]) -> float:
+    """``cat`` the files to /dev/null (in batches, to stay under ARG_MAX)."""
+    t0 = time.perf_counter()
+    for i in range(0, len(files), 500):
+        subprocess.run(["cat", *files[i : i + 500]], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - t0
+
+
+def timed_audit(root: Path, workers: int, repeat: int) -> tuple[float, audit.AuditReport]:
+    """Best of ``repeat`` runs of ``audit_paths`` on the corpus directory."""
+    best, report = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        rep = audit.audit_paths([root], workers=workers)
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, report = dt, rep
+    assert report is not None
+    return best, report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--total-gb", type=float, default=1.0, help="corpus size (default 1.0)")
+    ap.add_argument("--files", type=int, default=200, help="at most this many files")
+    ap.add_argument("--min-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--n-aux", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--workers", default="1,2", help="comma list (default 1,2)")
+    ap.add_argument("--repeat", type=int, default=1, help="best of N audit runs (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dir", default=None, help="where to build the corpus (default: a tmp dir)")
+    ap.add_argument("--keep", action="store_true", help="leave the corpus on disk")
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="bench-audit-", dir=args.dir))
+    try:
+        t0 = time.perf_counter()
+        files = make_corpus(root, args)
+        nbytes = sum(os.path.getsize(f) for f in files)
+        print(
+            f"corpus: {len(files)} files, {nbytes / 1e9:.3f} GB in {root} "
+            f"(n_aux {args.n_aux}, hidden {args.hidden}, bf16, "
+            f"{args.min_tokens}-{args.max_tokens} tokens), "
+            f"written in {time.perf_counter() - t0:.1f} s"
+        )
+        print(
+            f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"numpy {np.__version__}"
+        )
+
+        rows: list[tuple[str, float]] = [("raw read #1 (cat)", raw_read(files))]
+        verdicts = {}
+        for w in (int(x) for x in args.workers.split(",")):
+            dt, rep = timed_audit(root, w, args.repeat)
+            rows.append((f"audit --workers {w}", dt))
+            verdicts[w] = (rep.count("ok"), rep.count("suspect"), rep.count("corrupt"))
+        rows.append(("raw read #2 (cat)", raw_read(files)))
+
+        raw1, raw2 = rows[0][1], rows[-1][1]
+        print()
+        print(
+            f"{'run':<22} {'seconds':>8} {'GB/s':>8} {'files/s':>9} {'/ raw #1':>9} {'/ raw #2':>9}"
+        )
+        for name, dt in rows:
+            print(
+                f"{name:<22} {dt:>8.3f} {nbytes / 1e9 / dt:>8.2f} {len(files) / dt:>9.1f} "
+                f"{dt / raw1:>8.1f}x {dt / raw2:>8.1f}x"
+            )
+        print()
+        for w, (ok, suspect, corrupt) in verdicts.items():
+            print(f"verdicts (workers {w}): ok {ok}, suspect {suspect}, corrupt {corrupt}")
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
