@@ -162,16 +162,9 @@ def ensure_venv(torch_version: str) -> Path:
         run([sys.executable, "-m", "venv", str(env)])
     reqs = base_requirements(torch_version)
     pins = [f"torch=={torch_version}", *TORCH_COMPANIONS[torch_version]]
-    # Installed requirement lines accumulate over releases sharing this torch: asking
-    # for a subset (one release of several) must not reinstall anything.
     stamp = env / ".vllm-hsfix-deps"
     done: dict[str, list[str]] = json.loads(stamp.read_text()) if stamp.exists() else {}
-    if done.get("pins") != pins or not set(reqs + TOOLS) <= set(done.get("reqs", [])):
-        reqs = (
-            sorted(set(reqs) | set(done.get("reqs", [])) - set(TOOLS))
-            if done.get("pins") == pins
-            else reqs
-        )
+    if done.get("pins") != pins or set(reqs + TOOLS) != set(done.get("reqs", [])):
         log(
             f"installing torch {torch_version} and vLLM's requirements into {env} "
             "(cold: several minutes, about 2 GB of downloads)"
