@@ -23,13 +23,12 @@ def _has_hidden_spec() -> bool:
         return False
 
 
-pytestmark = [
-    pytest.mark.needs_vllm,
-    pytest.mark.skipif(
-        not _has_hidden_spec(),
-        reason="HiddenStateCacheSpec only exists from vLLM 0.22; the connector patch is 0.24-only",
-    ),
-]
+HAS_HIDDEN_SPEC = _has_hidden_spec()
+pytestmark = pytest.mark.needs_vllm
+needs_hidden_spec = pytest.mark.skipif(
+    not HAS_HIDDEN_SPEC,
+    reason="HiddenStateCacheSpec only exists from vLLM 0.22; the connector patch is 0.24-only",
+)
 
 
 def specs() -> Any:
@@ -77,6 +76,7 @@ LAYOUTS = {
 }
 
 
+@needs_hidden_spec
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_group_and_block_size_found_by_spec_type(name: str) -> None:
     make, group, block = LAYOUTS[name]
@@ -93,6 +93,7 @@ def test_no_config_falls_back_to_group_zero_and_the_global_block_size() -> None:
     assert patch.group_block_size(vcfg, None, 0) == 528
 
 
+@needs_hidden_spec
 @pytest.mark.parametrize(
     ("make", "count"),
     [(lambda: layout(full(), mamba()), 0), (lambda: layout(hidden(), full(), hidden()), 2)],
@@ -107,6 +108,7 @@ def test_ambiguous_layouts_raise_naming_the_groups(make: Any, count: int) -> Non
     assert "MLA verifiers are unsupported" in msg
 
 
+@needs_hidden_spec
 @pytest.mark.fixed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_same_answers_as_upstreams_own_fix(name: str) -> None:
@@ -123,13 +125,15 @@ def vllm_config(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
     from vllm.engine.arg_utils import EngineArgs
 
     out = tmp_path_factory.mktemp("hs")
+    # Before 0.22 the connector is not SupportsHMA: hybrids are rejected, use the dense model.
+    kind = "hybrid" if HAS_HIDDEN_SPEC else "dense"
     args = EngineArgs(
-        model=str(tiny_models["hybrid"]),
+        model=str(tiny_models[kind]),
         skip_tokenizer_init=True,
         dtype="bfloat16",
-        mamba_ssm_cache_dtype="float32",
         enforce_eager=True,
         max_model_len=256,
+        **({"mamba_ssm_cache_dtype": "float32"} if kind == "hybrid" else {}),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -152,6 +156,7 @@ def _roles() -> Any:
     ).KVConnectorRole
 
 
+@needs_hidden_spec
 @pytest.mark.affected
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_real_connector_uses_the_hidden_groups_block_size(
@@ -166,6 +171,7 @@ def test_real_connector_uses_the_hidden_groups_block_size(
     conn._executor.shutdown(wait=False)
 
 
+@needs_hidden_spec
 @pytest.mark.affected
 def test_unpatched_024_connector_shows_the_bug(vllm_config: Any) -> None:
     import vllm_hsfix
@@ -205,6 +211,7 @@ def distributed(vllm_config: Any) -> Any:
     return layer
 
 
+@needs_hidden_spec
 @pytest.mark.affected
 @pytest.mark.parametrize(("buffer_block", "ok"), [(22, True), (528, False), (16, False)])
 def test_register_kv_caches_checks_the_buffer(
@@ -228,6 +235,7 @@ def test_register_kv_caches_checks_the_buffer(
         conn._executor.shutdown(wait=False)
 
 
+@needs_hidden_spec
 @pytest.mark.affected
 def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     patched: Any, vllm_config: Any
@@ -242,6 +250,35 @@ def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     conn.request_finished_all_groups(object(), ([1, 2], [7, 8], [3]))
     assert seen == [[7, 8]]
     conn._executor.shutdown(wait=False)
+
+
+@pytest.mark.affected
+@pytest.mark.skipif(HAS_HIDDEN_SPEC, reason="covered with hybrid layouts from 0.22 on")
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_pre_022_connector_constructs_untouched_with_real_configs(
+    patched: Any, vllm_config: Any, role: str
+) -> None:
+    """0.17-0.21: only the clamp applies; the connector is the release's own and reads
+    with the one group's (global) block size, which is right there."""
+    from vllm_hsfix.patches._wrap import patch_id_of
+
+    k = specs()
+    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    assert patch_id_of(cls.__dict__["__init__"]) is None
+    spec = k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    cfg = k.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[k.KVCacheGroupSpec(["model.layers.0.x"], spec)],
+    )
+    conn = cls(vllm_config, getattr(_roles(), role), cfg)
+    assert conn._block_size == vllm_config.cache_config.block_size
+    rec = patched.status()["patches"]
+    assert rec["hidden-group-block-size"]["code"] == "not-needed"
+    assert rec["scatter-clamp"]["status"] == "applied"
+    executor = getattr(conn, "_executor", None)
+    if executor is not None:
+        executor.shutdown(wait=False)
 
 
 def test_fixed_release_flag() -> None:

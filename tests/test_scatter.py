@@ -104,5 +104,7 @@ def test_fixed_release_is_left_alone_and_is_right() -> None:
     assert rec["code"] == "upstream-fix-present"
     assert patch_id_of(module.basic_cache) is None
     assert module.basic_cache.__module__ == MODEL_MODULE
+    from conftest import INSTALL
+
     case = verify.scratch_case(device="cpu", dtype=torch.bfloat16)
-    assert verify.check_scatter(module.basic_cache, case) == []
+    assert verify.check_scatter(verify.live_scatter(module, INSTALL.version), case) == []

@@ -116,6 +116,26 @@ def check_scatter(fn: Any, case: dict[str, Any]) -> list[str]:
     return problems
 
 
+def head_major(fn: Any) -> Any:
+    """Adapt a 0.29+ ``basic_cache`` (buffer ``[num_blocks, heads, block_size, head]``) to
+    the checks' ``[num_blocks, block_size, heads, head]`` scratch cache: it writes through
+    a transposed view of the same memory, so the byte checks hold unchanged."""
+
+    def call(to_cache: Any, kv_cache: Any, slot_mapping: Any) -> Any:
+        return fn(to_cache, kv_cache.transpose(1, 2), slot_mapping)
+
+    return call
+
+
+def live_scatter(module: Any, version: str | None) -> Any:
+    """The live ``basic_cache``, adapted to the buffer layout of the installed release."""
+    from packaging.version import Version
+
+    if version is not None and Version(Version(version).public) >= Version("0.29.0"):
+        return head_major(module.basic_cache)
+    return module.basic_cache
+
+
 def _dtype(name: str) -> Any:
     import torch
 
@@ -325,9 +345,10 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
     }
     scatter_rec = activation.STATE.records["scatter-clamp"]
-    checks = scatter_checks(model.basic_cache, device, scatter_rec.shape)
+    fn = live_scatter(model, inst.version)
+    checks = scatter_checks(fn, device, scatter_rec.shape)
     if device == "cuda":
-        checks += cuda_checks(model.basic_cache)
+        checks += cuda_checks(fn)
     checks += connector_checks()
     report["checks"] = checks
     bad_patch = [k for k, v in st["patches"].items() if v["status"] in ("refused", "failed")]
