@@ -71,6 +71,8 @@ class Result:
     rows_correct: int = 0
     rows_zero: int = 0
     max_rel_err: float = 0.0
+    rows_nan: int = 0
+    mismatched: list[str] = field(default_factory=list)
     block_sizes: list[dict[str, Any]] = field(default_factory=list)
     statuses: list[dict[str, Any]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -107,21 +109,33 @@ def reference(model_path: Path, batch: list[list[int]], aux_ids: tuple[int, ...]
 
 
 def compare(saved: list[dict[str, Any]], ref: list[Any], batch: list[list[int]]) -> dict[str, Any]:
-
-    rows = correct = zero = 0
+    """Row-by-row comparison; a NaN row or a file for the wrong tokens counts as wrong."""
+    rows = correct = zero = nan = 0
     worst = 0.0
-    for data, want, ids in zip(saved, ref, batch, strict=False):
+    mismatched: list[str] = []
+    for i, (data, want, ids) in enumerate(zip(saved, ref, batch, strict=True)):
         got = data["hidden_states"].float()
         if data["token_ids"].tolist() != ids or got.shape != want.shape:
             rows += want.shape[0] * want.shape[1]
-            worst = max(worst, float("inf"))
+            mismatched.append(
+                f"request {i}: saved {tuple(got.shape)} for {len(data['token_ids'])} token ids, "
+                f"expected {tuple(want.shape)}"
+            )
             continue
         err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
         rows += err.numel()
         correct += int((err < THRESHOLD).sum())
         zero += int((got.abs().amax(dim=-1) == 0).sum())
-        worst = max(worst, float(err.max()))
-    return {"rows": rows, "rows_correct": correct, "rows_zero": zero, "max_rel_err": worst}
+        nan += int(err.isnan().sum())
+        worst = max(worst, float(err.nan_to_num(nan=float("inf")).max()))
+    return {
+        "rows": rows,
+        "rows_correct": correct,
+        "rows_zero": zero,
+        "rows_nan": nan,
+        "max_rel_err": worst,
+        "mismatched": mismatched,
+    }
 
 
 def plugin_dir(root: Path) -> Path:
