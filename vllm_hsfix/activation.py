@@ -136,6 +136,7 @@ def _on_import(module: ModuleType) -> None:
             if rec.patch.module == module.__name__ and rec.status in (PENDING, "reverted"):
                 _decide(rec, module)
         _maybe_observe()
+        _maybe_provenance()
         _report()
         cfg = STATE.config
         if cfg is not None and cfg.strict:
@@ -203,6 +204,25 @@ def _maybe_observe() -> None:
         log.warning("in-situ check not hooked: %r", exc)
 
 
+def _maybe_provenance() -> None:
+    """With VLLM_HSFIX_PROVENANCE=1 and a patch applied, stamp the files the connector saves."""
+    cfg = STATE.config
+    conn = STATE.records["hidden-group-block-size"]
+    module = sys.modules.get(conn.patch.module)
+    applied = [r for r in STATE.records.values() if r.status == APPLIED]
+    if module is None or cfg is None or not cfg.provenance or not applied:
+        return
+    try:
+        from . import provenance
+
+        rep = provenance.install(module)
+        if rep is not None:
+            applied[-1].replacements.append(rep)
+            STATE.provenance = True
+    except Exception as exc:
+        log.warning("provenance metadata not hooked: %r", exc)
+
+
 def runtime_failure(patch_id: str, exc: BaseException) -> None:
     """A wrapper hit an unexpected error at run time: record it (raise only if strict)."""
     with LOCK:
@@ -260,11 +280,13 @@ def status() -> dict[str, Any]:
                 "disabled_patches": sorted(cfg.disabled_patches),
                 "strict": cfg.strict,
                 "verify": cfg.verify,
+                "provenance": cfg.provenance,
                 "vllm_version_override": cfg.vllm_version_override,
                 "warnings": list(cfg.warnings),
             },
             "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
             "verify": STATE.verify,
+            "provenance": STATE.provenance,
             "errors": list(STATE.errors),
         }
 

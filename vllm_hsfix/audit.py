@@ -171,6 +171,7 @@ class FileReport:
     near_zero_rows: int = 0
     layers: list[LayerStats] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    provenance: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
     def add(self, code: str, severity: str, detail: str) -> None:
@@ -664,6 +665,11 @@ def _audit_into(rep: FileReport, path: str) -> None:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
         header, data_start = _read_header(f, size)
+        meta = header.get("__metadata__")
+        if isinstance(meta, dict):
+            rep.provenance = {
+                k: str(v) for k, v in meta.items() if str(k).startswith("vllm_hsfix.")
+            }
     tensors, layout = _check_layout(header, size - data_start)
     if layout is not None:
         if layout.code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
@@ -925,6 +931,21 @@ def format_human(report: AuditReport) -> str:
     for f in sorted(bad, key=lambda f: (f.verdict != CORRUPT, f.path)):
         lines.append(f"{f.verdict.upper():<8} {f.path}")
         lines += [f"         {p.code}: {p.detail}" for p in f.problems]
+    stamped = [f for f in report.files if f.provenance]
+    if stamped:
+        kinds = sorted(
+            {
+                f"vllm-hsfix {f.provenance.get('vllm_hsfix.version', '?')} on vLLM "
+                f"{f.provenance.get('vllm_hsfix.vllm', '?')} "
+                f"[{f.provenance.get('vllm_hsfix.patches', '?')}]"
+                for f in stamped
+            }
+        )
+        lines.append(
+            f"  provenance: {len(stamped)} of {t['files']} files made with " + "; ".join(kinds)
+        )
+    else:
+        lines.append(f"  provenance: none of {t['files']} files carry vllm-hsfix metadata")
     if bad:
         lines.append(f"regenerate: {len(bad)} files (corrupt or suspect; --json lists them)")
     if t[CORRUPT]:
@@ -953,6 +974,7 @@ CSV_FIELDS = [
     "near_zero_rows",
     "codes",
     "reason",
+    "provenance",
 ]
 
 
@@ -966,6 +988,7 @@ def write_csv(report: AuditReport, dest: str | os.PathLike[str] | IO[str]) -> No
             d = {k: getattr(f, k) for k in CSV_FIELDS if hasattr(f, k)}
             d["codes"] = " ".join(f.codes())
             d["reason"] = f.reason()
+            d["provenance"] = " ".join(f"{k}={v}" for k, v in sorted(f.provenance.items()))
             w.writerow(d)
 
     if isinstance(dest, (str, os.PathLike)):

@@ -18,6 +18,7 @@ VLLM_VERSION = PREFIX + "VLLM_VERSION"  # treat the installed vLLM as this relea
 VERIFY = PREFIX + "VERIFY"  # "0": no in-situ check when a worker registers its caches
 STATUS_DIR = PREFIX + "STATUS_DIR"  # write each process's status as <dir>/<pid>.json
 LOG_LEVEL = PREFIX + "LOG_LEVEL"  # logging level of the "vllm_hsfix" logger
+PROVENANCE = PREFIX + "PROVENANCE"  # "1": saved hidden-states files carry our metadata
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -32,6 +33,7 @@ class Config:
     verify: bool = True
     status_dir: str | None = None
     log_level: str = "INFO"
+    provenance: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -55,6 +57,7 @@ def load(env: dict[str, str] | None = None, known_patches: tuple[str, ...] = ())
     disabled = _flag(env, DISABLE, False, warnings)
     strict = _flag(env, STRICT, False, warnings)
     verify = _flag(env, VERIFY, True, warnings)
+    provenance = _flag(env, PROVENANCE, False, warnings)
     names = {p.strip() for p in env.get(DISABLED_PATCHES, "").split(",") if p.strip()}
     if known_patches:
         unknown = sorted(names - set(known_patches))
@@ -82,5 +85,6 @@ def load(env: dict[str, str] | None = None, known_patches: tuple[str, ...] = ())
         verify=verify,
         status_dir=env.get(STATUS_DIR) or None,
         log_level=level,
+        provenance=provenance,
         warnings=tuple(warnings),
     )

@@ -80,6 +80,7 @@ class State:
     enabled: bool = False
     logged: bool = False
     verify: dict[str, Any] | None = None
+    provenance: bool = False
     errors: list[str] = field(default_factory=list)
 
 
