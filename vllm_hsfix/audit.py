@@ -845,19 +845,25 @@ def _run_pool(files: list[str], workers: int, progress: ProgressFn | None) -> li
             done += 1
             if progress:
                 progress(done, len(files))
+    # A worker that dies breaks the whole pool, so every file still in flight lands
+    # here: retry each alone, and only then decide which ones kill a worker.
+    crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
         try:
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
                 results[i] = pool.submit(audit_file, files[i]).result()
         except Exception as exc:
-            if not results:
-                # Nothing has ever come back: the workers cannot run here at all, which
-                # says nothing about the files. Do not call them corrupt.
-                raise RuntimeError(f"audit worker processes cannot run: {exc!r}") from exc
-            results[i] = _crashed(files[i], exc)
+            crashed[i] = exc
         done += 1
         if progress:
             progress(done, len(files))
+    if crashed and not results:
+        # Nothing has ever come back: the workers cannot run here at all, which says
+        # nothing about the files. Do not call them corrupt.
+        exc = next(iter(crashed.values()))
+        raise RuntimeError(f"audit worker processes cannot run: {exc!r}") from exc
+    for i, exc in crashed.items():
+        results[i] = _crashed(files[i], exc)
     return [results[i] for i in range(len(files))]
 
 
