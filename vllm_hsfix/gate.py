@@ -158,12 +158,6 @@ def names(tree: ast.AST) -> set[str]:
     }
 
 
-def strings(tree: ast.AST) -> set[str]:
-    return {
-        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-    }
-
-
 def assigned_attributes(tree: ast.AST) -> set[str]:
     """``self.X`` targets assigned anywhere in the code."""
     out: set[str] = set()

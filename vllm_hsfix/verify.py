@@ -30,10 +30,6 @@ MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
-class CheckFailed(AssertionError):
-    pass
-
-
 def scratch_case(
     *,
     device: str,
