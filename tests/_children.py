@@ -11,6 +11,7 @@ from typing import Any
 TARGETS = (
     "vllm.model_executor.models.extract_hidden_states",
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+    "vllm.v1.worker.cpu_model_runner",
 )
 
 

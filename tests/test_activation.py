@@ -15,6 +15,7 @@ import importlib
 MODEL = importlib.import_module("{MODEL_MODULE}")
 CONN = importlib.import_module(
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
+RUNNER = importlib.import_module("vllm.v1.worker.cpu_model_runner")
 """
 
 WRAP_REPORT = """
@@ -29,6 +30,7 @@ REPORT = {
     "basic_cache": depth(MODEL.basic_cache),
     "__init__": depth(C["__init__"]),
     "register_kv_caches": depth(C["register_kv_caches"]),
+    "_zero_block_ids": depth(RUNNER.CPUModelRunner.__dict__["_zero_block_ids"]),
 }
 """
 
@@ -45,12 +47,21 @@ print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
 """
     )
     statuses, depths, sources = last_json(out.stdout)
-    assert statuses == {"scatter-clamp": "applied", "hidden-group-block-size": "applied"}
-    assert depths == {"basic_cache": 1, "__init__": 1, "register_kv_caches": 1}
+    assert statuses == {
+        "scatter-clamp": "applied",
+        "hidden-group-block-size": "applied",
+        "cpu-zero-blocks": "applied",
+    }
+    assert depths == {
+        "basic_cache": 1,
+        "__init__": 1,
+        "register_kv_caches": 1,
+        "_zero_block_ids": 1,
+    }
     assert sources == ["import", "vllm-import"]
     lines = [ln for ln in out.stderr.splitlines() if "vllm-hsfix 0.1.0 pid=" in ln]
     assert len(lines) == 1, out.stderr[-3000:]
-    assert "applied scatter-clamp, hidden-group-block-size" in lines[0]
+    assert "applied scatter-clamp, hidden-group-block-size, cpu-zero-blocks" in lines[0]
     assert "role=main" in lines[0] and "vllm=0.24.0" in lines[0]
 
 
@@ -78,7 +89,12 @@ print(json.dumps([REPORT, st["activated_by"], {k: v["status"] for k, v in st["pa
         env=env,
     )
     depths, sources, statuses = last_json(out.stdout)
-    assert depths == {"basic_cache": 1, "__init__": 1, "register_kv_caches": 1}
+    assert depths == {
+        "basic_cache": 1,
+        "__init__": 1,
+        "register_kv_caches": 1,
+        "_zero_block_ids": 1,
+    }
     assert sources[0] == "bootstrap"
     # `import vllm_hsfix` after the bootstrap finds the module already imported: no event.
     assert {"bootstrap", "plugin", "apply"} <= set(sources)
@@ -101,7 +117,12 @@ ts = [threading.Thread(target=go) for _ in range(8)]
         + WRAP_REPORT
         + "print(json.dumps(REPORT))"
     )
-    assert last_json(out.stdout) == {"basic_cache": 1, "__init__": 1, "register_kv_caches": 1}
+    assert last_json(out.stdout) == {
+        "basic_cache": 1,
+        "__init__": 1,
+        "register_kv_caches": 1,
+        "_zero_block_ids": 1,
+    }
 
 
 def test_disable_switches() -> None:
@@ -116,13 +137,21 @@ print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
     )
     off = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLE="1")).stdout)
     assert off == [
-        {"basic_cache": 0, "__init__": 0, "register_kv_caches": 0},
-        {"scatter-clamp": "disabled", "hidden-group-block-size": "disabled"},
+        {"basic_cache": 0, "__init__": 0, "register_kv_caches": 0, "_zero_block_ids": 0},
+        {
+            "scatter-clamp": "disabled",
+            "hidden-group-block-size": "disabled",
+            "cpu-zero-blocks": "disabled",
+        },
     ]
     one = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")).stdout)
     assert one == [
-        {"basic_cache": 0, "__init__": 1, "register_kv_caches": 1},
-        {"scatter-clamp": "disabled", "hidden-group-block-size": "applied"},
+        {"basic_cache": 0, "__init__": 1, "register_kv_caches": 1, "_zero_block_ids": 1},
+        {
+            "scatter-clamp": "disabled",
+            "hidden-group-block-size": "applied",
+            "cpu-zero-blocks": "applied",
+        },
     ]
 
 
@@ -162,7 +191,9 @@ print(json.dumps([raised, st and {k: v["code"] for k, v in st["patches"].items()
     else:
         raised, codes = last_json(out.stdout)
         assert raised is None, raised
-        assert codes == {"scatter-clamp": "error", "hidden-group-block-size": "error"}
+        assert codes == dict.fromkeys(
+            ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks"), "error"
+        )
         assert "forced failure inside activation" in out.stderr
 
 

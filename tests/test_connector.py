@@ -133,7 +133,15 @@ def vllm_config(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
         dtype="bfloat16",
         enforce_eager=True,
         max_model_len=256,
-        **({"mamba_ssm_cache_dtype": "float32"} if kind == "hybrid" else {}),
+        # The connector refuses chunked prefill; vLLM's CPU platform turns it on by
+        # default where the CPU has no AMX.
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        **(
+            {"mamba_ssm_cache_dtype": "float32", "language_model_only": True}
+            if kind == "hybrid"
+            else {}
+        ),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,

@@ -66,7 +66,11 @@ def test_engine_core_and_worker_processes_are_patched_by_the_plugin(workdir: Pat
     roles = _roles(result("hybrid-mp", True, workdir))
     assert {"main", "engine-core", "worker-0"} <= set(roles), roles
     worker = roles["worker-0"]
-    assert worker["patches"] == {"scatter-clamp": "applied", "hidden-group-block-size": "applied"}
+    assert worker["patches"] == {
+        "scatter-clamp": "applied",
+        "hidden-group-block-size": "applied",
+        "cpu-zero-blocks": "applied",
+    }
     assert roles["engine-core"]["patches"]["hidden-group-block-size"] == "applied"
     # The in-situ check ran in the worker, on its device and dtype, and passed.
     assert worker["verify"]["ok"] is True and worker["verify"]["dtype"] == "bfloat16"

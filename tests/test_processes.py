@@ -16,15 +16,19 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
 
 HERE = Path(__file__).resolve().parent
 CHILD = str(HERE / "_children.py")
-BOTH = {"scatter-clamp": "applied", "hidden-group-block-size": "applied"}
+ALL = {
+    "scatter-clamp": "applied",
+    "hidden-group-block-size": "applied",
+    "cpu-zero-blocks": "applied",
+}
 
 
 def expected() -> dict[str, str]:
     from conftest import RELEASE
 
     if RELEASE == "0.24.0":
-        return BOTH
-    return {"scatter-clamp": "applied", "hidden-group-block-size": "skipped"}
+        return ALL
+    return {**ALL, "hidden-group-block-size": "skipped"}
 
 
 def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:

@@ -98,6 +98,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
         "bfloat16",
         "--mamba-ssm-cache-dtype",
         "float32",
+        "--language-model-only",
         "--enforce-eager",
         "--max-model-len",
         "256",
@@ -128,10 +129,17 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + 300
+        offset = 0
         while True:
             if proc.poll() is not None:
                 raise AssertionError(f"server exited: {(work / 'server.log').read_text()[-3000:]}")
+            # A dead engine can leave the API process up: fail at once with the cause.
+            death, offset = e2e.death_in_log(work / "server.log", offset)
+            if death is not None:
+                raise AssertionError(
+                    f"vLLM died while starting ({death}):\n" + e2e.log_excerpt(work / "server.log")
+                )
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -139,7 +147,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError("server did not become healthy in 420 s")
+                raise AssertionError("server did not become healthy in 300 s")
             time.sleep(2)
         yield {"base": base, "model": str(model), "work": work}
     finally:

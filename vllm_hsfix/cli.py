@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cases",
         default="hybrid-mp",
-        help="comma list of: hybrid-mp, hybrid-1aux, dense-mp (default hybrid-mp)",
+        help="comma list of: hybrid-mp, hybrid-1aux, dense-mp, moe-mp, load-mp, load-moe-mp "
+        "(default hybrid-mp; the moe cases run only where vLLM's CPU MoE kernels exist)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--workdir", default=None)

@@ -1,5 +1,9 @@
 """One vLLM run: extract hidden states for token-id prompts, print where they went.
 
+``python _case.py ARGS.json`` (written by ``e2e.run_case``). Prints one line
+``HSFIX_CASE_RESULT {json}`` with the file of each request and the number of engine
+steps the run took (counted around ``LLMEngine.step``, harness only).
+
 Run as a script in its own interpreter (``python _case.py JSON``), so the run does
 not import vllm_hsfix itself: whether the fix is active is decided only by vLLM's
 plugin loading and the environment, exactly as in a user's job.
@@ -26,7 +30,8 @@ def wait_for(path, deadline):
 
 
 def main():
-    args = json.loads(sys.argv[1])
+    with open(sys.argv[1]) as fh:
+        args = json.load(fh)
     from vllm import LLM, SamplingParams
 
     kwargs = dict(
@@ -36,7 +41,7 @@ def main():
         enforce_eager=True,
         enable_prefix_caching=False,
         enable_chunked_prefill=False,
-        max_model_len=256,
+        max_model_len=args["max_model_len"],
         seed=0,
         speculative_config={
             "method": "extract_hidden_states",
@@ -53,11 +58,26 @@ def main():
     )
     if args["hybrid"]:
         kwargs["mamba_ssm_cache_dtype"] = "float32"
+    if args["language_model_only"]:
+        kwargs["language_model_only"] = True
+    if args["max_num_seqs"]:
+        # Few running at once: requests finish while others wait, so freed blocks are
+        # handed out again (vLLM reuses the most recently freed first).
+        kwargs["max_num_seqs"] = args["max_num_seqs"]
     if args["mp"]:
         kwargs["distributed_executor_backend"] = "mp"
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     t_start = time.monotonic() - t0
+    engine = llm.llm_engine
+    steps = [0]
+    real_step = engine.step
+
+    def counted_step(*a, **kw):
+        steps[0] += 1
+        return real_step(*a, **kw)
+
+    engine.step = counted_step
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     t1 = time.monotonic()
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], sp, use_tqdm=False)
@@ -78,6 +98,7 @@ def main():
             {
                 "paths": paths,
                 "kicks": kicks,
+                "steps": steps[0],
                 "global_block_size": config.cache_config.block_size,
                 "startup_s": round(t_start, 2),
                 "generate_s": round(t_gen, 2),

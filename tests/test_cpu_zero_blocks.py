@@ -1,0 +1,169 @@
+"""``cpu-zero-blocks`` on the real ``vllm.v1.worker.cpu_model_runner``.
+
+The runner is a real ``CPUModelRunner`` instance (made without its heavy ``__init__``)
+holding a real ``KVCacheConfig`` and a real ``CompilationConfig``; the forward
+context's layers are plain holders of a ``kv_cache`` tensor, which is all the method
+reads of them. The end-to-end proof (no NaN rows under load) is in ``test_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import FIXED, INSTALL
+
+from vllm_hsfix.gate import in_release_range
+from vllm_hsfix.patches import by_id
+from vllm_hsfix.patches import cpu_zero_blocks as patch
+
+pytestmark = pytest.mark.needs_vllm
+RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
+IN_RANGE = bool(INSTALL.parsed and in_release_range(INSTALL.parsed, by_id(patch.PATCH_ID).releases))
+needs_range = pytest.mark.skipif(
+    not IN_RANGE, reason=f"cpu-zero-blocks applies to vLLM 0.22-0.24, have {INSTALL.release}"
+)
+NUM_BLOCKS = 8
+
+
+def _specs() -> Any:
+    return importlib.import_module("vllm.v1.kv_cache_interface")
+
+
+def _runner(kv_split: int = 1) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A real CPUModelRunner with a hybrid layout: one buffer shared by a mamba layer
+    and an attention layer (as vLLM lays hybrids out), a hidden-states layer, and NaN
+    everywhere (what stale fp32 SSM state reads as)."""
+    from vllm.config import CompilationConfig
+
+    k = _specs()
+    cls = importlib.import_module(RUNNER_MODULE).CPUModelRunner
+    shared = torch.full((NUM_BLOCKS, 4096), float("nan"), dtype=torch.bfloat16)
+    attn = shared.view(NUM_BLOCKS * kv_split, 2, 16 // kv_split, 128)  # CPU layout: blocks first
+    mamba = shared.view(torch.float32)[:, :1024]  # another group's view of the same bytes
+    hidden = torch.full((NUM_BLOCKS, 16, 2, 256), float("nan"), dtype=torch.bfloat16)
+    groups = [
+        k.KVCacheGroupSpec(
+            ["model.layers.0.linear_attn"],
+            k.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
+        ),
+        k.KVCacheGroupSpec(
+            ["model.layers.1.self_attn.attn"],
+            k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16),
+        ),
+    ]
+    if hasattr(k, "HiddenStateCacheSpec"):
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["cache_only_layers.0"],
+                k.HiddenStateCacheSpec(
+                    block_size=16, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
+                ),
+            )
+        )
+    runner = object.__new__(cls)
+    runner.kv_cache_config = k.KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    runner.compilation_config = CompilationConfig()
+    runner.compilation_config.static_forward_context = {
+        "model.layers.0.linear_attn": SimpleNamespace(kv_cache=mamba),
+        "model.layers.1.self_attn.attn": SimpleNamespace(kv_cache=attn),
+        "cache_only_layers.0": SimpleNamespace(kv_cache=hidden),
+    }
+    return runner, {"shared": shared, "hidden": hidden}
+
+
+def _zeroed_blocks(t: torch.Tensor) -> list[int]:
+    flat = t.reshape(NUM_BLOCKS, -1)
+    return [b for b in range(NUM_BLOCKS) if bool((flat[b] == 0).all())]
+
+
+def test_probe_reads_the_installed_release() -> None:
+    module = importlib.import_module(RUNNER_MODULE)
+    probe = patch.probe(module)
+    if FIXED:
+        assert probe.fixed, probe  # 0.25.0 zeroes blocks itself
+    elif IN_RANGE:
+        assert probe.shape == "no-op", probe
+    else:
+        # Older releases: left alone by the release gate whatever their code looks like.
+        assert not probe.fixed
+
+
+@needs_range
+@pytest.mark.affected
+def test_the_release_method_leaves_stale_bytes(patched: Any) -> None:
+    """What makes the test below able to fail: the shipped method zeroes nothing."""
+    runner, bufs = _runner()
+    live = type(runner).__dict__[patch.METHOD]
+    live.__wrapped__(runner, [2, 5])
+    assert _zeroed_blocks(bufs["shared"]) == [] and bool(bufs["shared"].isnan().all())
+
+
+@needs_range
+@pytest.mark.affected
+@pytest.mark.parametrize("kv_split", [1, 2], ids=["block-per-row", "kernel-blocks-split-2"])
+def test_patched_runner_zeroes_exactly_the_listed_blocks(patched: Any, kv_split: int) -> None:
+    importlib.import_module(RUNNER_MODULE)
+    assert patched.status()["patches"][patch.PATCH_ID]["status"] == "applied"
+    runner, bufs = _runner(kv_split)
+    runner._zero_block_ids([2, 5])
+    assert _zeroed_blocks(bufs["shared"]) == [2, 5]
+    assert _zeroed_blocks(bufs["hidden"]) == [2, 5]
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (2, 5)]
+    assert bool(bufs["shared"][untouched].isnan().all())
+    runner._zero_block_ids([])  # the scheduler's "nothing new" is a no-op
+    assert _zeroed_blocks(bufs["shared"]) == [2, 5]
+
+
+@needs_range
+@pytest.mark.affected
+def test_a_view_that_does_not_divide_into_blocks_is_an_error(patched: Any) -> None:
+    importlib.import_module(RUNNER_MODULE)
+    runner, _ = _runner()
+    odd = torch.zeros(NUM_BLOCKS + 3, 4)
+    runner.compilation_config.static_forward_context["model.layers.1.self_attn.attn"] = (
+        SimpleNamespace(kv_cache=odd)
+    )
+    with pytest.raises(ValueError, match="cannot tell which memory block ids address"):
+        runner._zero_block_ids([1])
+
+
+@needs_range
+@pytest.mark.affected
+def test_unapply_restores_the_release_method() -> None:
+    import vllm_hsfix
+
+    module = importlib.import_module(RUNNER_MODULE)
+    original = module.CPUModelRunner.__dict__[patch.METHOD]
+    vllm_hsfix.apply()
+    try:
+        wrapped = module.CPUModelRunner.__dict__[patch.METHOD]
+        assert wrapped is not original and wrapped.__wrapped__ is original
+    finally:
+        vllm_hsfix.unapply()
+    assert module.CPUModelRunner.__dict__[patch.METHOD] is original
+
+
+def test_shapes_the_gate_refuses() -> None:
+    import ast
+
+    def probe(body: str) -> Any:
+        src = f"class CPUModelRunner:\n    def _zero_block_ids(self, block_ids):\n{body}\n"
+        return patch.probe_tree(ast.parse(src))
+
+    assert probe("        pass").shape == "no-op"
+    assert probe("        '''doc'''\n        return").shape == "no-op"
+    assert probe("        for b in block_ids:\n            self.kv[b].zero_()").fixed
+    unknown = probe("        self.log(block_ids)")
+    assert unknown.shape is None and not unknown.fixed
+    wrong_sig = patch.probe_tree(
+        ast.parse(
+            "class CPUModelRunner:\n    def _zero_block_ids(self, ids, extra):\n        pass\n"
+        )
+    )
+    assert wrong_sig.shape is None and "expected parameters" in wrong_sig.detail

