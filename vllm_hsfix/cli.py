@@ -143,6 +143,21 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
     for w in report["config"]["warnings"]:
         print(f"warning: {w}")
     print("result: " + ("OK" if not problems else "FIX CANNOT APPLY: " + "; ".join(problems)))
+    if not problems:
+        print(f"        {_what_happens(report)}")
+
+
+def _what_happens(report: dict[str, Any]) -> str:
+    """One line an image builder can read: what vllm-hsfix will do with this vLLM."""
+    codes = {p["code"] for p in report["patches"].values()}
+    if codes == {"no-vllm"}:
+        return "no vLLM in this environment: nothing to patch (is this the image's Python?)"
+    if codes == {"upstream-fix-present"}:
+        return "fixed upstream, nothing to do"
+    if "would-apply" in codes:
+        applied = [pid for pid, p in report["patches"].items() if p["code"] == "would-apply"]
+        return f"will patch every vLLM process when it starts: {', '.join(applied)}"
+    return "nothing to patch on this vLLM"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -246,9 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cases",
-        default="hybrid-mp",
+        default="hybrid-mp,load-mp",
         help="comma list of: hybrid-mp, hybrid-1aux, dense-mp, moe-mp, load-mp, load-moe-mp "
-        "(default hybrid-mp; the moe cases run only where vLLM's CPU MoE kernels exist)",
+        "(default hybrid-mp,load-mp; the moe cases run only where vLLM's CPU MoE kernels "
+        "exist)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--workdir", default=None)

