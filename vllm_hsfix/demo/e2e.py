@@ -51,7 +51,13 @@ class Case:
     aux_ids: tuple[int, ...]
     mp: bool  # worker in its own process (distributed_executor_backend="mp")
     note: str
-    load: bool = False  # many concurrent requests of mixed lengths, blocks freed and reused
+    # mixed: 4 prompts of 37-150 tokens; load: LOAD_PROMPTS concurrent prompts of mixed
+    # lengths (blocks freed and reused); chat: prompts sharing template prefixes.
+    prompts: str = "mixed"
+
+    @property
+    def load(self) -> bool:
+        return self.prompts == "load"
 
 
 CASES = {
@@ -76,7 +82,7 @@ CASES = {
             True,
             f"{LOAD_PROMPTS} concurrent prompts of 4-{MAX_MODEL_LEN - 4} tokens, at most "
             f"{LOAD_MAX_SEQS} running, own worker process",
-            load=True,
+            prompts="load",
         ),
         Case(
             "load-moe-mp",
@@ -84,7 +90,15 @@ CASES = {
             (1, 2, 3),
             True,
             f"{LOAD_PROMPTS} concurrent prompts on the MoE hybrid (Qwen3-Next), own worker process",
-            load=True,
+            prompts="load",
+        ),
+        Case(
+            "chat-mp",
+            "hybrid",
+            (1, 2, 3),
+            True,
+            "48 chat-like prompts (two shared template prefixes), own worker process",
+            prompts="chat",
         ),
     )
 }
@@ -117,9 +131,31 @@ def load_prompts(seed: int = 0, count: int = LOAD_PROMPTS) -> list[list[int]]:
     ]
 
 
+def chat_prompts(seed: int = 0, count: int = 48) -> list[list[int]]:
+    """Prompts as chat data has them: most start with one of two fixed templates (24 and
+    10 tokens, like a chat template and a shared system prompt), the rest share nothing;
+    tails of 8-150 tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(4, tiny_model.TEXT_VOCAB, (n,), generator=gen).tolist()
+
+    templates = [ids(24), ids(10)]
+    out = []
+    for i in range(count):
+        tail = ids(8 + (i * 37) % 143)
+        kind = i % 5
+        out.append(templates[0] + tail if kind < 3 else templates[1] + tail if kind == 3 else tail)
+    return out
+
+
 def batch_for(case: Case, count: int | None = None) -> list[list[int]]:
-    if case.load:
+    if case.prompts == "load":
         return load_prompts(count=count or LOAD_PROMPTS)
+    if case.prompts == "chat":
+        return chat_prompts(count=count or 48)
     return prompts(count=count or 4)
 
 
@@ -137,6 +173,7 @@ class Result:
     nan_rows_by_aux: dict[str, int] = field(default_factory=dict)
     requests: int = 0
     requests_correct: int = 0
+    wrong_requests: list[int] = field(default_factory=list)  # indices into files
     steps: int = 0
     cpu: dict[str, Any] = field(default_factory=dict)
     mismatched: list[str] = field(default_factory=list)
@@ -182,6 +219,7 @@ def compare(
 ) -> dict[str, Any]:
     """Row-by-row comparison; a NaN row or a file for the wrong tokens counts as wrong."""
     rows = correct = zero = nan = requests_ok = 0
+    wrong: list[int] = []
     worst = 0.0
     nan_by_aux: dict[str, int] = {}
     mismatched: list[str] = []
@@ -193,12 +231,15 @@ def compare(
                 f"request {i}: saved {tuple(got.shape)} for {len(data['token_ids'])} token ids, "
                 f"expected {tuple(want.shape)}"
             )
+            wrong.append(i)
             continue
         err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
         ok = err < THRESHOLD
         rows += err.numel()
         correct += int(ok.sum())
         requests_ok += int(bool(ok.all()))
+        if not bool(ok.all()):
+            wrong.append(i)
         zero += int((got.abs().amax(dim=-1) == 0).sum())
         is_nan = err.isnan()
         nan += int(is_nan.sum())
@@ -215,6 +256,7 @@ def compare(
         "nan_rows_by_aux": nan_by_aux,
         "requests": len(batch),
         "requests_correct": requests_ok,
+        "wrong_requests": wrong,
         "max_rel_err": worst,
         "mismatched": mismatched,
     }
@@ -371,7 +413,8 @@ def run_case(
         "hybrid": case.kind != "dense",
         "language_model_only": tiny_model.needs_language_model_only(case.kind),
         "max_model_len": MAX_MODEL_LEN,
-        "max_num_seqs": LOAD_MAX_SEQS if case.load else None,
+        # Load and chat prompts run in several batches (bf16 noise differs per batch).
+        "max_num_seqs": LOAD_MAX_SEQS if case.prompts in ("load", "chat") else None,
         "out": str(out_dir / "hs"),
         "prompts": batch,
     }

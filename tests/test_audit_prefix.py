@@ -1,0 +1,142 @@
+"""The shared-prefix check of ``vllm-hsfix audit`` on crafted datasets.
+
+Rows are made causal the way a real model's are: the row at position p is a fixed
+function of token ids 0..p (plus a little noise, as bf16 kernels in different
+batches give), so files that share a prompt prefix share those rows. Wrong files get
+rows from elsewhere, as vLLM 0.24.0's reads from other blocks' memory do. The
+end-to-end measurement on what real vLLM writes is in ``tests/test_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_hsfix import audit, audit_prefix
+
+A, H = 3, 64
+TEMPLATE = [7, 8, 9, 10, 11, 12]
+
+
+def causal_rows(ids: list[int], noise: float, seed: int) -> torch.Tensor:
+    rows = []
+    g_noise = torch.Generator().manual_seed(10_000 + seed)
+    for p in range(len(ids)):
+        key = hashlib.sha256(str(ids[: p + 1]).encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
+        row = torch.randn(A, H, generator=g)
+        rows.append(row * (1 + noise * torch.randn(A, H, generator=g_noise)))
+    return torch.stack(rows)
+
+
+def write(path: Path, ids: list[int], hs: torch.Tensor) -> Path:
+    save_file(
+        {"hidden_states": hs.to(torch.bfloat16).contiguous(), "token_ids": torch.tensor(ids)},
+        str(path),
+    )
+    return path
+
+
+def dataset(
+    root: Path, wrong: set[int] = frozenset(), n_shared: int = 20, n_alone: int = 5
+) -> list[Path]:
+    """``n_shared`` chat-like files (template prefix + random tail), ``n_alone`` others.
+    Files whose index is in ``wrong`` hold rows from elsewhere (each its own)."""
+    g = torch.Generator().manual_seed(1)
+    paths = []
+    for i in range(n_shared + n_alone):
+        tail = torch.randint(
+            100, 30_000, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g
+        )
+        ids = (TEMPLATE if i < n_shared else []) + tail.tolist()
+        if i >= n_shared:
+            ids = [40_000 + i, *ids]  # a first token nobody else has
+        hs = causal_rows(ids, noise=0.02, seed=i)
+        if i in wrong:
+            hs = torch.randn(hs.shape, generator=torch.Generator().manual_seed(500 + i)) * 1.1
+        paths.append(write(root / f"f{i:03d}.safetensors", ids, hs))
+    return paths
+
+
+def prefix_flags(report: audit.AuditReport) -> dict[str, str]:
+    return {
+        Path(f.path).name: p.detail
+        for f in report.files
+        for p in f.problems
+        if p.code == "prefix_mismatch"
+    }
+
+
+def test_a_correct_dataset_has_no_finding_and_says_what_it_checked(tmp_path: Path) -> None:
+    report = audit.audit_paths(dataset(tmp_path), workers=1)
+    assert prefix_flags(report) == {}
+    assert report.count(audit.OK) == 25
+    pre = report.dataset["prefix"]
+    assert pre["files_checked"] == 20 and pre["files_unchecked"] == 5
+    assert pre["groups_without_consensus"] == 0
+    assert 0 < pre["max_agreeing_distance"] < audit_prefix.TOLERANCE / 2
+
+
+def test_files_holding_other_memory_are_flagged_at_their_first_row(tmp_path: Path) -> None:
+    report = audit.audit_paths(dataset(tmp_path, wrong={2, 9, 15}), workers=2)
+    flags = prefix_flags(report)
+    assert set(flags) == {"f002.safetensors", "f009.safetensors", "f015.safetensors"}
+    assert all(
+        d.startswith("row 0 (aux layer 0) differs from the consensus of the 20")
+        for d in flags.values()
+    )
+    assert {Path(p).name for p in report.regenerate} == set(flags)
+
+
+def test_a_wrong_file_outside_any_shared_prefix_cannot_be_caught(tmp_path: Path) -> None:
+    report = audit.audit_paths(dataset(tmp_path, wrong={22}), workers=1)
+    assert prefix_flags(report) == {}  # documented limit: nothing to compare it with
+
+
+def test_a_dataset_written_entirely_wrong_has_no_reference_and_every_file_is_flagged(
+    tmp_path: Path,
+) -> None:
+    report = audit.audit_paths(dataset(tmp_path, wrong=set(range(20))), workers=1)
+    flags = prefix_flags(report)
+    assert len(flags) == 20
+    assert all("no majority of them agree" in d for d in flags.values())
+    assert report.dataset["prefix"]["groups_without_consensus"] >= 1
+
+
+def test_a_bare_plurality_is_no_consensus(tmp_path: Path) -> None:
+    """5 files: 2 agree, 3 are wrong each in its own way: 2 of 5 is the largest
+    agreeing set but not a majority, so nobody is the reference and all are flagged."""
+    report = audit.audit_paths(dataset(tmp_path, wrong={2, 3, 4}, n_shared=5, n_alone=0), workers=1)
+    assert len(prefix_flags(report)) == 5
+
+
+def test_zero_rows_never_vote(tmp_path: Path) -> None:
+    """4 files with all-zero prefix rows (corrupt anyway) and 3 right ones: the zeros
+    agree with each other but are not sound, so the right files stay unflagged."""
+    paths = dataset(tmp_path, n_shared=7, n_alone=0)
+    for p in paths[:4]:
+        from safetensors.torch import load_file
+
+        t = load_file(str(p))
+        t["hidden_states"][:3] = 0
+        save_file(t, str(p))
+    report = audit.audit_paths(paths, workers=1)
+    assert prefix_flags(report) == {}
+    assert [f.verdict for f in report.files] == [audit.CORRUPT] * 4 + [audit.OK] * 3
+
+
+def test_json_output_leaves_the_sketches_out(tmp_path: Path) -> None:
+    report = audit.audit_paths(dataset(tmp_path, n_shared=3, n_alone=0), workers=1)
+    doc = report.to_dict()
+    assert "prefix" not in doc["files"][0] and doc["dataset"]["prefix"]["files_checked"] == 3
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_tiny_groups(tmp_path: Path, n: int) -> None:
+    report = audit.audit_paths(dataset(tmp_path, n_shared=n, n_alone=1), workers=1)
+    assert prefix_flags(report) == {}
+    assert report.dataset["prefix"]["files_checked"] == (n if n > 1 else 0)

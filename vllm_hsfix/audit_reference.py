@@ -1,0 +1,150 @@
+"""``vllm-hsfix audit --reference MODEL_DIR``: recompute a sample of files and compare.
+
+The shared-prefix check needs no model but cannot see a file that shares no prefix
+with another. With the verifier's weights at hand, a ``transformers`` forward of the
+saved token ids gives the true hidden states (``output_hidden_states=True``; aux layer
+id k is ``hidden_states[k]``), and every row of a sampled file is compared with it:
+relative L2 error under ``THRESHOLD`` is a correct row (measured on vLLM's bf16 output
+against an fp32 forward: correct rows 0.01-0.12, wrong rows 1.0-2.1).
+
+Only this module imports torch and transformers, and only when ``--reference`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+THRESHOLD = 0.2
+NEEDS = ("torch", "transformers", "safetensors")
+
+
+@dataclass
+class ReferenceResult:
+    path: str
+    rows: int
+    wrong_rows: int
+    first_wrong: tuple[int, int] | None  # (token position, aux index)
+    max_error: float
+    seconds: float
+    problem: str | None = None  # why the file could not be compared
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None and self.wrong_rows == 0
+
+    def describe(self, model: str) -> str:
+        if self.problem:
+            return f"cannot compare with the reference: {self.problem}"
+        pos, aux = self.first_wrong or (0, 0)
+        return (
+            f"{self.wrong_rows} of {self.rows} rows differ from a transformers forward of "
+            f"{model} (relative L2 >= {THRESHOLD}; first at token position {pos}, aux "
+            f"layer {aux}; worst {self.max_error:.2f})"
+        )
+
+
+def missing_dependency() -> str | None:
+    import importlib.util
+
+    absent = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if absent:
+        return (
+            f"vllm-hsfix audit --reference needs {', '.join(absent)}, which "
+            f"{'is' if len(absent) == 1 else 'are'} not installed here: "
+            "pip install torch transformers safetensors"
+        )
+    return None
+
+
+def sample(paths: list[str], spec: str) -> list[str]:
+    """``spec`` is a fraction (``0.1``) or a count (``20``); files are taken evenly
+    spaced in sorted order, so a rerun checks the same ones."""
+    value = float(spec)
+    if value <= 0:
+        raise ValueError(f"--sample must be positive, got {spec}")
+    n = round(value * len(paths)) if value < 1 else int(value)
+    n = max(1, min(len(paths), n))
+    ordered = sorted(paths)
+    step = len(ordered) / n
+    return [ordered[int(i * step)] for i in range(n)]
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32") -> Any:
+    """The verifier in eval mode, by the class its config names (a multimodal
+    checkpoint's text stack included), in fp32 or the checkpoint's own dtype."""
+    import torch
+    import transformers
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (config.get("architectures") or ["AutoModelForCausalLM"])[0]
+    cls = getattr(transformers, arch, transformers.AutoModelForCausalLM)
+    torch_dtype = torch.float32 if dtype == "float32" else "auto"
+    return cls.from_pretrained(model_dir, dtype=torch_dtype).eval()
+
+
+def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResult:
+    import torch
+    from safetensors.torch import load_file
+
+    t0 = time.perf_counter()
+    try:
+        data = load_file(path)
+        got = data["hidden_states"].float()
+        ids = data["token_ids"].long()
+    except Exception as exc:
+        return ReferenceResult(path, 0, 0, None, 0.0, time.perf_counter() - t0, repr(exc))
+    if got.dim() != 3 or got.shape[0] != len(ids) or got.shape[1] != len(aux_layers):
+        return ReferenceResult(
+            path,
+            0,
+            0,
+            None,
+            0.0,
+            time.perf_counter() - t0,
+            f"hidden_states {tuple(got.shape)} does not fit {len(ids)} tokens x "
+            f"{len(aux_layers)} aux layers {aux_layers}",
+        )
+    with torch.no_grad():
+        hs = model(ids[None, :], output_hidden_states=True).hidden_states
+    want = torch.stack([hs[k][0].float() for k in aux_layers], dim=1)
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    err = err.nan_to_num(nan=float("inf"))
+    bad = err >= THRESHOLD
+    first = None
+    if bool(bad.any()):
+        pos, aux = (int(v) for v in bad.nonzero()[0])
+        first = (pos, aux)
+    return ReferenceResult(
+        path,
+        err.numel(),
+        int(bad.sum()),
+        first,
+        float(err.max()) if err.numel() else 0.0,
+        time.perf_counter() - t0,
+    )
+
+
+def check(
+    paths: list[str], model_dir: str, aux_layers: list[int], spec: str, dtype: str = "float32"
+) -> tuple[list[ReferenceResult], dict[str, Any]]:
+    """Compare a sample of ``paths`` with the reference; returns results and a summary."""
+    t0 = time.perf_counter()
+    model = load_model(model_dir, dtype)
+    load_s = time.perf_counter() - t0
+    chosen = sample(paths, spec)
+    results = [compare_file(model, p, aux_layers) for p in chosen]
+    per_file = [r.seconds for r in results]
+    return results, {
+        "model": str(model_dir),
+        "aux_layers": aux_layers,
+        "dtype": dtype,
+        "threshold": THRESHOLD,
+        "files_compared": len(results),
+        "files_wrong": sum(not r.ok for r in results),
+        "model_load_s": round(load_s, 3),
+        "seconds_per_file": round(sum(per_file) / len(per_file), 4) if per_file else 0.0,
+    }
