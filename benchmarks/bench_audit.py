@@ -38,9 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm_hsfix import audit
 
 
-def write_file(path: Path, tokens: int, n_aux: int, hidden: int, rng: np.random.Generator) -> int:
+def write_file(
+    path: Path,
+    tokens: int,
+    n_aux: int,
+    hidden: int,
+    rng: np.random.Generator,
+    prefix: tuple[np.ndarray, np.ndarray] | None = None,
+) -> int:
     """One bf16 safetensors file, written through a memmap a slab of tokens at a time.
-    Each aux layer gets its own scale, as real layers have different norms."""
+    Each aux layer gets its own scale, as real layers have different norms. ``prefix``
+    (ids, rows) is written first: the shared template every chat prompt starts with."""
     n_hs = tokens * n_aux * hidden * 2
     header = {
         "hidden_states": {
@@ -63,10 +71,15 @@ def write_file(path: Path, tokens: int, n_aux: int, hidden: int, rng: np.random.
         block = rng.standard_normal((min(512, tokens - t), n_aux, hidden), dtype=np.float32)
         block *= scale[None, :, None]
         hs[t : t + 512] = (block.view(np.uint32) >> 16).astype(np.uint16)
+    if prefix is not None:
+        k = min(tokens, len(prefix[0]))
+        hs[:k] = prefix[1][:k]
     hs.flush()
     del hs
     ids = np.memmap(path, dtype="<i8", mode="r+", offset=start + n_hs, shape=(tokens,))
     ids[:] = rng.integers(0, 150_000, size=tokens)
+    if prefix is not None:
+        ids[: min(tokens, len(prefix[0]))] = prefix[0][:tokens]
     ids.flush()
     del ids
     return size
@@ -76,12 +89,21 @@ def make_corpus(root: Path, args: argparse.Namespace) -> list[str]:
     """Files of random length until ``--total-gb`` or ``--files`` is reached."""
     rng = np.random.default_rng(args.seed)
     budget = int(args.total_gb * 1e9)
+    prefix = None
+    if args.shared_prefix:
+        n = args.shared_prefix
+        rows = rng.standard_normal((n, args.n_aux, args.hidden), dtype=np.float32)
+        prefix = (
+            rng.integers(0, 150_000, size=n),
+            (rows.view(np.uint32) >> 16).astype(np.uint16),
+        )
     files: list[str] = []
     total = 0
     while len(files) < args.files and total < budget:
         tokens = int(rng.integers(args.min_tokens, args.max_tokens + 1))
         path = root / f"req-{len(files):05d}.safetensors"
-        total += write_file(path, tokens, args.n_aux, args.hidden, rng)
+        shared = prefix if len(files) % 4 else None  # 3 of 4 files start with the template
+        total += write_file(path, tokens, args.n_aux, args.hidden, rng, shared)
         (root / f"{path.name}.lock").touch()  # the connector leaves these beside
         files.append(str(path))
     return files
@@ -119,6 +141,12 @@ def main() -> int:
     ap.add_argument("--workers", default="1,2", help="comma list (default 1,2)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N audit runs (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=24,
+        help="3 of 4 files start with the same N tokens and rows (default 24; 0: none)",
+    )
     ap.add_argument("--dir", default=None, help="where to build the corpus (default: a tmp dir)")
     ap.add_argument("--keep", action="store_true", help="leave the corpus on disk")
     args = ap.parse_args()
@@ -141,10 +169,12 @@ def main() -> int:
 
         rows: list[tuple[str, float]] = [("raw read #1 (cat)", raw_read(files))]
         verdicts = {}
+        prefix_summary = None
         for w in (int(x) for x in args.workers.split(",")):
             dt, rep = timed_audit(root, w, args.repeat)
             rows.append((f"audit --workers {w}", dt))
             verdicts[w] = (rep.count("ok"), rep.count("suspect"), rep.count("corrupt"))
+            prefix_summary = rep.dataset.get("prefix")
         rows.append(("raw read #2 (cat)", raw_read(files)))
 
         raw1, raw2 = rows[0][1], rows[-1][1]
@@ -160,6 +190,7 @@ def main() -> int:
         print()
         for w, (ok, suspect, corrupt) in verdicts.items():
             print(f"verdicts (workers {w}): ok {ok}, suspect {suspect}, corrupt {corrupt}")
+        print(f"shared-prefix check: {prefix_summary}")
     finally:
         if args.keep:
             print(f"kept {root}")
