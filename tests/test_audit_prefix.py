@@ -42,7 +42,11 @@ def write(path: Path, ids: list[int], hs: torch.Tensor) -> Path:
 
 
 def dataset(
-    root: Path, wrong: set[int] = frozenset(), n_shared: int = 20, n_alone: int = 5
+    root: Path,
+    wrong: set[int] = frozenset(),
+    n_shared: int = 20,
+    n_alone: int = 5,
+    scale: float = 1.0,
 ) -> list[Path]:
     """``n_shared`` chat-like files (template prefix + random tail), ``n_alone`` others.
     Files whose index is in ``wrong`` hold rows from elsewhere (each its own)."""
@@ -58,7 +62,7 @@ def dataset(
         hs = causal_rows(ids, noise=0.02, seed=i)
         if i in wrong:
             hs = torch.randn(hs.shape, generator=torch.Generator().manual_seed(500 + i)) * 1.1
-        paths.append(write(root / f"f{i:03d}.safetensors", ids, hs))
+        paths.append(write(root / f"f{i:03d}.safetensors", ids, hs * scale))
     return paths
 
 
@@ -81,8 +85,12 @@ def test_a_correct_dataset_has_no_finding_and_says_what_it_checked(tmp_path: Pat
     assert 0 < pre["max_agreeing_distance"] < audit_prefix.TOLERANCE / 2
 
 
-def test_files_holding_other_memory_are_flagged_at_their_first_row(tmp_path: Path) -> None:
-    report = audit.audit_paths(dataset(tmp_path, wrong={2, 9, 15}), workers=2)
+@pytest.mark.parametrize("scale", [1.0, 3e4], ids=["unit", "large-activations"])
+def test_files_holding_other_memory_are_flagged_at_their_first_row(
+    tmp_path: Path, scale: float
+) -> None:
+    """Also with activations whose projections overflow float16 (large models)."""
+    report = audit.audit_paths(dataset(tmp_path, wrong={2, 9, 15}, scale=scale), workers=2)
     flags = prefix_flags(report)
     assert set(flags) == {"f002.safetensors", "f009.safetensors", "f015.safetensors"}
     assert all(

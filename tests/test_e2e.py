@@ -123,15 +123,20 @@ def test_load_without_block_zeroing_gets_nan_after_full_attention(workdir: Path)
     """The cause of the NaN rows, by experiment: patched but with cpu-zero-blocks off,
     stale blocks turn rows NaN, and only in aux layers after a full-attention layer
     (layer 1 of [linear, full, linear, full]: aux ids 2 and 3, never 1)."""
+    _nan_without_zeroing(workdir, True, {"VLLM_HSFIX_DISABLED_PATCHES": "cpu-zero-blocks"})
+
+
+def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]) -> None:
+    """A load run with the CPU block zeroing off: NaN rows, only after full attention."""
     r = e2e.run_case(
         e2e.CASES["load-mp"],
-        patched=True,
+        patched=patched,
         workdir=workdir,
         models=CACHE / "models",
-        extra_env={"VLLM_HSFIX_DISABLED_PATCHES": "cpu-zero-blocks"},
+        extra_env=extra_env,
     )
     assert r.ok_run, r.error
-    print(f"load-mp patched, cpu-zero-blocks off: {_summary(r)}")
+    print(f"load-mp, {'patched' if patched else 'unpatched'}, {extra_env}: {_summary(r)}")
     assert r.rows_nan > 0, _summary(r)
     assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
 
@@ -149,17 +154,7 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
     """The other half of the experiment: vLLM 0.25.0 with its CPU block zeroing made a
     no-op (what 0.22-0.24 ship; CPU stand-ins experiment switch) writes NaN rows again,
     in the same aux layers."""
-    r = e2e.run_case(
-        e2e.CASES["load-mp"],
-        patched=False,
-        workdir=workdir,
-        models=CACHE / "models",
-        extra_env={"HSFIX_EXPERIMENT_NO_CPU_ZEROING": "1"},
-    )
-    assert r.ok_run, r.error
-    print(f"load-mp 0.25.0 with zeroing off: {_summary(r)}")
-    assert r.rows_nan > 0, _summary(r)
-    assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
+    _nan_without_zeroing(workdir, False, {"HSFIX_EXPERIMENT_NO_CPU_ZEROING": "1"})
 
 
 @pytest.mark.affected

@@ -639,9 +639,18 @@ def _prefix_data(
     rows = rows.reshape(k, n_aux, hidden)
     sound = ~(zero[:k] | bad[:k])
     rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
+    with np.errstate(all="ignore"):  # huge rows overflow: their norm is inf, not sound
+        sketch = audit_prefix.sketch_rows(rows)
+        norms = np.linalg.norm(sketch, axis=-1)
+    sound &= np.isfinite(norms)
+    # Unit vectors in float16 (half the transfer from the workers) and the norms in
+    # float32: activations of large models overflow float16 themselves.
+    with np.errstate(all="ignore"):
+        unit = sketch / np.where(norms > 0, norms, 1.0)[..., None]
     return PrefixData(
         token_ids=tuple(int(t) for t in token_ids[:k]),
-        sketches=audit_prefix.sketch_rows(rows).astype(np.float16),  # half the transfer
+        sketches=np.nan_to_num(unit).astype(np.float16),
+        norms=np.where(sound, norms, 0.0).astype(np.float32),
         sound=sound,
         shape_key=(n_aux, hidden),
     )

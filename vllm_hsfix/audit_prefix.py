@@ -68,7 +68,8 @@ class PrefixData:
     those rows are sound (finite and not all zero)."""
 
     token_ids: tuple[int, ...]
-    sketches: Any  # float32 [len(token_ids), n_aux, SKETCH_DIM]
+    sketches: Any  # float16 unit vectors [len(token_ids), n_aux, SKETCH_DIM]
+    norms: Any  # float32 [len(token_ids), n_aux]: sketch = unit vector x norm
     sound: Any  # bool [len(token_ids), n_aux]
     shape_key: tuple[int, int]  # (n_aux, hidden): only like files are compared
 
@@ -182,7 +183,9 @@ def _check_group(result: PrefixResult, data: list[Any], indices: list[int], posi
         sound = np.array([d.sound[position, aux] for d in data])
         if sound.sum() < 2:
             continue
-        rows = np.stack([d.sketches[position, aux] for d in data]).astype(np.float32)
+        rows = np.stack(
+            [d.sketches[position, aux].astype(np.float32) * d.norms[position, aux] for d in data]
+        )
         ref, spread = _consensus(rows[sound])
         if ref is None:
             consensus_missing = True

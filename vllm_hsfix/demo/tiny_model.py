@@ -88,18 +88,26 @@ def _qwen3_5() -> Any:
     return Qwen3_5ForConditionalGeneration(cfg)
 
 
+# What the two text-only verifiers share.
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
 def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=4,
+        **_COMMON,
         layer_types=LAYER_TYPES,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
         linear_key_head_dim=32,
         linear_value_head_dim=32,
         linear_num_key_heads=4,
@@ -110,8 +118,6 @@ def _qwen3_next() -> Any:
         shared_expert_intermediate_size=128,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
     )
     return Qwen3NextForCausalLM(cfg)
 
@@ -119,18 +125,7 @@ def _qwen3_next() -> Any:
 def _qwen3() -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg)
+    return Qwen3ForCausalLM(Qwen3Config(**_COMMON))
 
 
 _BUILDERS = {"hybrid": _qwen3_5, "hybrid-moe": _qwen3_next, "dense": _qwen3}
