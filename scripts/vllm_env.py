@@ -104,6 +104,17 @@ EXTRA_PINS: dict[str, list[str]] = {
     # 0.17.0's transformers (in its overlay) rejects tokenizers > 0.23.0.
     "2.10.0": ["tokenizers>=0.22.0,<=0.23.0"],
 }
+# The same for a release's overlay (installed with --no-deps, so what its own pins need
+# and the venv lacks goes here): 0.17.0-0.19.0 pin transformers < 5, which rejects the
+# huggingface-hub >= 1.0 that the torch-2.10 venv (built for 0.19.1) holds; 0.17-0.18's
+# older openai needs distro, which the venv's newer openai no longer pulls in.
+OVERLAY_PINS: dict[str, list[str]] = {
+    "0.19.0": ["huggingface-hub>=0.34.0,<1.0"],
+    **{
+        v: ["huggingface-hub>=0.34.0,<1.0", "distro"]
+        for v in ("0.17.0", "0.17.1", "0.18.0", "0.18.1")
+    },
+}
 
 
 def log(msg: str) -> None:
@@ -319,7 +330,7 @@ def ensure_overlay(version: str, py: Path, resolve: bool = False) -> Path:
     lock = overlay_lock(version)
     if resolve or not lock.exists():
         base = set(base_requirements(TORCH_FOR_RELEASE[version]))
-        extra = sorted(set(wheel_requirements(whl)) - base)
+        extra = sorted(set(wheel_requirements(whl)) - base) + OVERLAY_PINS.get(version, [])
         key = json.dumps({"wheel": whl.name, "extra": extra})
     else:
         extra = ["-r", str(lock)]
