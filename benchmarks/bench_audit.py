@@ -38,6 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm_hsfix import audit
 
 
+def layer_scales(n_aux: int) -> np.ndarray:
+    """Each aux layer's own scale, as real layers have different norms."""
+    return np.array([1.0, 4.0, 16.0][:n_aux] + [1.0] * max(0, n_aux - 3), dtype=np.float32)
+
+
 def write_file(
     path: Path,
     tokens: int,
@@ -66,7 +71,7 @@ def write_file(
         f.write(len(raw).to_bytes(8, "little") + raw)
         f.truncate(size)
     hs = np.memmap(path, dtype="<u2", mode="r+", offset=start, shape=(tokens, n_aux, hidden))
-    scale = np.array([1.0, 4.0, 16.0][:n_aux] + [1.0] * max(0, n_aux - 3), dtype=np.float32)
+    scale = layer_scales(n_aux)
     for t in range(0, tokens, 512):
         block = rng.standard_normal((min(512, tokens - t), n_aux, hidden), dtype=np.float32)
         block *= scale[None, :, None]
@@ -78,6 +83,9 @@ def write_file(
     del hs
     ids = np.memmap(path, dtype="<i8", mode="r+", offset=start + n_hs, shape=(tokens,))
     ids[:] = rng.integers(0, 150_000, size=tokens)
+    # Rows here are random, not causal: a file without the template gets a first token
+    # no other file has, so only files that really share rows share a prefix.
+    ids[0] = 200_000 + int(path.stem.rsplit("-", 1)[-1])
     if prefix is not None:
         ids[: min(tokens, len(prefix[0]))] = prefix[0][:tokens]
     ids.flush()
@@ -93,6 +101,7 @@ def make_corpus(root: Path, args: argparse.Namespace) -> list[str]:
     if args.shared_prefix:
         n = args.shared_prefix
         rows = rng.standard_normal((n, args.n_aux, args.hidden), dtype=np.float32)
+        rows *= layer_scales(args.n_aux)[None, :, None]
         prefix = (
             rng.integers(0, 150_000, size=n),
             (rows.view(np.uint32) >> 16).astype(np.uint16),

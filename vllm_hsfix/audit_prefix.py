@@ -32,6 +32,7 @@ with; counted as ``unchecked``), and rows past the shared prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ CONSENSUS_SAMPLE = 16
 _SEED = 0x48534658
 
 
+@lru_cache(maxsize=8)
 def sketch_matrix(hidden: int) -> NDArray[Any]:
     """The fixed projection for rows of width ``hidden`` (same in every worker)."""
     import numpy as np
@@ -148,6 +150,7 @@ def check(prefixes: list[PrefixData | None]) -> PrefixResult:
             [_common(a.token_ids, b.token_ids) for a, b in pairwise(data)],  # type: ignore[union-attr]
             dtype=np.int64,
         )
+        rows, sound = _stacked(data)  # type: ignore[arg-type]
         checked = np.zeros(len(order), dtype=bool)
         for depth in range(1, PREFIX_ROWS + 1):
             if not len(lcp) or lcp.max(initial=0) < depth:
@@ -160,9 +163,27 @@ def check(prefixes: list[PrefixData | None]) -> PrefixResult:
                     continue
                 checked[s:e] = True
                 result.groups += 1
-                _check_group(result, data[s:e], order[s:e], depth - 1)
+                _check_group(
+                    result, rows[s:e, depth - 1], sound[s:e, depth - 1], order[s:e], depth - 1
+                )
         result.checked += int(checked.sum())
     return result
+
+
+def _stacked(data: list[PrefixData]) -> tuple[NDArray[Any], NDArray[Any]]:
+    """All files' sketches as one array [files, PREFIX_ROWS, n_aux, SKETCH_DIM] (float32,
+    norms applied) and soundness [files, PREFIX_ROWS, n_aux]; rows past a file's end
+    are unsound. One copy, so a group is a slice, not a Python loop over its files."""
+    import numpy as np
+
+    n_aux = data[0].shape_key[0]
+    rows = np.zeros((len(data), PREFIX_ROWS, n_aux, SKETCH_DIM), dtype=np.float32)
+    sound = np.zeros((len(data), PREFIX_ROWS, n_aux), dtype=bool)
+    for i, d in enumerate(data):
+        k = len(d.token_ids)
+        rows[i, :k] = d.sketches.astype(np.float32) * d.norms[..., None]
+        sound[i, :k] = d.sound
+    return rows, sound
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -174,28 +195,32 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def _check_group(result: PrefixResult, data: list[Any], indices: list[int], position: int) -> None:
+def _check_group(
+    result: PrefixResult,
+    rows: NDArray[Any],
+    sound: NDArray[Any],
+    indices: list[int],
+    position: int,
+) -> None:
+    """One group at one position: ``rows`` [files, n_aux, SKETCH_DIM], ``sound``
+    [files, n_aux]."""
     import numpy as np
 
-    n_aux = data[0].sound.shape[1]
     consensus_missing = False
-    for aux in range(n_aux):
-        sound = np.array([d.sound[position, aux] for d in data])
-        if sound.sum() < 2:
+    for aux in range(rows.shape[1]):
+        ok = sound[:, aux]
+        if ok.sum() < 2:
             continue
-        rows = np.stack(
-            [d.sketches[position, aux].astype(np.float32) * d.norms[position, aux] for d in data]
-        )
-        ref, spread = _consensus(rows[sound])
+        ref, spread = _consensus(rows[ok, aux])
         if ref is None:
             consensus_missing = True
-            for k in np.flatnonzero(sound):
-                _flag(result, indices[k], position, aux, None, len(data))
+            for k in np.flatnonzero(ok):
+                _flag(result, indices[k], position, aux, None, len(indices))
             continue
         result.max_agreeing_distance = max(result.max_agreeing_distance, spread)
-        dist = _distance(rows, ref[None, :])
-        for k in np.flatnonzero(sound & (dist >= TOLERANCE)):
-            _flag(result, indices[k], position, aux, float(dist[k]), len(data))
+        dist = _distance(rows[:, aux], ref[None, :])
+        for k in np.flatnonzero(ok & (dist >= TOLERANCE)):
+            _flag(result, indices[k], position, aux, float(dist[k]), len(indices))
     result.no_consensus_groups += int(consensus_missing)
 
 
