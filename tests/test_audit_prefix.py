@@ -148,3 +148,21 @@ def test_tiny_groups(tmp_path: Path, n: int) -> None:
     report = audit.audit_paths(dataset(tmp_path, n_shared=n, n_alone=1), workers=1)
     assert prefix_flags(report) == {}
     assert report.dataset["prefix"]["files_checked"] == (n if n > 1 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_sketches_are_of_the_rows_the_scan_read_even_across_blocks(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """Hidden 8192: a scan block (1 MB) holds fewer rows than the 16 x 3 the prefix
+    check keeps, so the copy is assembled from several blocks."""
+    import numpy as np
+
+    hs = torch.randn(20, A, 8192, generator=torch.Generator().manual_seed(2)).to(dtype)
+    path = tmp_path / "big.safetensors"
+    save_file({"hidden_states": hs, "token_ids": torch.arange(20)}, str(path))
+    rep = audit.audit_file(path)
+    want = audit_prefix.sketch_rows(hs[: audit_prefix.PREFIX_ROWS].float().numpy())
+    got = rep.prefix.sketches.astype(np.float32) * rep.prefix.norms[..., None]
+    assert rep.prefix.token_ids == tuple(range(audit_prefix.PREFIX_ROWS))
+    assert np.allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max()))

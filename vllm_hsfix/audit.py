@@ -352,11 +352,14 @@ def _row_keys(ints: NDArray[Any], cols: NDArray[Any], mult: NDArray[Any]) -> NDA
 
 
 class _Scan:
-    """Per-file row arrays: O(rows) small numbers, never O(file bytes)."""
+    """Per-file row arrays: O(rows) small numbers, never O(file bytes), plus a float32
+    copy of the first ``head_rows`` rows, taken as they stream by (the prefix check's
+    input; no second read of the file)."""
 
-    def __init__(self, n_rows: int) -> None:
+    def __init__(self, n_rows: int, head_rows: int = 0, hidden: int = 0) -> None:
         import numpy as np
 
+        self.head = np.zeros((min(head_rows, n_rows), hidden), dtype=np.float32)
         self.sumsq = np.zeros(n_rows, dtype=np.float64)
         self.keys = np.zeros(n_rows, dtype=np.uint64)
         self.zero = np.zeros(n_rows, dtype=bool)
@@ -448,6 +451,10 @@ def _scan_window(
             work[...] = raw[b:e]
         else:
             work = raw[b:e]
+        if row0 + b < len(scan.head):
+            take = min(len(scan.head), row0 + e) - (row0 + b)
+            with np.errstate(all="ignore"):  # F64 beyond float32 becomes inf: not sound
+                scan.head[row0 + b : row0 + b + take] = work[:take]
         _block_rows(scan, row0 + b, work, ints[b:e], cols, mult)
     del ints, raw, mm  # the last references: the window is unmapped here
 
@@ -535,7 +542,8 @@ def _scan_hidden(
     n_tokens, n_aux, hidden = shape
     n_rows = n_tokens * n_aux
     row_bytes = hidden * ITEMSIZE[dtype]
-    scan = _Scan(n_rows)
+    with_prefix = token_ids is not None and len(token_ids) == n_tokens
+    scan = _Scan(n_rows, audit_prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols = np.unique(np.linspace(0, hidden - 1, min(hidden, KEY_SAMPLES)).round().astype(np.intp))
     mult = np.random.default_rng(0x5EED).integers(1, 2**63, size=len(cols), dtype=np.uint64)
     mult |= np.uint64(1)
@@ -602,7 +610,8 @@ def _scan_hidden(
             )
             st.near_zero_rows = int((v < NEAR_ZERO_FRACTION * med).sum())
         rep.layers.append(st)
-    rep.prefix = _prefix_data(path, offset, dtype, shape, token_ids, zero, bad)
+    if with_prefix and n_tokens:
+        rep.prefix = _prefix_data(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
     rep.near_zero_rows = sum(st.near_zero_rows for st in rep.layers)
     if rep.near_zero_rows:
@@ -616,27 +625,19 @@ def _scan_hidden(
 
 
 def _prefix_data(
-    path: str,
-    offset: int,
-    dtype: str,
+    head: NDArray[Any],
     shape: tuple[int, int, int],
-    token_ids: NDArray[Any] | None,
+    token_ids: NDArray[Any],
     zero: NDArray[Any],
     bad: NDArray[Any],
-) -> PrefixData | None:
-    """The first rows' sketches and token ids, for the cross-file prefix check."""
+) -> PrefixData:
+    """The first rows' sketches and token ids, for the cross-file prefix check; ``head``
+    holds those rows as the scan saw them ([tokens x n_aux, hidden], float32)."""
     import numpy as np
 
     n_tokens, n_aux, hidden = shape
-    if token_ids is None or len(token_ids) != n_tokens or n_tokens == 0:
-        return None
     k = min(n_tokens, audit_prefix.PREFIX_ROWS)
-    raw = np.fromfile(path, dtype=HIDDEN_RAW[dtype], count=k * n_aux * hidden, offset=offset)
-    if dtype == "BF16":
-        rows = np.left_shift(raw.astype(np.uint32), 16).view(np.float32)
-    else:
-        rows = raw.astype(np.float32)
-    rows = rows.reshape(k, n_aux, hidden)
+    rows = head.reshape(k, n_aux, hidden)
     sound = ~(zero[:k] | bad[:k])
     rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
     with np.errstate(all="ignore"):  # huge rows overflow: their norm is inf, not sound
