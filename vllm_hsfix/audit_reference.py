@@ -7,13 +7,16 @@ id k is ``hidden_states[k]``), and every row of a sampled file is compared with 
 relative L2 error under ``THRESHOLD`` is a correct row (measured on vLLM's bf16 output
 against an fp32 forward: correct rows 0.01-0.12, wrong rows 1.0-2.1).
 
-Only this module imports torch and transformers, and only when ``--reference`` is given.
+Of ``audit``, only this module imports torch and transformers, and only when
+``--reference`` is given. The end-to-end harness (``demo/e2e.py``) compares vLLM's
+output through the same ``load_model`` / ``aux_rows`` / ``row_errors``.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,8 +89,24 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> Any:
     return cls.from_pretrained(model_dir, dtype=torch_dtype).eval()
 
 
-def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResult:
+def aux_rows(model: Any, ids: Any, aux_layers: Sequence[int]) -> Any:
+    """The reference hidden states of token ids ``ids`` (1-D tensor), shaped as the
+    connector saves them: [tokens, len(aux_layers), hidden] (aux id k is
+    ``hidden_states[k]``)."""
     import torch
+
+    with torch.no_grad():
+        hs = model(ids[None, :].long(), output_hidden_states=True).hidden_states
+    return torch.stack([hs[k][0].float() for k in aux_layers], dim=1)
+
+
+def row_errors(got: Any, want: Any) -> Any:
+    """Relative L2 error of every saved row (token x aux layer) against the reference;
+    NaN where the saved row holds NaN."""
+    return (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+
+
+def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResult:
     from safetensors.torch import load_file
 
     t0 = time.perf_counter()
@@ -108,11 +127,7 @@ def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResul
             f"hidden_states {tuple(got.shape)} does not fit {len(ids)} tokens x "
             f"{len(aux_layers)} aux layers {aux_layers}",
         )
-    with torch.no_grad():
-        hs = model(ids[None, :], output_hidden_states=True).hidden_states
-    want = torch.stack([hs[k][0].float() for k in aux_layers], dim=1)
-    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
-    err = err.nan_to_num(nan=float("inf"))
+    err = row_errors(got, aux_rows(model, ids, aux_layers)).nan_to_num(nan=float("inf"))
     bad = err >= THRESHOLD
     first = None
     if bool(bad.any()):

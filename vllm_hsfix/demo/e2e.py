@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .. import audit_reference
 from . import cpu_standins, tiny_model
 from .machine import cpu_info, describe_cpu
 
@@ -201,13 +202,10 @@ def reference(model_path: Path, batch: list[list[int]], aux_ids: tuple[int, ...]
     if key not in _REFERENCE:
         import torch
 
-        model = tiny_model.load_reference(model_path)
-        out = []
-        with torch.no_grad():
-            for ids in batch:
-                hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-                out.append(torch.stack([hs[k][0] for k in aux_ids], dim=1))
-        _REFERENCE[key] = out
+        model = audit_reference.load_model(model_path)
+        _REFERENCE[key] = [
+            audit_reference.aux_rows(model, torch.tensor(ids), aux_ids) for ids in batch
+        ]
     return _REFERENCE[key]
 
 
@@ -233,7 +231,7 @@ def compare(
             )
             wrong.append(i)
             continue
-        err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+        err = audit_reference.row_errors(got, want)
         ok = err < THRESHOLD
         rows += err.numel()
         correct += int(ok.sum())

@@ -152,13 +152,3 @@ def build(path: str | Path, kind: str = "hybrid", seed: int = 0) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     (path / ".vllm-hsfix-model").write_text(key)
     return path
-
-
-def load_reference(path: str | Path) -> Any:
-    """The saved model in fp32 for the reference forward, by the class that saved it."""
-    import torch
-    import transformers
-
-    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
-    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32)
-    return model.eval()
