@@ -169,6 +169,16 @@ def step(what: str, fn: Callable[[], Path | None]) -> Path | None:
     return out
 
 
+def run_step(what: str, cmd: list[str], result: Path | None = None) -> None:
+    """One command as one step; ``result`` is what its size line measures."""
+
+    def go() -> Path | None:
+        run(cmd, what)
+        return result
+
+    step(what, go)
+
+
 def pip(py: Path | str, *args: str) -> list[str]:
     return [str(py), "-m", "pip", *args, "--progress-bar", "off", "--disable-pip-version-check"]
 
@@ -252,10 +262,7 @@ def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
     py = env / "bin" / "python"
     lock = venv_lock(torch_version)
     if not py.exists():
-        step(
-            f"create venv {env}",
-            lambda: (run([sys.executable, "-m", "venv", str(env)], f"create venv {env}"), env)[1],
-        )
+        run_step(f"create venv {env}", [sys.executable, "-m", "venv", str(env)], env)
     stamp = env / ".vllm-hsfix-deps"
     if resolve or not lock.exists():
         reqs = base_requirements(torch_version)
@@ -270,44 +277,31 @@ def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
                     f"`python3 scripts/vllm_env.py lock {' '.join(BASE_RELEASES[torch_version])}` "
                     "records a lock)"
                 )
-            step(
+            run_step(
                 f"install torch {torch_version} + vLLM's requirements into {env} (resolved; "
                 "cold: several minutes, about 2 GB of downloads)",
-                lambda: (
-                    run(pip(py, "install", "-q", *pins, *reqs, *extra, *TOOLS), "resolve venv"),
-                    env,
-                )[1],
+                pip(py, "install", "-q", *pins, *reqs, *extra, *TOOLS),
+                env,
             )
             stamp.write_text(key)
     else:
         key = json.dumps({"lock": lock_key(lock)})
         if not stamp_ok(stamp, key):
-            step(
+            run_step(
                 f"install torch {torch_version} + vLLM's requirements into {env} from "
                 f"{lock.relative_to(ROOT)} (exact versions; cold: several minutes, "
                 "about 2 GB of downloads)",
-                lambda: (
-                    run(
-                        pip(py, "install", "-q", "--no-deps", "-r", str(lock)),
-                        f"install {lock.name}",
-                    ),
-                    env,
-                )[1],
+                pip(py, "install", "-q", "--no-deps", "-r", str(lock)),
+                env,
             )
             stamp.write_text(key)
     # The project itself, editable, so its entry point is registered in the venv.
     src_key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + str(ROOT)
     src_stamp = env / ".vllm-hsfix-src"
     if not stamp_ok(src_stamp, src_key):
-        step(
+        run_step(
             f"install vllm-hsfix (editable, from {ROOT}) into {env}",
-            lambda: (
-                run(
-                    pip(py, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)),
-                    "install vllm-hsfix (editable)",
-                ),
-                None,
-            )[1],
+            pip(py, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)),
         )
         src_stamp.write_text(src_key)
     return py
@@ -340,24 +334,21 @@ def ensure_overlay(version: str, py: Path, resolve: bool = False) -> Path:
         if overlay.exists():
             shutil.rmtree(overlay)
 
-        def unpack() -> Path:
-            run(
-                pip(
-                    py,
-                    "install",
-                    "--no-deps",
-                    "--no-compile",
-                    "-q",
-                    "--target",
-                    str(overlay),
-                    str(whl),
-                    *extra,
-                ),
-                f"unpack {whl.name}",
-            )
-            return overlay
-
-        step(f"unpack {whl.name} into {overlay}", unpack)
+        run_step(
+            f"unpack {whl.name} into {overlay}",
+            pip(
+                py,
+                "install",
+                "--no-deps",
+                "--no-compile",
+                "-q",
+                "--target",
+                str(overlay),
+                str(whl),
+                *extra,
+            ),
+            overlay,
+        )
         stamp.write_text(key)
     return overlay
 

@@ -56,10 +56,6 @@ class Case:
     # lengths (blocks freed and reused); chat: prompts sharing template prefixes.
     prompts: str = "mixed"
 
-    @property
-    def load(self) -> bool:
-        return self.prompts == "load"
-
 
 CASES = {
     c.name: c
@@ -318,15 +314,12 @@ def death_in_log(log: Path, offset: int) -> tuple[str | None, int]:
 
 
 def supervise(
-    cmd: list[str],
-    env: dict[str, str],
-    log: Path,
-    timeout: float = RUN_TIMEOUT_S,
-    started: list[int] | None = None,
-) -> tuple[int | None, str | None]:
+    cmd: list[str], env: dict[str, str], log: Path, timeout: float = RUN_TIMEOUT_S
+) -> tuple[int, int | None, str | None]:
     """Run one vLLM process tree to its end, but never longer than it lives.
 
-    Returns (exit code or None when killed, why it was killed). The run is killed as a
+    Returns (pid of the run, exit code or None when killed, why it was killed). The
+    run is killed as a
     group when its log shows vLLM dying and it has not exited ``DEATH_GRACE_S`` later
     (a dead engine can leave the front end waiting forever), or at ``timeout``.
     """
@@ -334,14 +327,12 @@ def supervise(
         proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    if started is not None:
-        started.append(proc.pid)
     deadline = time.monotonic() + timeout
     offset, died_at, death = 0, None, None
     try:
         while True:
             try:
-                return proc.wait(timeout=0.5), None
+                return proc.pid, proc.wait(timeout=0.5), None
             except subprocess.TimeoutExpired:
                 pass
             if died_at is None:
@@ -349,9 +340,9 @@ def supervise(
                 if death is not None:
                     died_at = time.monotonic()
             if died_at is not None and time.monotonic() - died_at > DEATH_GRACE_S:
-                return None, f"vLLM died and the run did not exit: {death}"
+                return proc.pid, None, f"vLLM died and the run did not exit: {death}"
             if time.monotonic() > deadline:
-                return None, f"no result after {timeout:.0f} s"
+                return proc.pid, None, f"no result after {timeout:.0f} s"
     finally:
         _kill_group(proc)
 
@@ -419,13 +410,8 @@ def run_case(
     (out_dir / "args.json").write_text(json.dumps(args))
     log = out_dir / "run.log"
     t0 = time.monotonic()
-    started: list[int] = []
-    rc, killed = supervise(
-        [sys.executable, str(CASE_SCRIPT), str(out_dir / "args.json")],
-        env,
-        log,
-        timeout,
-        started,
+    pid, rc, killed = supervise(
+        [sys.executable, str(CASE_SCRIPT), str(out_dir / "args.json")], env, log, timeout
     )
     result = Result(
         case.name,
@@ -434,7 +420,7 @@ def run_case(
         ok_run=False,
         wall_s=round(time.monotonic() - t0, 1),
         cpu=dict(cpu_info()),
-        pid=started[0] if started else 0,
+        pid=pid,
     )
     text = log.read_text(errors="replace") if log.exists() else ""
     line = next((ln for ln in text.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")), None)
