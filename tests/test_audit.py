@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm_hsfix import audit
+from vllm_hsfix.audit import command, output, parallel, pipeline, reports, scan
 
 ROOT = Path(__file__).resolve().parent.parent
 T, A, H = 64, 3, 256
@@ -59,7 +59,7 @@ def write_raw(path: Path, data: bytes) -> Path:
     return path
 
 
-def only(rep: audit.FileReport, code: str) -> audit.Problem:
+def only(rep: reports.FileReport, code: str) -> reports.Problem:
     """The single problem with ``code`` (fails if there is none or several)."""
     found = [p for p in rep.problems if p.code == code]
     assert len(found) == 1, rep.problems
@@ -72,7 +72,7 @@ def only(rep: audit.FileReport, code: str) -> audit.Problem:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_good_file_is_ok_and_described(tmp_path: Path, dtype: torch.dtype) -> None:
     path = hs_file(tmp_path / "good.safetensors", dtype=dtype)
-    rep = audit.audit_file(path)
+    rep = scan.audit_file(path)
     assert rep.verdict == "ok", rep.problems
     assert rep.problems == []
     assert (rep.n_tokens, rep.n_aux, rep.hidden, rep.n_token_ids) == (T, A, H, T)
@@ -92,7 +92,7 @@ def test_bf16_norms_match_torch(tmp_path: Path) -> None:
         torch.bfloat16
     )
     save_file({"hidden_states": hs, "token_ids": torch.arange(T)}, str(tmp_path / "x.safetensors"))
-    rep = audit.audit_file(tmp_path / "x.safetensors")
+    rep = scan.audit_file(tmp_path / "x.safetensors")
     norms = hs.float().norm(dim=-1).double()
     for a, st in enumerate(rep.layers):
         assert st.mean_norm == pytest.approx(norms[:, a].mean().item(), rel=1e-5)
@@ -107,7 +107,7 @@ def test_zero_rows_are_corrupt(tmp_path: Path) -> None:
         hs[40] = 0  # all three aux rows of one token
         hs[41, 2] = -0.0  # negative zero is zero too
 
-    rep = audit.audit_file(hs_file(tmp_path / "z.safetensors", edit=edit))
+    rep = scan.audit_file(hs_file(tmp_path / "z.safetensors", edit=edit))
     assert rep.verdict == "corrupt"
     assert rep.zero_rows == 5
     assert [st.zero_rows for st in rep.layers] == [1, 2, 2]
@@ -124,7 +124,7 @@ def test_rows_copied_from_other_tokens_are_suspect(tmp_path: Path) -> None:
         hs[50, 2] = hs[9, 2]
         hs[51, 1] = hs[51, 2]  # the same token in another layer: not a duplicate
 
-    rep = audit.audit_file(hs_file(tmp_path / "d.safetensors", edit=edit))
+    rep = scan.audit_file(hs_file(tmp_path / "d.safetensors", edit=edit))
     assert rep.verdict == "suspect"
     assert rep.duplicate_rows == 3
     assert [st.duplicate_rows for st in rep.layers] == [2, 0, 1]
@@ -139,7 +139,7 @@ def test_same_token_id_with_the_same_row_is_not_a_duplicate(tmp_path: Path) -> N
         ids[10] = ids[30] = 7
         hs[30, 0] = hs[10, 0]
 
-    rep = audit.audit_file(hs_file(tmp_path / "same.safetensors", edit=edit))
+    rep = scan.audit_file(hs_file(tmp_path / "same.safetensors", edit=edit))
     assert rep.verdict == "ok", rep.problems
     assert rep.duplicate_rows == 0
 
@@ -151,7 +151,7 @@ def test_nan_and_inf_are_corrupt(tmp_path: Path) -> None:
         hs[2, 2, 2] = float("inf")
         hs[60, 0, 0] = float("-inf")
 
-    rep = audit.audit_file(hs_file(tmp_path / "n.safetensors", edit=edit))
+    rep = scan.audit_file(hs_file(tmp_path / "n.safetensors", edit=edit))
     assert rep.verdict == "corrupt"
     assert (rep.nan_count, rep.inf_count) == (2, 2)
     assert [st.nonfinite_rows for st in rep.layers] == [1, 1, 1]
@@ -166,7 +166,7 @@ def test_underflow_and_overflow_are_not_mistaken_for_zero_or_inf(tmp_path: Path)
         hs[3, 0] = 1e-30
         hs[4, 1] = 1e30
 
-    rep = audit.audit_file(hs_file(tmp_path / "u.safetensors", dtype=torch.float32, edit=edit))
+    rep = scan.audit_file(hs_file(tmp_path / "u.safetensors", dtype=torch.float32, edit=edit))
     assert (rep.zero_rows, rep.nan_count, rep.inf_count) == (0, 0, 0)
     assert rep.near_zero_rows == 1 and rep.layers[0].near_zero_rows == 1
     assert rep.layers[0].min_norm == pytest.approx(1e-30 * 16, rel=1e-5)
@@ -179,7 +179,7 @@ def test_token_count_mismatch_is_corrupt(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     hs = torch.randn(T, A, H).to(torch.bfloat16)
     save_file({"hidden_states": hs, "token_ids": torch.arange(T - 3)}, str(path))
-    rep = audit.audit_file(path)
+    rep = scan.audit_file(path)
     assert rep.verdict == "corrupt" and rep.token_mismatch is True
     assert only(rep, "token_mismatch").detail == f"{T - 3} token_ids for {T} hidden-state tokens"
     assert [st.count for st in rep.layers] == [T] * A  # the rows are still audited
@@ -222,7 +222,7 @@ def test_wrong_keys_dtypes_shapes_and_empty_are_corrupt(
 ) -> None:
     path = tmp_path / "w.safetensors"
     save_file(tensors, str(path))
-    rep = audit.audit_file(path)
+    rep = scan.audit_file(path)
     assert rep.verdict == "corrupt"
     assert code in rep.codes()
     assert needle in only(rep, code).detail
@@ -234,31 +234,31 @@ def test_extra_tensor_is_suspect(tmp_path: Path) -> None:
     save_file(
         {"hidden_states": hs, "token_ids": torch.arange(T), "extra": hs[0].clone()}, str(path)
     )
-    rep = audit.audit_file(path)
+    rep = scan.audit_file(path)
     assert rep.verdict == "suspect" and rep.codes() == ["extra_keys"]
 
 
 def test_truncated_files_are_corrupt(tmp_path: Path) -> None:
     good = hs_file(tmp_path / "src.safetensors").read_bytes()
     cut_data = write_raw(tmp_path / "a.safetensors", good[:-1000])
-    rep = audit.audit_file(cut_data)
+    rep = scan.audit_file(cut_data)
     assert rep.verdict == "corrupt" and rep.codes() == ["truncated"]
     assert "(1000 missing)" in rep.problems[0].detail
     assert (rep.n_tokens, rep.n_aux, rep.hidden) == (T, A, H)  # the header still speaks
     assert rep.layers == []
 
     cut_header = write_raw(tmp_path / "b.safetensors", good[:40])
-    rep = audit.audit_file(cut_header)
+    rep = scan.audit_file(cut_header)
     assert rep.codes() == ["truncated"] and "inside the header" in rep.problems[0].detail
 
     write_raw(tmp_path / "c.safetensors.lock", b"")  # the writer may still be at it
-    rep = audit.audit_file(write_raw(tmp_path / "c.safetensors", good[:-10]))
+    rep = scan.audit_file(write_raw(tmp_path / "c.safetensors", good[:-10]))
     assert rep.codes() == ["truncated"] and "writer may still be running" in rep.reason()
 
 
 def test_trailing_bytes_and_bad_offsets_are_corrupt(tmp_path: Path) -> None:
     good = hs_file(tmp_path / "src.safetensors").read_bytes()
-    rep = audit.audit_file(write_raw(tmp_path / "t.safetensors", good + b"\0" * 16))
+    rep = scan.audit_file(write_raw(tmp_path / "t.safetensors", good + b"\0" * 16))
     assert rep.verdict == "corrupt" and rep.codes() == ["trailing_bytes"]
 
     n = int.from_bytes(good[:8], "little")
@@ -266,7 +266,7 @@ def test_trailing_bytes_and_bad_offsets_are_corrupt(tmp_path: Path) -> None:
     header["token_ids"]["data_offsets"][1] += 8  # does not match its shape any more
     raw = json.dumps(header).encode()
     bad = len(raw).to_bytes(8, "little") + raw + good[8 + n :]
-    rep = audit.audit_file(write_raw(tmp_path / "o.safetensors", bad))
+    rep = scan.audit_file(write_raw(tmp_path / "o.safetensors", bad))
     assert rep.codes() == ["bad_header"] and "needs 512 bytes" in rep.reason()
 
 
@@ -284,7 +284,7 @@ def test_trailing_bytes_and_bad_offsets_are_corrupt(tmp_path: Path) -> None:
 def test_non_safetensors_files_are_corrupt_not_crashes(
     tmp_path: Path, data: bytes, needle: str
 ) -> None:
-    rep = audit.audit_file(write_raw(tmp_path / "junk.safetensors", data))
+    rep = scan.audit_file(write_raw(tmp_path / "junk.safetensors", data))
     assert rep.verdict == "corrupt"
     assert rep.codes() == ["not_safetensors"]
     assert needle in rep.problems[0].detail
@@ -293,7 +293,7 @@ def test_non_safetensors_files_are_corrupt_not_crashes(
 def test_unreadable_path_is_corrupt(tmp_path: Path) -> None:
     link = tmp_path / "gone.safetensors"
     link.symlink_to(tmp_path / "missing-target")
-    rep = audit.audit_file(link)
+    rep = scan.audit_file(link)
     assert rep.verdict == "corrupt" and rep.codes() == ["unreadable"]
     assert "No such file" in rep.reason()
 
@@ -311,10 +311,10 @@ def test_small_windows_give_the_same_answers(
         hs[123, 2, 5] = float("nan")
 
     path = hs_file(tmp_path / "w.safetensors", tokens=300, hidden=96, edit=edit)
-    default = audit.audit_file(path)
-    monkeypatch.setattr(audit, "CHUNK_BYTES", 96 * 2 * 3 * 7)  # 7 tokens per window
-    monkeypatch.setattr(audit, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
-    small = audit.audit_file(path)
+    default = scan.audit_file(path)
+    monkeypatch.setattr(scan, "CHUNK_BYTES", 96 * 2 * 3 * 7)  # 7 tokens per window
+    monkeypatch.setattr(scan, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
+    small = scan.audit_file(path)
     assert default.verdict == small.verdict == "corrupt"
     assert (small.zero_rows, small.duplicate_rows, small.nan_count) == (2, 1, 1)
     for a, b in zip(default.layers, small.layers, strict=True):
@@ -330,7 +330,7 @@ def test_norm_outlier_among_good_files(tmp_path: Path) -> None:
         hs_file(tmp_path / "ds" / f"good{i:02d}.safetensors", seed=i)
     hs_file(tmp_path / "ds" / "slightly.safetensors", seed=40, scale=1.02)
     off = hs_file(tmp_path / "ds" / "sub" / "scaled.safetensors", seed=41, scale=1000.0)
-    report = audit.audit_paths([tmp_path / "ds"], workers=2)
+    report = pipeline.audit_paths([tmp_path / "ds"], workers=2)
     assert len(report.files) == 12
     by = {Path(f.path).name: f for f in report.files}
     assert by["scaled.safetensors"].verdict == "suspect"
@@ -354,7 +354,7 @@ def test_norm_pass_uses_medians_so_one_big_row_is_fine(tmp_path: Path) -> None:
         hs[0] *= 300
 
     hs_file(tmp_path / "sink.safetensors", seed=99, edit=sink)
-    report = audit.audit_paths([tmp_path], workers=1)
+    report = pipeline.audit_paths([tmp_path], workers=1)
     assert [f.verdict for f in report.files] == ["ok"] * 7
 
 
@@ -362,7 +362,7 @@ def test_shape_outlier_is_suspect(tmp_path: Path) -> None:
     for i in range(4):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     odd = hs_file(tmp_path / "odd.safetensors", hidden=128)
-    report = audit.audit_paths([tmp_path], workers=1)
+    report = pipeline.audit_paths([tmp_path], workers=1)
     by = {f.path: f for f in report.files}
     assert by[str(odd)].codes() == ["shape_outlier"]
     assert report.dataset["majority_shape"] == [A, H]
@@ -375,10 +375,10 @@ def test_directories_expand_recursively_and_skip_locks(tmp_path: Path) -> None:
     write_raw(tmp_path / "d" / "b.safetensors.lock", b"")
     write_raw(tmp_path / "d" / "notes.txt", b"hello")
     lock = tmp_path / "d" / "b.safetensors.lock"
-    files = audit.expand_paths([tmp_path / "d", a, lock])
+    files = pipeline.expand_paths([tmp_path / "d", a, lock])
     assert files == [str(a), str(b)]
     with pytest.raises(FileNotFoundError):
-        audit.expand_paths([tmp_path / "nope"])
+        pipeline.expand_paths([tmp_path / "nope"])
 
 
 def test_workers_do_not_change_the_answers(tmp_path: Path) -> None:
@@ -386,28 +386,28 @@ def test_workers_do_not_change_the_answers(tmp_path: Path) -> None:
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     hs_file(tmp_path / "z.safetensors", edit=lambda hs, ids: hs[3].zero_())
     write_raw(tmp_path / "junk.safetensors", b"junk" * 100)
-    one = audit.audit_paths([tmp_path], workers=1)
-    two = audit.audit_paths([tmp_path], workers=2)
+    one = pipeline.audit_paths([tmp_path], workers=1)
+    two = pipeline.audit_paths([tmp_path], workers=2)
     assert two.workers == 2 and one.workers == 1
     assert [(f.path, f.verdict, f.codes()) for f in one.files] == [
         (f.path, f.verdict, f.codes()) for f in two.files
     ]
     assert one.count("corrupt") == 2
     with pytest.raises(ValueError):
-        audit.audit_paths([tmp_path], workers=0)
+        pipeline.audit_paths([tmp_path], workers=0)
 
 
-_REAL_AUDIT_FILE = audit.audit_file
+_REAL_AUDIT_FILE = scan.audit_file
 
 
-def _dies_on_boom(path: str) -> audit.FileReport:
+def _dies_on_boom(path: str) -> reports.FileReport:
     """Stands in for a worker killed mid-file (SIGBUS on a file shrunk under its map)."""
     if "boom" in os.fspath(path):
         os._exit(3)
     return _REAL_AUDIT_FILE(path)
 
 
-def _always_dies(path: str) -> audit.FileReport:
+def _always_dies(path: str) -> reports.FileReport:
     os._exit(3)
 
 
@@ -417,8 +417,8 @@ def test_a_worker_crash_is_pinned_on_its_file(
     for i in range(3):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     boom = hs_file(tmp_path / "boom.safetensors", seed=9)
-    monkeypatch.setattr(audit, "audit_file", _dies_on_boom)
-    report = audit.audit_paths([tmp_path], workers=2)
+    monkeypatch.setattr(parallel, "audit_file", _dies_on_boom)
+    report = pipeline.audit_paths([tmp_path], workers=2)
     by = {f.path: f for f in report.files}
     assert by[str(boom)].verdict == "corrupt" and by[str(boom)].codes() == ["unreadable"]
     assert "worker died" in by[str(boom)].reason()
@@ -430,10 +430,10 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     hs_file(tmp_path / "g.safetensors")
-    monkeypatch.setattr(audit, "audit_file", _always_dies)
+    monkeypatch.setattr(parallel, "audit_file", _always_dies)
     with pytest.raises(RuntimeError, match="cannot run"):
-        audit.audit_paths([tmp_path], workers=1)
-    assert audit.main([str(tmp_path)]) == 2
+        pipeline.audit_paths([tmp_path], workers=1)
+    assert command.main([str(tmp_path)]) == 2
     assert "cannot run" in capsys.readouterr().err
 
 
@@ -456,7 +456,7 @@ def make_mixed(root: Path) -> dict[str, Path]:
 
 def test_cli_json_report_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = make_mixed(tmp_path)
-    code = audit.main([str(tmp_path), "--json", "--workers", "2"])
+    code = command.main([str(tmp_path), "--json", "--workers", "2"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 1
     assert doc["totals"]["files"] == 7
@@ -474,7 +474,7 @@ def test_cli_json_report_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_human_output_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = make_mixed(tmp_path / "data")
     out_csv = tmp_path / "report.csv"
-    code = audit.main([str(tmp_path / "data"), "--csv", str(out_csv)])
+    code = command.main([str(tmp_path / "data"), "--csv", str(out_csv)])
     text = capsys.readouterr().out
     assert code == 1
     assert "ok 4   suspect 1   corrupt 2" in text
@@ -495,11 +495,11 @@ def test_suspect_only_exits_zero_but_is_listed(
     make_mixed(tmp_path)
     (tmp_path / "zero.safetensors").unlink()
     (tmp_path / "junk.safetensors").unlink()
-    assert audit.main([str(tmp_path), "--json"]) == 0
+    assert command.main([str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["regenerate"] == [str(tmp_path / "dup.safetensors")]
     (tmp_path / "dup.safetensors").unlink()
-    assert audit.main([str(tmp_path)]) == 0
+    assert command.main([str(tmp_path)]) == 0
     assert "result: all files ok" in capsys.readouterr().out
 
 
@@ -518,13 +518,13 @@ def test_usage_errors_exit_2(
 ) -> None:
     hs_file(tmp_path / "good.safetensors")
     (tmp_path / "empty-dir").mkdir()
-    assert audit.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert command.main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert capsys.readouterr().err.strip() != ""
 
 
 def test_unwritable_csv_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hs_file(tmp_path / "good.safetensors")
-    assert audit.main([str(tmp_path), "--csv", str(tmp_path / "no" / "dir" / "r.csv")]) == 2
+    assert command.main([str(tmp_path), "--csv", str(tmp_path / "no" / "dir" / "r.csv")]) == 2
     assert "cannot write" in capsys.readouterr().err
 
 
@@ -535,15 +535,15 @@ def test_add_parser_wires_into_a_cli(tmp_path: Path) -> None:
     hs_file(tmp_path / "z.safetensors", edit=lambda hs, ids: hs[0].zero_())
     ap = argparse.ArgumentParser(prog="vllm-hsfix")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    audit.add_parser(sub)
+    command.add_parser(sub)
     args = ap.parse_args(["audit", str(tmp_path), "--workers", "1"])
-    assert args.fn is audit.run and args.json is False and args.csv is None
+    assert args.fn is command.run and args.json is False and args.csv is None
     assert args.fn(args) == 1
 
 
 def test_progress_bar_format() -> None:
     buf = io.StringIO()
-    bar = audit.ProgressBar(buf, width=10)
+    bar = output.ProgressBar(buf, width=10)
     bar(1, 4)
     bar(4, 4)
     out = buf.getvalue()
@@ -574,7 +574,7 @@ def test_standalone_process_exit_code_and_progress(tmp_path: Path) -> None:
     out = run_py(
         f"""
         import json, sys
-        from vllm_hsfix.audit import main
+        from vllm_hsfix.audit.command import main
         light = "numpy" not in sys.modules
         code = main([{str(tmp_path)!r}, "--workers", "2"])
         heavy = sorted(m for m in ("torch", "vllm", "safetensors") if m in sys.modules)
@@ -634,7 +634,7 @@ def test_memory_stays_bounded_on_a_200mb_file(tmp_path: Path) -> None:
         f"""
         import json, resource
         import numpy as np
-        from vllm_hsfix.audit import audit_file
+        from vllm_hsfix.audit.scan import audit_file
 
         def peak():
             # Peak RSS of this process. On Linux getrusage's ru_maxrss also carries the

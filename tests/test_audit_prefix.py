@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_hsfix import audit, audit_prefix
+from vllm_hsfix.audit import pipeline, prefix, reports, scan
 
 A, H = 3, 64
 TEMPLATE = [7, 8, 9, 10, 11, 12]
@@ -66,7 +66,7 @@ def dataset(
     return paths
 
 
-def prefix_flags(report: audit.AuditReport) -> dict[str, str]:
+def prefix_flags(report: reports.AuditReport) -> dict[str, str]:
     return {
         Path(f.path).name: p.detail
         for f in report.files
@@ -76,13 +76,13 @@ def prefix_flags(report: audit.AuditReport) -> dict[str, str]:
 
 
 def test_a_correct_dataset_has_no_finding_and_says_what_it_checked(tmp_path: Path) -> None:
-    report = audit.audit_paths(dataset(tmp_path), workers=1)
+    report = pipeline.audit_paths(dataset(tmp_path), workers=1)
     assert prefix_flags(report) == {}
-    assert report.count(audit.OK) == 25
+    assert report.count(reports.OK) == 25
     pre = report.dataset["prefix"]
     assert pre["files_checked"] == 20 and pre["files_unchecked"] == 5
     assert pre["groups_without_consensus"] == 0
-    assert 0 < pre["max_agreeing_distance"] < audit_prefix.TOLERANCE / 2
+    assert 0 < pre["max_agreeing_distance"] < prefix.TOLERANCE / 2
 
 
 @pytest.mark.parametrize("scale", [1.0, 3e4], ids=["unit", "large-activations"])
@@ -90,7 +90,7 @@ def test_files_holding_other_memory_are_flagged_at_their_first_row(
     tmp_path: Path, scale: float
 ) -> None:
     """Also with activations whose projections overflow float16 (large models)."""
-    report = audit.audit_paths(dataset(tmp_path, wrong={2, 9, 15}, scale=scale), workers=2)
+    report = pipeline.audit_paths(dataset(tmp_path, wrong={2, 9, 15}, scale=scale), workers=2)
     flags = prefix_flags(report)
     assert set(flags) == {"f002.safetensors", "f009.safetensors", "f015.safetensors"}
     assert all(
@@ -101,14 +101,14 @@ def test_files_holding_other_memory_are_flagged_at_their_first_row(
 
 
 def test_a_wrong_file_outside_any_shared_prefix_cannot_be_caught(tmp_path: Path) -> None:
-    report = audit.audit_paths(dataset(tmp_path, wrong={22}), workers=1)
+    report = pipeline.audit_paths(dataset(tmp_path, wrong={22}), workers=1)
     assert prefix_flags(report) == {}  # documented limit: nothing to compare it with
 
 
 def test_a_dataset_written_entirely_wrong_has_no_reference_and_every_file_is_flagged(
     tmp_path: Path,
 ) -> None:
-    report = audit.audit_paths(dataset(tmp_path, wrong=set(range(20))), workers=1)
+    report = pipeline.audit_paths(dataset(tmp_path, wrong=set(range(20))), workers=1)
     flags = prefix_flags(report)
     assert len(flags) == 20
     assert all("no majority of them agree" in d for d in flags.values())
@@ -118,7 +118,9 @@ def test_a_dataset_written_entirely_wrong_has_no_reference_and_every_file_is_fla
 def test_a_bare_plurality_is_no_consensus(tmp_path: Path) -> None:
     """5 files: 2 agree, 3 are wrong each in its own way: 2 of 5 is the largest
     agreeing set but not a majority, so nobody is the reference and all are flagged."""
-    report = audit.audit_paths(dataset(tmp_path, wrong={2, 3, 4}, n_shared=5, n_alone=0), workers=1)
+    report = pipeline.audit_paths(
+        dataset(tmp_path, wrong={2, 3, 4}, n_shared=5, n_alone=0), workers=1
+    )
     assert len(prefix_flags(report)) == 5
 
 
@@ -132,20 +134,20 @@ def test_zero_rows_never_vote(tmp_path: Path) -> None:
         t = load_file(str(p))
         t["hidden_states"][:3] = 0
         save_file(t, str(p))
-    report = audit.audit_paths(paths, workers=1)
+    report = pipeline.audit_paths(paths, workers=1)
     assert prefix_flags(report) == {}
-    assert [f.verdict for f in report.files] == [audit.CORRUPT] * 4 + [audit.OK] * 3
+    assert [f.verdict for f in report.files] == [reports.CORRUPT] * 4 + [reports.OK] * 3
 
 
 def test_json_output_leaves_the_sketches_out(tmp_path: Path) -> None:
-    report = audit.audit_paths(dataset(tmp_path, n_shared=3, n_alone=0), workers=1)
+    report = pipeline.audit_paths(dataset(tmp_path, n_shared=3, n_alone=0), workers=1)
     doc = report.to_dict()
     assert "prefix" not in doc["files"][0] and doc["dataset"]["prefix"]["files_checked"] == 3
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_tiny_groups(tmp_path: Path, n: int) -> None:
-    report = audit.audit_paths(dataset(tmp_path, n_shared=n, n_alone=1), workers=1)
+    report = pipeline.audit_paths(dataset(tmp_path, n_shared=n, n_alone=1), workers=1)
     assert prefix_flags(report) == {}
     assert report.dataset["prefix"]["files_checked"] == (n if n > 1 else 0)
 
@@ -161,8 +163,8 @@ def test_sketches_are_of_the_rows_the_scan_read_even_across_blocks(
     hs = torch.randn(20, A, 8192, generator=torch.Generator().manual_seed(2)).to(dtype)
     path = tmp_path / "big.safetensors"
     save_file({"hidden_states": hs, "token_ids": torch.arange(20)}, str(path))
-    rep = audit.audit_file(path)
-    want = audit_prefix.sketch_rows(hs[: audit_prefix.PREFIX_ROWS].float().numpy())
+    rep = scan.audit_file(path)
+    want = prefix.sketch_rows(hs[: prefix.PREFIX_ROWS].float().numpy())
     got = rep.prefix.sketches.astype(np.float32) * rep.prefix.norms[..., None]
-    assert rep.prefix.token_ids == tuple(range(audit_prefix.PREFIX_ROWS))
+    assert rep.prefix.token_ids == tuple(range(prefix.PREFIX_ROWS))
     assert np.allclose(got, want, rtol=2e-3, atol=2e-3 * float(np.abs(want).max()))

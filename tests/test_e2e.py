@@ -229,9 +229,9 @@ def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
 
 
 def _audit(files: list[str]) -> dict[str, str]:
-    from vllm_hsfix import audit
+    from vllm_hsfix.audit import pipeline
 
-    report = audit.audit_paths(files, workers=1)
+    report = pipeline.audit_paths(files, workers=1)
     return {f.path: f.verdict for f in report.files}
 
 
@@ -257,9 +257,9 @@ def test_audit_flags_nothing_written_by_a_fixed_release(workdir: Path) -> None:
 
 
 def _audit_report(files: list[str]) -> Any:
-    from vllm_hsfix import audit
+    from vllm_hsfix.audit import pipeline
 
-    return audit.audit_paths(files, workers=1)
+    return pipeline.audit_paths(files, workers=1)
 
 
 @pytest.mark.affected
@@ -300,9 +300,9 @@ def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Pa
 
 def _reference(files: list[str]) -> dict[str, Any]:
     """``audit --reference`` on 8 of the files: the summary (wrong count, cost per file)."""
-    from vllm_hsfix import audit_reference
+    from vllm_hsfix.audit import reference
 
-    _, summary = audit_reference.check(files, str(CACHE / "models" / "hybrid"), [1, 2, 3], "8")
+    _, summary = reference.check(files, str(CACHE / "models" / "hybrid"), [1, 2, 3], "8")
     return summary
 
 

@@ -48,11 +48,11 @@ def test_files_carry_provenance_when_asked(tmp_path: Path) -> None:
     assert meta["vllm_hsfix.vllm"] == INSTALL.version
     assert "scatter-clamp" in meta["vllm_hsfix.patches"]
 
-    from vllm_hsfix import audit
+    from vllm_hsfix.audit import output, pipeline
 
-    report = audit.audit_paths([tmp_path / "req-0.safetensors"], workers=1)
+    report = pipeline.audit_paths([tmp_path / "req-0.safetensors"], workers=1)
     assert report.files[0].provenance["vllm_hsfix.vllm"] == INSTALL.version
-    assert "provenance: 1 of 1 files made with vllm-hsfix" in audit.format_human(report)
+    assert "provenance: 1 of 1 files made with vllm-hsfix" in output.format_human(report)
 
 
 def test_no_provenance_by_default(tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ def test_no_provenance_by_default(tmp_path: Path) -> None:
     assert wrapped is None
     assert not any(k.startswith("vllm_hsfix.") for k in meta)
 
-    from vllm_hsfix import audit
+    from vllm_hsfix.audit import output, pipeline
 
-    report = audit.audit_paths([tmp_path / "req-0.safetensors"], workers=1)
-    assert "none of 1 files carry vllm-hsfix metadata" in audit.format_human(report)
+    report = pipeline.audit_paths([tmp_path / "req-0.safetensors"], workers=1)
+    assert "none of 1 files carry vllm-hsfix metadata" in output.format_human(report)

@@ -9,29 +9,35 @@ Public API: :func:`apply`, :func:`unapply`, :func:`status`, ``__version__``.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-__all__ = ["__version__", "apply", "status", "unapply"]
+from ._version import __version__
+from .errors import HsfixError
+
+__all__ = ["HsfixError", "__version__", "apply", "status", "unapply"]
 
 
 def apply() -> None:
-    """Activate (idempotent). Patches now if vLLM's targets are imported, else on import."""
-    from . import activation
+    """Activate (idempotent). Patches now if vLLM's targets are imported, else on import.
+    Also the way back after :func:`unapply`, and the repair after a target was reloaded."""
+    from . import runtime
 
-    activation.start("apply")
+    runtime.start("apply")
 
 
 def unapply() -> None:
-    """Restore every original vLLM object exactly and stop patching in this process."""
-    from . import activation
+    """Stop patching in this process: every original comes back (or, beneath a wrapper
+    added later by someone else, ours passes straight through). Sticks: the plugin, the
+    import watcher and the bootstrap do not patch again; only :func:`apply` does."""
+    from . import runtime
 
-    activation.unapply()
+    runtime.unapply()
 
 
 def status() -> dict[str, object]:
-    """Structured state: vLLM found, each patch's status and reason, activation paths."""
-    from . import activation
+    """Structured state: vLLM found, each patch's status and reason, activation paths.
+    Checked against the live targets each time it is called."""
+    from . import runtime
 
-    return activation.status()
+    return runtime.status()
 
 
 def _loaded_as_entry_point() -> bool:
@@ -64,7 +70,7 @@ def _activate_on_import() -> None:
         return
     else:
         source = "import"
-    from ._lazy import activate
+    from .activation import activate
 
     activate(source)
 

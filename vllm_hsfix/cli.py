@@ -2,8 +2,13 @@
 
 Exit codes are meant for a Dockerfile ``RUN``:
 
-* ``status``: 0 the fix is in place or not needed; 1 vLLM is in the affected range
-  but the fix cannot apply (unknown shape or version, disabled, plugin filtered out).
+* ``status``: 0 the fix will be in place or is not needed; 1 vLLM is in the affected
+  range but the fix cannot apply (unknown shape or version, disabled, plugin missing
+  or filtered out), or a ``--require`` does not hold; 2 this interpreter has no vLLM
+  (a check run in the wrong virtualenv must not pass).
+  ``--require applied``: vllm-hsfix will patch this vLLM; ``--require fixed``: this
+  vLLM carries the upstream fix itself; ``--require tested``: this exact build was
+  tested (release and target fingerprints in ``tested.json``). Comma lists combine.
 * ``verify``: 0 every check passed; 1 a check failed or a patch is not in place;
   2 it cannot run here (no vLLM, or ``--device cuda`` without a GPU).
 * ``run``: the exit code of the command.
@@ -23,7 +28,7 @@ from typing import Any
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 ENTRY_POINT = "vllm_hsfix"
-OK_CODES = {"applied", "would-apply", "upstream-fix-present", "not-needed", "no-vllm"}
+OK_CODES = {"would-apply", "upstream-fix-present", "not-needed"}
 
 
 def _entry_point() -> dict[str, Any]:
@@ -41,31 +46,27 @@ def _entry_point() -> dict[str, Any]:
 
 
 def static_status() -> dict[str, Any]:
-    """What activation would do here, from metadata and source files: vLLM is NOT imported."""
-    from . import __version__, config, detect, gate
-    from .patches import FIXED_FROM, PATCH_IDS, PATCHES
+    """What activation would do here, from metadata and source files: vLLM is NOT
+    imported. The decisions come from ``plan.decide``, the runtime's own function."""
+    from . import config, detect, plan, shapes, tested
+    from ._version import __version__
+    from .patches import PATCH_IDS, PATCHES
 
     cfg = config.load(known_patches=PATCH_IDS)
     inst = detect.detect(cfg.vllm_version_override)
     patches: dict[str, Any] = {}
+    root = Path(inst.location or "").parent
     for patch in PATCHES:
-        if not inst.present:
-            patches[patch.id] = {"code": "no-vllm", "reason": "vLLM is not installed"}
-            continue
         impl = patch.implementation()
-        root = Path(inst.location or "").parent
         path = root.joinpath(*patch.module.split(".")[1:]).with_suffix(".py")
-        decision = gate.decide(
+        decision = plan.decide(
             patch,
-            inst.version,
-            inst.problem,
-            cfg.disabled or patch.id in cfg.disabled_patches,
-            lambda path=path, impl=impl: gate.probe_file(str(path), impl.probe_tree),
-            FIXED_FROM,
+            inst,
+            cfg,
+            lambda path=path, impl=impl: shapes.probe_file(str(path), impl.probe_tree),
         )
-        code = "would-apply" if decision.code == "apply" else decision.code
         patches[patch.id] = {
-            "code": code,
+            "code": "would-apply" if decision.code == plan.APPLY else decision.code,
             "reason": decision.reason,
             "target": patch.target,
             "releases": patch.releases,
@@ -73,19 +74,13 @@ def static_status() -> dict[str, Any]:
             "shape": decision.probe.shape if decision.probe else None,
             "fingerprints": dict(decision.probe.fingerprints) if decision.probe else {},
         }
-    from . import tested
-    from .state import Record
-
-    recs = {}
-    for patch in PATCHES:
-        rec = Record(patch)
-        rec.fingerprints = patches[patch.id].get("fingerprints", {})
-        recs[patch.id] = rec
     ep = _entry_point()
     return {
         "vllm_hsfix": __version__,
         "vllm": inst.as_dict(),
-        "tested_build": tested.describe(inst, recs),
+        "tested_build": tested.describe(
+            inst, {pid: p["fingerprints"] for pid, p in patches.items()}
+        ),
         "patches": patches,
         "activation": {
             "entry_point": ep,
@@ -101,18 +96,33 @@ def static_status() -> dict[str, Any]:
     }
 
 
-def status_exit_code(report: dict[str, Any]) -> tuple[int, list[str]]:
+REQUIREMENTS = ("applied", "fixed", "tested")
+
+
+def status_exit_code(
+    report: dict[str, Any], require: tuple[str, ...] = ()
+) -> tuple[int, list[str]]:
+    """(exit code, problems) for ``vllm-hsfix status``: see the module docstring."""
+    codes = {p["code"] for p in report["patches"].values()}
+    if not report["vllm"]["present"]:
+        return 2, ["no vLLM is importable by this interpreter (is this the image's Python?)"]
     problems = [
         f"{pid}: {p['code']}: {p['reason']}"
         for pid, p in report["patches"].items()
         if p["code"] not in OK_CODES
     ]
     ep = report["activation"]["entry_point"]
-    affected = any(p["code"] == "would-apply" for p in report["patches"].values())
+    affected = "would-apply" in codes
     if affected and not ep["registered"]:
         problems.append("the vllm.general_plugins entry point is not registered here")
     if affected and ep["filtered_out_by_VLLM_PLUGINS"]:
         problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
+    if "applied" in require and not affected:
+        problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
+    if "fixed" in require and codes != {"upstream-fix-present"}:
+        problems.append("--require fixed: this vLLM does not carry the upstream fix")
+    if "tested" in require and not report["tested_build"]["tested"]:
+        problems.append(f"--require tested: {report['tested_build']['reason']}")
     return (1 if problems else 0), problems
 
 
@@ -142,6 +152,12 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
     )
     for w in report["config"]["warnings"]:
         print(f"warning: {w}")
+    if not v["present"]:
+        print("result: NO VLLM: " + "; ".join(problems))
+        return
+    if problems and all(p.startswith("--require") for p in problems):
+        print("result: REQUIREMENT NOT MET: " + "; ".join(problems))
+        return
     print("result: " + ("OK" if not problems else "FIX CANNOT APPLY: " + "; ".join(problems)))
     if not problems:
         print(f"        {_what_happens(report)}")
@@ -160,9 +176,19 @@ def _what_happens(report: dict[str, Any]) -> str:
     return "nothing to patch on this vLLM"
 
 
+def _requirements(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in REQUIREMENTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown requirement(s) {unknown}; choose from {', '.join(REQUIREMENTS)}"
+        )
+    return names
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     report = static_status()
-    code, problems = status_exit_code(report)
+    code, problems = status_exit_code(report, args.require)
     report["ok"], report["problems"] = code == 0, problems
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -248,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("status", help="what is (or would be) patched here, without importing vLLM")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--require",
+        type=_requirements,
+        default=(),
+        metavar="applied|fixed|tested",
+        help="also exit 1 unless vllm-hsfix patches this vLLM (applied), the vLLM has the "
+        "upstream fix (fixed), or this exact build was tested (tested); comma lists combine",
+    )
     p.set_defaults(fn=cmd_status)
     p = sub.add_parser("verify", help="import vLLM, activate, and check the live patched code")
     p.add_argument("--json", action="store_true")

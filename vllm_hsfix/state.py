@@ -6,9 +6,10 @@ calls may race (threads) or nest (a hook firing inside another import).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ._locks import ForkSafeRLock
 
 if TYPE_CHECKING:
     from .config import Config
@@ -36,9 +37,10 @@ CODES = {
     "unknown-shape": REFUSED,
     "error": FAILED,
     "reverted": REVERTED,
+    "overwritten": REVERTED,
 }
 
-LOCK = threading.RLock()
+LOCK = ForkSafeRLock()
 
 
 @dataclass
@@ -82,6 +84,9 @@ class State:
     verify: dict[str, Any] | None = None
     provenance: bool = False
     errors: list[str] = field(default_factory=list)
+    # unapply() was called: later activations (plugin, import watcher, bootstrap) keep
+    # out; only an explicit apply() patches this process again.
+    unapplied: bool = False
 
 
 STATE = State()

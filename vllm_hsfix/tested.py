@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .detect import VllmInstall
-    from .state import Record
 
 
 @lru_cache(maxsize=1)
@@ -24,25 +23,25 @@ def table() -> dict[str, Any]:
     return json.loads(text)
 
 
-def describe(inst: VllmInstall, records: dict[str, Record]) -> dict[str, Any]:
-    """Whether this build's fingerprints match those of the tested release."""
+def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """Whether this build's fingerprints (per patch id) match those of the tested release."""
     if not inst.present or inst.release is None:
         return {"tested": False, "reason": "no vLLM release identified"}
     entry = table().get("releases", {}).get(inst.release)
     if entry is None:
         return {"tested": False, "reason": f"vLLM {inst.release} is not a tested release"}
     mismatches = []
-    for rec in records.values():
-        want = entry.get("fingerprints", {}).get(rec.patch.id, {})
-        for name, got in rec.fingerprints.items():
+    for patch_id, got_fps in fingerprints.items():
+        want = entry.get("fingerprints", {}).get(patch_id, {})
+        for name, got in got_fps.items():
             if name in want and want[name] != got:
-                mismatches.append(f"{rec.patch.id}:{name} {got} != tested {want[name]}")
+                mismatches.append(f"{patch_id}:{name} {got} != tested {want[name]}")
     if mismatches:
         return {
             "tested": False,
             "reason": f"untested build of {inst.release}: " + "; ".join(mismatches),
         }
-    checked = any(rec.fingerprints for rec in records.values())
+    checked = any(fingerprints.values())
     return {
         "tested": True,
         "reason": f"vLLM {inst.release} is a tested release"

@@ -1,318 +1,21 @@
-"""Proof that the fix is live: call vLLM's real (patched) code and check the bytes.
+"""``vllm-hsfix verify``: import vLLM, activate, and run the checks on the live code.
 
-Three entry points:
-
-* :func:`run` (``vllm-hsfix verify``): imports vLLM, activates, and checks the live
-  ``basic_cache`` on scratch caches with padding slots, on the CPU or on CUDA (there
-  also: no host-device sync, capture in a CUDA graph and replay with new inputs), and
-  the live connector's group / block-size resolution on a hybrid layout built from
-  vLLM's own spec classes.
-* :func:`in_situ`: the same scatter check, once, inside a worker when the connector
-  registers its KV caches (CUDA is initialised by then, so nothing is forced), on a
-  small scratch tensor with the real buffer's device, dtype and row layout. Never in
-  the forward pass: that may be under CUDA-graph capture.
-* :func:`check_scatter`: the byte-level check both use.
-
-torch and vLLM are imported inside functions only: importing this module stays cheap.
+The checks themselves live in ``checks``; this module only decides which apply to
+the installed release and on which device, and builds the report. Exit codes: 0
+verified, 1 a check failed or a patch is not in place, 2 it cannot run here.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
-import time
-from types import SimpleNamespace
+import importlib
 from typing import Any
 
-log = logging.getLogger("vllm_hsfix")
-
-MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-
-
-def scratch_case(
-    *,
-    device: str,
-    dtype: Any,
-    num_blocks: int = 6,
-    block_size: int = 8,
-    heads: int = 3,
-    head: int = 16,
-    strided: bool = False,
-    padding: int = 5,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """A scratch cache, rows to scatter and a slot mapping with ``-1`` padding mixed in.
-
-    Real slots avoid block 0 (vLLM's null block, never given to a request) and the very
-    last slot of the buffer (where an unclamped ``-1`` lands), so both misbehaviours
-    are visible as changed bytes.
-    """
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    pad_rows = 3 if strided else 0
-    base = torch.full((num_blocks, block_size + pad_rows, heads, head), 7.0, dtype=dtype)
-    base = base.to(device)
-    kv_cache = base[:, :block_size] if strided else base
-    usable = torch.arange(block_size, num_blocks * block_size - 1)
-    n_real = min(2 * block_size + 3, usable.numel())
-    real = usable[torch.randperm(usable.numel(), generator=gen)[:n_real]]
-    slots = torch.cat([real, torch.full((padding,), -1, dtype=torch.long)])
-    order = torch.randperm(slots.numel(), generator=gen)
-    slots = slots[order].to(device)
-    rows = torch.randn(slots.numel(), heads, head, generator=gen).to(dtype).to(device)
-    return {"base": base, "kv_cache": kv_cache, "slots": slots, "rows": rows}
-
-
-def check_scatter(fn: Any, case: dict[str, Any]) -> list[str]:
-    """Call ``fn(rows, kv_cache, slots)`` and list every byte that is not as it must be.
-
-    Must hold afterwards: each real row sits in its slot; the null block's slot 0 is
-    either untouched or holds one of the padding rows; nothing else in the whole
-    underlying buffer (including the padding of a strided view) changed.
-    """
-    import torch
-
-    base, kv_cache, slots, rows = case["base"], case["kv_cache"], case["slots"], case["rows"]
-    before = base.clone()
-    before_view = kv_cache.clone()
-    fn(rows, kv_cache, slots)
-    problems: list[str] = []
-    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
-    flat_after = kv_cache.reshape(nb * bs, *kv_cache.shape[2:])
-    flat_before = before_view.reshape(nb * bs, *kv_cache.shape[2:])
-    real = slots >= 0
-    real_slots = slots[real]
-    if not torch.equal(flat_after[real_slots], rows[real]):
-        wrong = (flat_after[real_slots] != rows[real]).flatten(1).any(1).sum().item()
-        problems.append(f"{wrong} of {int(real.sum())} real rows are not in their slots")
-    written = torch.zeros(nb * bs, dtype=torch.bool, device=kv_cache.device)
-    written[real_slots] = True
-    written[0] = True
-    untouched = ~written
-    if not torch.equal(flat_after[untouched], flat_before[untouched]):
-        changed = (
-            torch.nonzero((flat_after != flat_before).flatten(1).any(1) & untouched)
-            .flatten()
-            .tolist()
-        )
-        where = ", ".join(f"block {s // bs} slot {s % bs}" for s in changed[:4])
-        problems.append(f"padding or stray writes changed {len(changed)} slot(s): {where}")
-    pad_rows = rows[~real]
-    slot0 = flat_after[0]
-    if not torch.equal(slot0, flat_before[0]) and not any(torch.equal(slot0, r) for r in pad_rows):
-        problems.append("the null block's slot 0 holds something other than a padding row")
-    if kv_cache.data_ptr() != base.data_ptr() or kv_cache.shape != base.shape:
-        # Strided view: the bytes outside the view must be untouched as well.
-        outside = torch.ones(base.shape[:2], dtype=torch.bool, device=base.device)
-        outside[:, :bs] = False
-        if not torch.equal(base[outside], before[outside]):
-            problems.append("bytes outside the strided view changed")
-    return problems
-
-
-def head_major(fn: Any) -> Any:
-    """Adapt a 0.29+ ``basic_cache`` (buffer ``[num_blocks, heads, block_size, head]``) to
-    the checks' ``[num_blocks, block_size, heads, head]`` scratch cache: it writes through
-    a transposed view of the same memory, so the byte checks hold unchanged."""
-
-    def call(to_cache: Any, kv_cache: Any, slot_mapping: Any) -> Any:
-        return fn(to_cache, kv_cache.transpose(1, 2), slot_mapping)
-
-    return call
-
-
-def live_scatter(module: Any, version: str | None) -> Any:
-    """The live ``basic_cache``, adapted to the buffer layout of the installed release."""
-    from packaging.version import Version
-
-    if version is not None and Version(Version(version).public) >= Version("0.29.0"):
-        return head_major(module.basic_cache)
-    return module.basic_cache
-
-
-def _dtype(name: str) -> Any:
-    import torch
-
-    return getattr(torch, name)
-
-
-def scatter_checks(fn: Any, device: str, shape: str | None) -> list[dict[str, Any]]:
-    """The scatter check over dtypes and layouts the installed release supports."""
-    results = []
-    layouts = [False, True] if shape != "flat-view" else [False]
-    for dtype in ("bfloat16", "float32"):
-        for strided in layouts:
-            case = scratch_case(device=device, dtype=_dtype(dtype), strided=strided)
-            t0 = time.perf_counter()
-            problems = check_scatter(fn, case)
-            results.append(
-                {
-                    "check": f"scatter {dtype} {'strided view' if strided else 'contiguous'}",
-                    "ok": not problems,
-                    "problems": problems,
-                    "ms": round((time.perf_counter() - t0) * 1e3, 3),
-                }
-            )
-    return results
-
-
-def cuda_checks(fn: Any) -> list[dict[str, Any]]:
-    """No host sync inside the scatter; capture in a CUDA graph, replay with new inputs."""
-    import torch
-
-    results: list[dict[str, Any]] = []
-    case = scratch_case(device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    problem = None
-    previous = torch.cuda.get_sync_debug_mode()
-    try:
-        torch.cuda.set_sync_debug_mode("error")
-        fn(case["rows"], case["kv_cache"], case["slots"])
-    except RuntimeError as exc:
-        problem = f"the scatter synchronised the host: {exc}"
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    results.append(
-        {
-            "check": "no host-device sync",
-            "ok": problem is None,
-            "problems": [problem] if problem else [],
-        }
-    )
-
-    static = scratch_case(device="cuda", dtype=torch.bfloat16, seed=1)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    problems: list[str] = []
-    try:
-        with torch.cuda.stream(stream):
-            fn(static["rows"], static["kv_cache"], static["slots"])  # warm-up
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            fn(static["rows"], static["kv_cache"], static["slots"])
-        for seed in (2, 3):
-            # New inputs in the captured tensors: a correct graph scatters them too.
-            fresh = scratch_case(device="cuda", dtype=torch.bfloat16, seed=seed)
-            for key in ("base", "rows", "slots"):
-                static[key].copy_(fresh[key])
-            problems += [
-                f"replay with seed {seed}: {p}"
-                for p in check_scatter(lambda *_: graph.replay(), static)
-            ]
-        torch.cuda.synchronize()
-    except Exception as exc:
-        problems.append(f"CUDA graph capture/replay failed: {exc!r}")
-    results.append(
-        {"check": "CUDA graph capture and replay", "ok": not problems, "problems": problems}
-    )
-    return results
-
-
-def hybrid_layout() -> tuple[Any, dict[str, int]]:
-    """A Qwen3.5-A3B-like hybrid ``KVCacheConfig`` from vLLM's own spec classes:
-    full attention and mamba at the bumped block size 528, the hidden-states group
-    (not first) at its own 22."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        HiddenStateCacheSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MambaSpec,
-    )
-
-    groups = [
-        KVCacheGroupSpec(
-            ["model.layers.3.self_attn"],
-            FullAttentionSpec(block_size=528, num_kv_heads=2, head_size=256, dtype=torch.bfloat16),
-        ),
-        KVCacheGroupSpec(
-            ["model.layers.0.linear_attn"],
-            MambaSpec(block_size=528, shapes=((4, 8),), dtypes=(torch.float32,)),
-        ),
-        KVCacheGroupSpec(
-            ["cache_only_layers.0"],
-            HiddenStateCacheSpec(
-                block_size=22, num_kv_heads=3, head_size=2048, dtype=torch.bfloat16
-            ),
-        ),
-    ]
-    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    return config, {"group": 2, "block_size": 22, "global_block_size": 528}
-
-
-def connector_checks() -> list[dict[str, Any]]:
-    """The live connector resolves the hybrid layout to the hidden group's own block size."""
-    import importlib
-
-    import torch
-
-    from . import activation
-    from .patches import connector as patch
-    from .patches._wrap import patch_id_of
-
-    module = importlib.import_module(CONNECTOR_MODULE)
-    cls = module.ExampleHiddenStatesConnector
-    config, want = hybrid_layout()
-    rec = activation.STATE.records["hidden-group-block-size"]
-    problems: list[str] = []
-    if rec.status == "applied":
-        for name in ("__init__", "register_kv_caches"):
-            live = cls.__dict__[name]
-            if patch_id_of(live) != patch.PATCH_ID:
-                problems.append(f"{name} is not wrapped by vllm-hsfix")
-            elif patch_id_of(getattr(live, "__wrapped__", None)) is not None:
-                problems.append(f"{name} is wrapped more than once")
-        conn = cls.__new__(cls)
-        conn._kv_cache_config = config
-        conn._vllm_config = SimpleNamespace(
-            cache_config=SimpleNamespace(block_size=want["global_block_size"])
-        )
-        patch.resolve(conn)
-        got = {"group": conn._hs_group_idx, "block_size": conn._block_size}
-        conn._kv_cache = torch.empty(4, want["block_size"] * 24, 3, 8)
-        try:
-            patch.check_buffer(conn)
-            problems.append("a buffer with the wrong block dimension was accepted")
-        except ValueError:
-            pass
-    elif rec.code == "upstream-fix-present" and hasattr(cls, "_find_cache_kv_group_id"):
-        group = cls._find_cache_kv_group_id(config)
-        vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=want["global_block_size"]))
-        got = {"group": group, "block_size": cls._get_cache_block_size(vcfg, config, group)}
-    else:
-        return [
-            {
-                "check": "connector group / block size",
-                "ok": True,
-                "problems": [],
-                "skipped": f"{rec.status}: {rec.reason}",
-            }
-        ]
-    expected = {"group": want["group"], "block_size": want["block_size"]}
-    if got != expected:
-        problems.append(f"resolved {got}, expected {expected}")
-    return [
-        {
-            "check": "connector group / block size (hybrid: 528, 528, hidden 22)",
-            "ok": not problems,
-            "problems": problems,
-            "resolved": got,
-        }
-    ]
+from . import checks, runtime
 
 
 def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
-    """``vllm-hsfix verify``. Exit codes: 0 verified, 1 a check failed, 2 cannot run."""
-    import importlib
-
-    from . import activation
-
     report: dict[str, Any] = {"ok": False, "device": device, "checks": []}
-    inst = activation.install()
+    inst = runtime.install()
     report["vllm"] = inst.as_dict()
     if not inst.present:
         report["error"] = "vLLM is not installed in this environment: nothing to verify"
@@ -329,79 +32,25 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         report["error"] = "--device cuda: no CUDA GPU is available on this machine"
         return 2, report
     report["device"] = device
-    activation.start("verify")
+    runtime.start("verify")
     try:
-        model = importlib.import_module(MODEL_MODULE)
-        importlib.import_module(CONNECTOR_MODULE)
+        model = importlib.import_module(checks.MODEL_MODULE)
+        importlib.import_module(checks.CONNECTOR_MODULE)
     except Exception as exc:
         report["error"] = f"cannot import vLLM's targets: {exc!r}"
         return 2, report
-    st = activation.status()
+    st = runtime.status()
     report["patches"] = {
         k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
     }
-    scatter_rec = activation.STATE.records["scatter-clamp"]
-    fn = live_scatter(model, inst.version)
-    checks = scatter_checks(fn, device, scatter_rec.shape)
+    fn = checks.live_scatter(model, inst.version)
+    results = checks.scatter_checks(fn, device, st["patches"]["scatter-clamp"]["shape"])
     if device == "cuda":
-        checks += cuda_checks(fn)
-    checks += connector_checks()
-    report["checks"] = checks
+        results += checks.cuda_checks(fn)
+    results += checks.connector_checks(inst.version)
+    report["checks"] = results
     bad_patch = [k for k, v in st["patches"].items() if v["status"] in ("refused", "failed")]
     if bad_patch:
         report["error"] = f"patches not in place: {bad_patch}"
-    report["ok"] = all(c["ok"] for c in checks) and not bad_patch
+    report["ok"] = all(c["ok"] for c in results) and not bad_patch
     return (0 if report["ok"] else 1), report
-
-
-def in_situ(connector: Any) -> None:
-    """Check the live scatter once per process on the worker's device, dtype and layout."""
-    from . import activation
-    from .state import STATE
-
-    cfg = STATE.config
-    if cfg is None or not cfg.verify or STATE.verify is not None:
-        return
-    buffer = getattr(connector, "_kv_cache", None)
-    if buffer is None or buffer.dim() != 4:
-        return
-    try:
-        model = sys.modules.get(MODEL_MODULE)
-        if model is None:
-            return
-        t0 = time.perf_counter()
-        case = scratch_case(
-            device=str(buffer.device),
-            dtype=buffer.dtype,
-            num_blocks=3,
-            block_size=min(int(buffer.shape[1]), 8),
-            heads=int(buffer.shape[2]),
-            head=int(buffer.shape[3]),
-            strided=not buffer.is_contiguous(),
-            padding=2,
-        )
-        problems = check_scatter(model.basic_cache, case)
-        result = {
-            "ok": not problems,
-            "problems": problems,
-            "device": str(buffer.device),
-            "dtype": str(buffer.dtype).replace("torch.", ""),
-            "ms": round((time.perf_counter() - t0) * 1e3, 3),
-        }
-    except Exception as exc:
-        result = {"ok": False, "problems": [f"check could not run: {exc!r}"]}
-    with activation.LOCK:
-        STATE.verify = result
-        activation._write_status_file()
-    level = logging.INFO if result["ok"] else logging.ERROR
-    log.log(
-        level,
-        "in-situ scatter check %s on %s %s in %s ms%s",
-        "passed" if result["ok"] else "FAILED",
-        result.get("device"),
-        result.get("dtype"),
-        result.get("ms"),
-        "" if result["ok"] else f": {result['problems']}",
-    )
-    if not result["ok"] and cfg.strict:
-        raise activation.HsfixError(f"in-situ scatter check failed: {result['problems']}")

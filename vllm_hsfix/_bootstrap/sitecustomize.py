@@ -55,7 +55,9 @@ def _activate() -> None:
     if os.environ.get("VLLM_HSFIX_BOOTSTRAP", "1") == "0":
         return
     if "vllm_hsfix" in sys.modules:
-        sys.modules["vllm_hsfix"]._lazy.activate("bootstrap")
+        from vllm_hsfix.activation import activate
+
+        activate("bootstrap")
         return
     sys.modules["_vllm_hsfix_bootstrapping"] = True  # type: ignore[assignment]
     try:

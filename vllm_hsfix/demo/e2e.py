@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .. import audit_reference
+from ..audit import reference as audit_reference
 from . import cpu_standins, tiny_model
 from .machine import cpu_info, describe_cpu
 

@@ -80,7 +80,7 @@ def verdict(results: list[e2e.Result], fixed_release: bool) -> tuple[int, str]:
 
 def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     from .. import detect
-    from ..gate import in_release_range
+    from ..plan import in_release_range
 
     inst = detect.detect()
     if not inst.present or inst.parsed is None:

@@ -21,8 +21,12 @@ the per-layer slot mapping from the forward context). 0.24.0 is the release whos
 worker rebuilds read slots from the global block size.
 
 Each row names its implementation module, which provides ``probe(module) -> Probe``
-(the shape gate) and ``apply(module) -> list[Replacement]``; reverting restores the
-recorded replacements.
+(the shape gate, on the live module), ``probe_tree(tree) -> Probe`` (the same on a
+parsed file, for ``vllm-hsfix status``) and ``apply(module, shape, hooks) ->
+list[Replacement]`` (the replacement written for the recognised shape; ``hooks`` are
+the runtime's callbacks, see ``patches.hooks``); reverting restores the recorded
+replacements. Implementation modules import only ``shapes``, ``config``, ``errors``
+and their siblings here: nothing above them.
 """
 
 from __future__ import annotations

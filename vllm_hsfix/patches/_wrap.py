@@ -1,56 +1,140 @@
-"""Wrapping and restoring attributes, with a marker so nothing is wrapped twice.
+"""Wrapping and restoring attributes: recognisable, switchable, and polite to others.
 
-Wrappers are ``wrapt.FunctionWrapper`` objects: they keep ``__wrapped__``, the
-signature, ``__name__`` and descriptor binding of the original (so a wrapped method
-still binds to its instance and ``inspect`` still sees the original), and carry the
-patch id in ``_self_vllm_hsfix`` so any later activation can recognise them.
+Wrappers are :class:`HsfixWrapper` (a ``wrapt.FunctionWrapper``): they keep
+``__wrapped__``, the signature, ``__name__`` and descriptor binding of the original
+(a wrapped method still binds to its instance and ``inspect`` still sees the
+original), carry the patch id, and carry a switch.
+
+Why a switch: a reference to the wrapper may live on outside the attribute we set
+(``from module import fn`` done after patching, a bound method held by a running
+engine), and someone else may wrap on top of ours later. Reverting therefore always
+turns the switch off (every holder of the wrapper now gets the original behaviour)
+and puts the original object back only when our wrapper is still the outermost one;
+otherwise the later wrapper stays where it is, ours passes through beneath it, and a
+warning says so. This is how ddtrace and OpenTelemetry keep unpatching safe.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import wrapt
 
-MARKER = "_self_vllm_hsfix"
+log = logging.getLogger(__name__)
 
 WrapperFn = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
-@dataclass(frozen=True)
-class Replacement:
-    """One attribute this package replaced, and what was there before."""
+class _Switch:
+    __slots__ = ("on",)
 
-    owner: object
-    name: str
-    original: object
+    def __init__(self) -> None:
+        self.on = True
 
-    def restore(self) -> None:
-        setattr(self.owner, self.name, self.original)
+
+class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+    """Our wrapper type. Identified by exact type, because wrapt proxies forward
+    ``isinstance`` checks and attribute reads to what they wrap."""
+
+    def __init__(self, wrapped: Any, wrapper: WrapperFn, patch_id: str) -> None:
+        switch = _Switch()
+
+        def call(fn: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            if not switch.on:
+                return fn(*args, **kwargs)
+            return wrapper(fn, instance, args, kwargs)
+
+        super().__init__(wrapped, call)
+        self._self_hsfix_patch = patch_id
+        self._self_hsfix_switch = switch
+
+    @property
+    def hsfix_patch(self) -> str:
+        return str(self._self_hsfix_patch)
+
+    @property
+    def hsfix_active(self) -> bool:
+        return bool(self._self_hsfix_switch.on)
+
+    def hsfix_set_active(self, on: bool) -> None:
+        self._self_hsfix_switch.on = on
+
+
+def ours_in(obj: object, patch_id: str | None = None) -> HsfixWrapper | None:
+    """Our wrapper in ``obj``'s chain of ``__wrapped__`` (outermost first), if any."""
+    for _ in range(32):
+        if obj is None:
+            return None
+        if type(obj) is HsfixWrapper and (patch_id is None or obj.hsfix_patch == patch_id):
+            return obj
+        try:
+            obj = object.__getattribute__(obj, "__wrapped__")
+        except AttributeError:
+            obj = getattr(obj, "__wrapped__", None)
+    return None
 
 
 def patch_id_of(obj: object) -> str | None:
-    """The patch id carried by ``obj`` when it is one of our wrappers."""
-    if isinstance(obj, wrapt.FunctionWrapper):
-        return getattr(obj, MARKER, None)
-    return None
+    """The patch id when ``obj`` itself is one of our wrappers."""
+    return obj.hsfix_patch if type(obj) is HsfixWrapper else None
+
+
+def original_of(obj: object) -> object:
+    """What our wrappers in ``obj``'s chain wrap (``obj`` when there is none)."""
+    ours = ours_in(obj)
+    return ours.__wrapped__ if ours is not None else obj
 
 
 def raw_attribute(owner: object, name: str) -> object:
     """The attribute as stored (class dict for classes, so methods stay unbound)."""
     if isinstance(owner, type) and name in owner.__dict__:
         return owner.__dict__[name]
-    return getattr(owner, name)
+    return getattr(owner, name, None)
 
 
-def wrap(owner: object, name: str, wrapper: WrapperFn, patch_id: str) -> Replacement | None:
-    """Replace ``owner.name`` by ``wrapper`` around it; None if this patch is already there."""
-    original = raw_attribute(owner, name)
-    if patch_id_of(original) == patch_id:
-        return None
-    wrapped = wrapt.FunctionWrapper(original, wrapper)
-    setattr(wrapped, MARKER, patch_id)
+@dataclass(frozen=True)
+class Replacement:
+    """One attribute this package wrapped: where, what was there, and our wrapper."""
+
+    owner: object
+    name: str
+    original: object
+    wrapper: HsfixWrapper
+
+    def live(self) -> bool:
+        """Our wrapper is reachable through the attribute and switched on."""
+        ours = ours_in(raw_attribute(self.owner, self.name), self.wrapper.hsfix_patch)
+        return ours is self.wrapper and self.wrapper.hsfix_active
+
+    def restore(self) -> str:
+        """Turn our wrapper off; put the original back if ours is still outermost.
+        Returns "restored" or "pass-through"."""
+        self.wrapper.hsfix_set_active(False)
+        current = raw_attribute(self.owner, self.name)
+        if current is self.wrapper:
+            setattr(self.owner, self.name, self.original)
+            return "restored"
+        log.warning(
+            "%s.%s was wrapped again (by %s) after vllm-hsfix patched it: leaving that "
+            "wrapper in place; vllm-hsfix's wrapper beneath it now passes straight through",
+            getattr(self.owner, "__name__", self.owner),
+            self.name,
+            type(current).__name__,
+        )
+        return "pass-through"
+
+
+def wrap(owner: object, name: str, wrapper: WrapperFn, patch_id: str) -> Replacement:
+    """Wrap ``owner.name``; if this patch's wrapper is already in the chain (switched
+    off by an earlier revert, or still on), switch it on instead of wrapping twice."""
+    current = raw_attribute(owner, name)
+    ours = ours_in(current, patch_id)
+    if ours is not None:
+        ours.hsfix_set_active(True)
+        return Replacement(owner, name, ours.__wrapped__, ours)
+    wrapped = HsfixWrapper(current, wrapper, patch_id)
     setattr(owner, name, wrapped)
-    return Replacement(owner, name, original)
+    return Replacement(owner, name, current, wrapped)

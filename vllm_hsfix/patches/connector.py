@@ -22,10 +22,15 @@ Here (1)-(3) wrap 0.24.0's own ``__init__`` and ``register_kv_caches``; (4) foll
 from __future__ import annotations
 
 import ast
+import gc
 from typing import Any
 
-from .. import gate
+from ..config import DISABLED_PATCHES
+from ..errors import HsfixError
+from ..shapes import Probe, assigned_attributes, attribute_chains, fingerprint, method, top_level
+from ._probe import probe_live
 from ._wrap import Replacement, wrap
+from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
 ATTRIBUTE = "ExampleHiddenStatesConnector"
@@ -100,69 +105,77 @@ def check_buffer(connector: Any) -> None:
         )
 
 
-def _init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    wrapped(*args, **kwargs)
-    try:
-        resolve(instance)
-    except ValueError:
-        raise  # the fix's own fail-fast: an ambiguous group would save garbage
-    except Exception as exc:
-        # Unexpected: keep the release's own values, record it (raises only if strict).
-        from ..activation import runtime_failure
+def _installed_init(hooks: Hooks) -> Any:
+    def __init__(
+        wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        wrapped(*args, **kwargs)
+        try:
+            resolve(instance)
+        except ValueError:
+            raise  # the fix's own fail-fast: an ambiguous group would save garbage
+        except Exception as exc:
+            # Fail closed: the release's own value is the bug this patch exists for.
+            hooks.on_failure(PATCH_ID, exc)
+            raise HsfixError(
+                f"vllm-hsfix {PATCH_ID}: cannot find the hidden-states group's block size "
+                f"({type(exc).__name__}: {exc}); refusing to run a connector that would read "
+                "with the global block size and save wrong hidden states. To run without this "
+                f"patch anyway, set {DISABLED_PATCHES}={PATCH_ID}"
+            ) from exc
 
-        runtime_failure(PATCH_ID, exc)
+    return __init__
 
 
-def _register_kv_caches(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    group = instance._hs_group_idx
-    result = wrapped(*args, **kwargs)
-    # 0.24.0 re-derives the index from layer names here; keep the one found by type.
-    instance._hs_group_idx = group
-    check_buffer(instance)
-    from .. import verify
+def _installed_register_kv_caches(hooks: Hooks) -> Any:
+    def register_kv_caches(
+        wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        group = instance._hs_group_idx
+        result = wrapped(*args, **kwargs)
+        # 0.24.0 re-derives the index from layer names here; keep the one found by type.
+        instance._hs_group_idx = group
+        check_buffer(instance)
+        hooks.after_register(instance)
+        return result
 
-    verify.in_situ(instance)
-    return result
+    return register_kv_caches
 
 
 METHODS = ("__init__", "register_kv_caches", "_submit_async_write", "request_finished_all_groups")
 
 
-def probe_tree(tree: ast.Module) -> gate.Probe:
+def probe_tree(tree: ast.Module) -> Probe:
     """Recognise 0.24.0's connector (global block size used on the worker side)."""
-    cls = gate.top_level(tree, ATTRIBUTE)
+    cls = top_level(tree, ATTRIBUTE)
     if not isinstance(cls, ast.ClassDef):
-        return gate.Probe(None, detail=f"no class {ATTRIBUTE} in the module")
-    fps = {name: gate.fingerprint(gate.method(cls, name)) for name in METHODS}
-    init = gate.method(cls, "__init__")
+        return Probe(None, detail=f"no class {ATTRIBUTE} in the module")
+    fps = {name: fingerprint(method(cls, name)) for name in METHODS}
+    init = method(cls, "__init__")
     defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
-    init_sets = {a.split(".", 1)[-1] for a in gate.assigned_attributes(init)} if init else set()
+    init_sets = {a.split(".", 1)[-1] for a in assigned_attributes(init)} if init else set()
     present = [m for m in FIXED_MARKERS if m in defined or m in init_sets]
     if present:
-        return gate.Probe(None, fixed=True, detail=f"defines {present}", fingerprints=fps)
-    write = gate.method(cls, "_submit_async_write")
-    reg = gate.method(cls, "register_kv_caches")
-    fin = gate.method(cls, "request_finished_all_groups")
+        return Probe(None, fixed=True, detail=f"defines {present}", fingerprints=fps)
+    write = method(cls, "_submit_async_write")
+    reg = method(cls, "register_kv_caches")
+    fin = method(cls, "request_finished_all_groups")
     expected = {
         "__init__ sets self._block_size from vllm_config.cache_config.block_size": init is not None
-        and "self._block_size" in gate.assigned_attributes(init)
-        and "vllm_config.cache_config.block_size" in gate.attribute_chains(init),
+        and "self._block_size" in assigned_attributes(init)
+        and "vllm_config.cache_config.block_size" in attribute_chains(init),
         "__init__ sets self._hs_group_idx": "_hs_group_idx" in init_sets,
         "_submit_async_write reads self._block_size": write is not None
-        and "self._block_size" in gate.attribute_chains(write),
+        and "self._block_size" in attribute_chains(write),
         "register_kv_caches sets self._kv_cache": reg is not None
-        and "self._kv_cache" in gate.assigned_attributes(reg),
+        and "self._kv_cache" in assigned_attributes(reg),
         "request_finished_all_groups indexes block_ids by self._hs_group_idx": fin is not None
-        and "self._hs_group_idx" in gate.attribute_chains(fin),
+        and "self._hs_group_idx" in attribute_chains(fin),
     }
     missing = [k for k, ok in expected.items() if not ok]
     if missing:
-        return gate.Probe(
-            None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps
-        )
-    return gate.Probe(
+        return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
+    return Probe(
         "0.24-worker-rebuild", detail="global block size used by the worker read", fingerprints=fps
     )
 
@@ -174,33 +187,65 @@ def live_objects(module: object) -> dict[str, object]:
     return {f"{ATTRIBUTE}.{m}": cls.__dict__.get(m) for m in ("__init__", "register_kv_caches")}
 
 
-def probe(module: object) -> gate.Probe:
-    return gate.probe_live(module, probe_tree, live_objects)
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, live_objects)
 
 
-def apply(module: object) -> list[Replacement]:
+def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     cls = getattr(module, ATTRIBUTE)
-    done = [
-        wrap(cls, "__init__", _init, PATCH_ID),
-        wrap(cls, "register_kv_caches", _register_kv_caches, PATCH_ID),
+    return [
+        wrap(cls, "__init__", _installed_init(hooks), PATCH_ID),
+        wrap(cls, "register_kv_caches", _installed_register_kv_caches(hooks), PATCH_ID),
     ]
-    return [r for r in done if r is not None]
 
 
-def _observe_register_kv_caches(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    result = wrapped(*args, **kwargs)
-    from .. import verify
+def existing_instances(cls: type) -> list[Any]:
+    """Connectors built before the patch (an ``LLM`` created before ``apply()``)."""
+    classes = [cls]
+    for c in classes:
+        classes.extend(c.__subclasses__())
+    found: dict[int, Any] = {}
+    for c in classes:
+        for obj in gc.get_referrers(c):
+            if type(obj) is c:
+                found[id(obj)] = obj
+    return list(found.values())
 
-    verify.in_situ(instance)
-    return result
+
+def adopt(module: object) -> str:
+    """Fix connectors that exist already: re-resolve their group and block size, and
+    check the buffer they registered. Raises when one cannot be fixed."""
+    cls = getattr(module, ATTRIBUTE)
+    changed = []
+    instances = existing_instances(cls)
+    for conn in instances:
+        before = getattr(conn, "_block_size", None)
+        resolve(conn)
+        check_buffer(conn)
+        if before != conn._block_size:
+            changed.append(f"{before} -> {conn._block_size}")
+    if not instances:
+        return ""
+    return f"{len(instances)} connector(s) built before activation re-resolved" + (
+        f" (block size {', '.join(changed)})" if changed else " (block size unchanged)"
+    )
 
 
-def observe(module: object) -> Replacement | None:
+def _installed_observer(hooks: Hooks) -> Any:
+    def register_kv_caches(
+        wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        result = wrapped(*args, **kwargs)
+        hooks.after_register(instance)
+        return result
+
+    return register_kv_caches
+
+
+def observe(module: object, hooks: Hooks) -> Replacement | None:
     """On releases that get only the clamp (0.17-0.23), still run the in-situ check when
     a worker registers its caches: a pure observer around ``register_kv_caches``."""
     cls = getattr(module, ATTRIBUTE, None)
     if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
         return None
-    return wrap(cls, "register_kv_caches", _observe_register_kv_caches, "in-situ-verify")
+    return wrap(cls, "register_kv_caches", _installed_observer(hooks), "in-situ-verify")

@@ -24,8 +24,10 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from .. import gate
+from ..shapes import Probe, attribute_chains, fingerprint, method, top_level
+from ._probe import probe_live
 from ._wrap import Replacement, wrap
+from .hooks import Hooks
 
 PATCH_ID = "cpu-zero-blocks"
 ATTRIBUTE = "CPUModelRunner"
@@ -97,36 +99,34 @@ def _is_noop(fn: ast.FunctionDef) -> bool:
     )
 
 
-def probe_tree(tree: ast.Module) -> gate.Probe:
+def probe_tree(tree: ast.Module) -> Probe:
     """Known shape ``no-op``: the method exists, takes ``(self, block_ids)`` and does nothing.
 
     Any body that does something (upstream's loop, a vendor's own zeroing) is left
     alone: if it zeroes, it is "upstream fix present"; otherwise the shape is unknown.
     """
-    cls = gate.top_level(tree, ATTRIBUTE)
-    fn = gate.method(cls if isinstance(cls, ast.ClassDef) else None, METHOD)
-    fps = {METHOD: gate.fingerprint(fn)}
+    cls = top_level(tree, ATTRIBUTE)
+    fn = method(cls if isinstance(cls, ast.ClassDef) else None, METHOD)
+    fps = {METHOD: fingerprint(fn)}
     if fn is None:
-        return gate.Probe(None, detail=f"no {ATTRIBUTE}.{METHOD} in the module", fingerprints=fps)
+        return Probe(None, detail=f"no {ATTRIBUTE}.{METHOD} in the module", fingerprints=fps)
     params = tuple(a.arg for a in fn.args.args)
     if params != ("self", "block_ids"):
-        return gate.Probe(
+        return Probe(
             None, detail=f"expected parameters (self, block_ids), found {params}", fingerprints=fps
         )
     if _is_noop(fn):
-        return gate.Probe("no-op", detail=f"{METHOD} does nothing", fingerprints=fps)
+        return Probe("no-op", detail=f"{METHOD} does nothing", fingerprints=fps)
     called = {
         n.func.attr
         for n in ast.walk(fn)
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
     }
     if {"zero_", "fill_", "index_fill_", "zero_block_ids"} & called:
-        return gate.Probe(None, fixed=True, detail=f"{METHOD} zeroes blocks", fingerprints=fps)
-    return gate.Probe(
+        return Probe(None, fixed=True, detail=f"{METHOD} zeroes blocks", fingerprints=fps)
+    return Probe(
         None,
-        detail=(
-            f"expected a no-op {METHOD}; found a body reading {sorted(gate.attribute_chains(fn))}"
-        ),
+        detail=(f"expected a no-op {METHOD}; found a body reading {sorted(attribute_chains(fn))}"),
         fingerprints=fps,
     )
 
@@ -136,10 +136,9 @@ def live_objects(module: object) -> dict[str, object]:
     return {f"{ATTRIBUTE}.{METHOD}": cls.__dict__.get(METHOD) if isinstance(cls, type) else None}
 
 
-def probe(module: object) -> gate.Probe:
-    return gate.probe_live(module, probe_tree, live_objects)
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, live_objects)
 
 
-def apply(module: object) -> list[Replacement]:
-    rep = wrap(getattr(module, ATTRIBUTE), METHOD, zero_new_blocks, PATCH_ID)
-    return [rep] if rep else []
+def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
+    return [wrap(getattr(module, ATTRIBUTE), METHOD, zero_new_blocks, PATCH_ID)]

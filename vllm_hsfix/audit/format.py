@@ -1,0 +1,197 @@
+"""The hidden-states file format: what ``ExampleHiddenStatesConnector`` writes, parsed by hand.
+
+Each file is a ``.safetensors`` file with ``hidden_states`` ``[tokens, n_aux, hidden]``
+(BF16/F16/F32/F64) and ``token_ids`` ``[tokens]`` (I64). A "row" is one ``(token, aux
+layer)`` vector of ``hidden`` values.
+
+The header is parsed here without the safetensors library: the auditor must run on a
+bare data box, and must say *why* a file is unreadable instead of raising on it. This
+module reads the header and the token ids; the rows themselves are streamed by
+:mod:`.scan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import IO, TYPE_CHECKING, Any
+
+from .reports import CORRUPT, SUSPECT, FileReport, Problem
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+HIDDEN_KEY = "hidden_states"
+TOKEN_KEY = "token_ids"
+SUFFIX = ".safetensors"
+LOCK_SUFFIX = ".lock"
+
+# safetensors itself refuses headers over 100 MB; larger means "not safetensors".
+MAX_HEADER_BYTES = 100_000_000
+
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+# How each accepted hidden_states dtype is mapped (raw) and seen as integers (keys).
+HIDDEN_RAW = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}
+HIDDEN_INT = {"BF16": "<u2", "F16": "<u2", "F32": "<u4", "F64": "<u8"}
+TOKEN_DTYPES = ("I64",)
+
+
+class BadFile(Exception):
+    """A finding that ends the audit of a file (nothing further can be read)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], int]:
+    """Parse the safetensors header by hand: the auditor must not need the library, and
+    must say *why* a file is unreadable instead of raising on it."""
+    if size < 8:
+        raise BadFile("not_safetensors", f"not a safetensors file: only {size} bytes")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise BadFile("not_safetensors", f"not a safetensors file: header length {n}")
+    raw = f.read(n)
+    if len(raw) < n:
+        if raw[:1] == b"{":
+            raise BadFile("truncated", f"truncated inside the header ({size} of {8 + n}+ bytes)")
+        raise BadFile("not_safetensors", f"not a safetensors file: header length {n} > file")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise BadFile("not_safetensors", "not a safetensors file: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise BadFile("not_safetensors", "not a safetensors file: header is not a JSON object")
+    return header, 8 + n
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_layout(header: dict[str, Any], data_len: int) -> tuple[dict[str, Any], Problem | None]:
+    """Validate every tensor entry the way safetensors' own loader does (contiguous,
+    sized by shape x dtype, ending exactly at the end of the file). Returns the entries
+    and, for a file that is too short or too long, that finding: the caller still reports
+    the shapes the header promises before giving up on the data."""
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    spans = []
+    for name, t in tensors.items():
+        ok = (
+            isinstance(t, dict)
+            and isinstance(t.get("dtype"), str)
+            and isinstance(t.get("shape"), list)
+            and all(_is_int(d) for d in t["shape"])
+            and isinstance(t.get("data_offsets"), list)
+            and len(t["data_offsets"]) == 2
+            and all(_is_int(o) for o in t["data_offsets"])
+            and t["data_offsets"][0] <= t["data_offsets"][1]
+        )
+        if not ok:
+            raise BadFile("bad_header", f"tensor {name!r}: malformed header entry {t!r:.120}")
+        if t["dtype"] not in ITEMSIZE:
+            raise BadFile("bad_header", f"tensor {name!r}: unknown dtype {t['dtype']!r}")
+        begin, end = t["data_offsets"]
+        need = math.prod(t["shape"]) * ITEMSIZE[t["dtype"]]
+        if end - begin != need:
+            raise BadFile(
+                "bad_header",
+                f"tensor {name!r}: shape {t['shape']} {t['dtype']} needs {need} bytes, "
+                f"offsets give {end - begin}",
+            )
+        spans.append((begin, end, name))
+    expected = 0
+    for begin, end, name in sorted(spans):
+        if begin != expected:
+            raise BadFile("bad_header", f"tensor {name!r}: data at {begin}, expected {expected}")
+        expected = end
+    if expected > data_len:
+        missing = expected - data_len
+        detail = f"truncated: tensors need {expected} data bytes, file has {data_len}"
+        return tensors, Problem("truncated", CORRUPT, f"{detail} ({missing} missing)")
+    if expected < data_len:
+        extra = data_len - expected
+        detail = f"{extra} bytes after the last tensor (safetensors refuses the file)"
+        return tensors, Problem("trailing_bytes", CORRUPT, detail)
+    return tensors, None
+
+
+def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
+    """Keys, dtypes and shapes against what the connector writes. Fills the shape
+    fields of ``rep`` and says whether ``hidden_states`` and ``token_ids`` can be read."""
+    hs, ti = tensors.get(HIDDEN_KEY), tensors.get(TOKEN_KEY)
+    missing = [k for k in (HIDDEN_KEY, TOKEN_KEY) if k not in tensors]
+    if missing:
+        rep.add("missing_key", CORRUPT, f"missing tensor(s) {missing}; has {sorted(tensors)}")
+    extra = sorted(set(tensors) - {HIDDEN_KEY, TOKEN_KEY})
+    if extra and not missing:
+        rep.add("extra_keys", SUSPECT, f"unexpected tensor(s) {extra} (the connector writes 2)")
+
+    hs_ok = hs is not None
+    if hs is not None:
+        rep.dtype = hs["dtype"]
+        if hs["dtype"] not in HIDDEN_RAW:
+            rep.add(
+                "wrong_dtype",
+                CORRUPT,
+                f"{HIDDEN_KEY} dtype {hs['dtype']}, expected one of {sorted(HIDDEN_RAW)}",
+            )
+            hs_ok = False
+        if len(hs["shape"]) != 3:
+            rep.add("bad_shape", CORRUPT, f"{HIDDEN_KEY} has shape {hs['shape']}, expected 3-D")
+            hs_ok = False
+        else:
+            rep.n_tokens, rep.n_aux, rep.hidden = hs["shape"]
+            if 0 in hs["shape"]:
+                rep.add("empty", CORRUPT, f"{HIDDEN_KEY} is empty: shape {hs['shape']}")
+                hs_ok = False
+
+    ti_ok = ti is not None
+    if ti is not None:
+        if ti["dtype"] not in TOKEN_DTYPES:
+            rep.add("wrong_dtype", CORRUPT, f"{TOKEN_KEY} dtype {ti['dtype']}, expected I64")
+            ti_ok = False
+        if len(ti["shape"]) != 1:
+            rep.add("bad_shape", CORRUPT, f"{TOKEN_KEY} has shape {ti['shape']}, expected 1-D")
+            ti_ok = False
+        else:
+            rep.n_token_ids = ti["shape"][0]
+            if rep.n_token_ids == 0:
+                ti_ok = False
+                if rep.n_tokens != 0:  # an empty hidden_states already said "empty"
+                    rep.add("empty", CORRUPT, f"{TOKEN_KEY} is empty")
+        known = rep.n_tokens is not None and rep.n_token_ids is not None
+        if known and rep.n_token_ids != rep.n_tokens:
+            rep.token_mismatch = True
+            rep.add(
+                "token_mismatch",
+                CORRUPT,
+                f"{rep.n_token_ids} token_ids for {rep.n_tokens} hidden-state tokens",
+            )
+            ti_ok = False
+    return hs_ok, ti_ok
+
+
+def read_token_ids(path: str, offset: int, n: int) -> NDArray[Any]:
+    import numpy as np
+
+    return np.fromfile(path, dtype="<i8", count=n, offset=offset)

@@ -1,0 +1,412 @@
+"""Auditing one file: its header and keys (:mod:`.format`), then every row streamed.
+
+The rows are read window by window through a memory map (``CHUNK_BYTES`` at a time,
+unmapped before the next), so memory stays bounded whatever the file size, and each
+window is converted in small float32 blocks. Per row only a few numbers are kept
+(squared norm, a cheap key, zero / non-finite flags): from them come the zero, NaN/Inf,
+duplicate and near-zero findings and the per-layer norm statistics. The first rows are
+also kept as they stream by, as the shared-prefix check's input (:mod:`.prefix`).
+
+:func:`audit_file` never raises: whatever goes wrong becomes a ``corrupt`` finding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import prefix
+from .format import (
+    HIDDEN_INT,
+    HIDDEN_KEY,
+    HIDDEN_RAW,
+    ITEMSIZE,
+    LOCK_SUFFIX,
+    TOKEN_KEY,
+    BadFile,
+    check_keys,
+    check_layout,
+    read_header,
+    read_token_ids,
+)
+from .prefix import PrefixData
+from .reports import CORRUPT, SUSPECT, FileReport, LayerStats
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+# Bytes of the file mapped at once. Each window is unmapped before the next one, so the
+# resident set stays near this size whatever the file size (a single mapping of the
+# whole tensor would count every page read so far in the RSS until the end).
+CHUNK_BYTES = 32 * 1024 * 1024
+# float32 working block: conversion and the row sums stay in the CPU caches.
+BLOCK_BYTES = 1024 * 1024
+# A row whose norm is under this fraction of its layer's median is "near zero".
+NEAR_ZERO_FRACTION = 1e-3
+# Row samples that make up the cheap per-row key; equal keys are then confirmed with a
+# blake2b digest of the whole row, so the key only has to be fast, not strong.
+KEY_SAMPLES = 16
+
+
+def _row_keys(ints: NDArray[Any], cols: NDArray[Any], mult: NDArray[Any]) -> NDArray[Any]:
+    """Cheap 64-bit key per row from a few sampled elements (wrapping multiply-add).
+
+    Identical rows always get identical keys; different rows almost never do, and when
+    they do the full-row digest that follows tells them apart."""
+    import numpy as np
+
+    sample = ints[:, cols].astype(np.uint64)
+    sample *= mult
+    return sample.sum(axis=1, dtype=np.uint64)
+
+
+class _Scan:
+    """Per-file row arrays: O(rows) small numbers, never O(file bytes), plus a float32
+    copy of the first ``head_rows`` rows, taken as they stream by (the prefix check's
+    input; no second read of the file)."""
+
+    def __init__(self, n_rows: int, head_rows: int = 0, hidden: int = 0) -> None:
+        import numpy as np
+
+        self.head = np.zeros((min(head_rows, n_rows), hidden), dtype=np.float32)
+        self.sumsq = np.zeros(n_rows, dtype=np.float64)
+        self.keys = np.zeros(n_rows, dtype=np.uint64)
+        self.zero = np.zeros(n_rows, dtype=bool)
+        self.bad = np.zeros(n_rows, dtype=bool)
+        self.nan = 0
+        self.inf = 0
+
+
+def _block_rows(
+    scan: _Scan,
+    row0: int,
+    work: NDArray[Any],
+    ints: NDArray[Any],
+    cols: NDArray[Any],
+    mult: NDArray[Any],
+) -> None:
+    """Squared norms, keys, zero and non-finite rows of one block of float rows.
+
+    The fast path is one ``einsum`` per block; only blocks with a zero or non-finite sum
+    look at values again (to tell an all-zero row from underflow, and NaN/Inf from
+    overflow of large finite values)."""
+    import numpy as np
+
+    n = work.shape[0]
+    s = np.einsum("ij,ij->i", work, work)
+    out = scan.sumsq[row0 : row0 + n]
+    out[:] = s
+    scan.keys[row0 : row0 + n] = _row_keys(ints, cols, mult)
+    fin = np.isfinite(s)
+    if not fin.all():
+        idx = np.flatnonzero(~fin)
+        sub = work[idx]
+        nan = np.isnan(sub)
+        inf = np.isinf(sub)
+        scan.nan += int(nan.sum())
+        scan.inf += int(inf.sum())
+        rowbad = (nan | inf).any(axis=1)
+        scan.bad[row0 + idx[rowbad]] = True
+        out[idx[rowbad]] = np.nan
+        big = ~rowbad  # finite values whose squares overflowed the working precision
+        if big.any():
+            out[idx[big]] = np.square(sub[big].astype(np.float64)).sum(axis=1)
+    zc = s == 0
+    if zc.any():
+        idx = np.flatnonzero(zc)
+        sub = work[idx]
+        allzero = ~(sub != 0).any(axis=1)
+        scan.zero[row0 + idx[allzero]] = True
+        tiny = ~allzero  # non-zero values whose squares underflowed
+        if tiny.any():
+            out[idx[tiny]] = np.square(sub[tiny].astype(np.float64)).sum(axis=1)
+
+
+def _scan_window(
+    scan: _Scan,
+    path: str,
+    offset: int,
+    dtype: str,
+    row0: int,
+    n_rows: int,
+    hidden: int,
+    cols: NDArray[Any],
+    mult: NDArray[Any],
+) -> None:
+    """Map ``n_rows`` rows at ``offset``, scan them block by block, unmap on return."""
+    import numpy as np
+
+    mm = np.memmap(path, dtype=HIDDEN_RAW[dtype], mode="r", offset=offset, shape=(n_rows, hidden))
+    # Plain ndarray views of the mapping: slicing np.memmap itself costs a Python-level
+    # __getitem__/__array_finalize__ per slice, a fifth of the scan on small hidden sizes.
+    raw = np.asarray(mm)
+    ints = raw.view(HIDDEN_INT[dtype])
+    if dtype == "F64":
+        block = max(1, BLOCK_BYTES // (hidden * 8))
+    else:
+        block = max(1, BLOCK_BYTES // (hidden * 4))
+    buf = None
+    if dtype in ("BF16", "F16"):
+        buf = np.empty((block, hidden), dtype=np.uint32 if dtype == "BF16" else np.float32)
+    for b in range(0, n_rows, block):
+        e = min(n_rows, b + block)
+        if buf is not None and dtype == "BF16":
+            # bf16 is the top half of a float32: widen, shift left 16, reinterpret.
+            w = buf[: e - b]
+            np.left_shift(ints[b:e], 16, out=w, dtype=np.uint32)
+            work = w.view(np.float32)
+        elif buf is not None:  # F16
+            work = buf[: e - b]
+            work[...] = raw[b:e]
+        else:
+            work = raw[b:e]
+        if row0 + b < len(scan.head):
+            take = min(len(scan.head), row0 + e) - (row0 + b)
+            with np.errstate(all="ignore"):  # F64 beyond float32 becomes inf: not sound
+                scan.head[row0 + b : row0 + b + take] = work[:take]
+        _block_rows(scan, row0 + b, work, ints[b:e], cols, mult)
+    del ints, raw, mm  # the last references: the window is unmapped here
+
+
+def _duplicates(
+    rep: FileReport,
+    scan: _Scan,
+    path: str,
+    offset: int,
+    shape: tuple[int, int, int],
+    row_bytes: int,
+    token_ids: NDArray[Any],
+) -> list[int]:
+    """Count rows identical to a row of a *different token id* in the same aux layer.
+
+    Same-token repeats are left alone: a layer close to the embeddings can legitimately
+    give one token id the same vector at every position. Candidates (equal cheap keys)
+    are re-read with ``pread`` and confirmed by a blake2b digest of the whole row."""
+    import numpy as np
+
+    n_tokens, n_aux, _ = shape
+    per_layer = [0] * n_aux
+    examples: list[str] = []
+    keys = scan.keys.reshape(n_tokens, n_aux)
+    skip = (scan.zero | scan.bad).reshape(n_tokens, n_aux)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for a in range(n_aux):
+            pos = np.flatnonzero(~skip[:, a])
+            k = keys[pos, a]
+            order = np.argsort(k, kind="stable")
+            ks = k[order]
+            same = ks[1:] == ks[:-1]
+            if not same.any():
+                continue
+            cand = np.zeros(len(ks), dtype=bool)
+            cand[1:] |= same
+            cand[:-1] |= same
+            groups: dict[bytes, list[int]] = {}
+            for t in pos[order[cand]].tolist():
+                data = os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
+                digest = hashlib.blake2b(data, digest_size=16).digest()
+                groups.setdefault(digest, []).append(t)
+            for ts in groups.values():
+                if len(ts) > 1 and len({int(token_ids[t]) for t in ts}) > 1:
+                    per_layer[a] += len(ts) - 1
+                    if len(examples) < 3:
+                        examples.append(f"aux {a}: token positions {sorted(ts)[:4]}")
+    finally:
+        os.close(fd)
+    total = sum(per_layer)
+    if total:
+        rep.add(
+            "duplicate_rows",
+            SUSPECT,
+            f"{total} rows repeat a row of a different token in the same aux layer "
+            f"(e.g. {'; '.join(examples)})",
+        )
+    return per_layer
+
+
+def _finite(x: Any) -> float | None:
+    """A statistic as a JSON-safe float: ``None`` where F64 norms overflowed."""
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def _scan_hidden(
+    rep: FileReport,
+    path: str,
+    offset: int,
+    dtype: str,
+    shape: tuple[int, int, int],
+    token_ids: NDArray[Any] | None,
+) -> None:
+    """Stream ``hidden_states`` window by window and fill the row findings of ``rep``."""
+    import numpy as np
+
+    n_tokens, n_aux, hidden = shape
+    n_rows = n_tokens * n_aux
+    row_bytes = hidden * ITEMSIZE[dtype]
+    with_prefix = token_ids is not None and len(token_ids) == n_tokens
+    scan = _Scan(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
+    cols = np.unique(np.linspace(0, hidden - 1, min(hidden, KEY_SAMPLES)).round().astype(np.intp))
+    mult = np.random.default_rng(0x5EED).integers(1, 2**63, size=len(cols), dtype=np.uint64)
+    mult |= np.uint64(1)
+    # Whole tokens per window, so a window never splits one token's aux rows.
+    tokens_per_window = max(1, CHUNK_BYTES // (n_aux * row_bytes))
+    for t0 in range(0, n_tokens, tokens_per_window):
+        t1 = min(n_tokens, t0 + tokens_per_window)
+        _scan_window(
+            scan,
+            path,
+            offset + t0 * n_aux * row_bytes,
+            dtype,
+            t0 * n_aux,
+            (t1 - t0) * n_aux,
+            hidden,
+            cols,
+            mult,
+        )
+
+    rep.nan_count, rep.inf_count = scan.nan, scan.inf
+    zero = scan.zero.reshape(n_tokens, n_aux)
+    bad = scan.bad.reshape(n_tokens, n_aux)
+    norms = np.sqrt(scan.sumsq).reshape(n_tokens, n_aux)
+    rep.zero_rows = int(zero.sum())
+    if rep.zero_rows:
+        first = int(np.flatnonzero(zero.any(axis=1))[0])
+        layers = {a: int(zero[:, a].sum()) for a in range(n_aux) if zero[:, a].any()}
+        rep.add(
+            "zero_rows",
+            CORRUPT,
+            f"{rep.zero_rows} of {n_rows} rows are all zero (per aux layer {layers}; "
+            f"first at token position {first})",
+        )
+    if scan.nan or scan.inf:
+        rep.add(
+            "nonfinite",
+            CORRUPT,
+            f"{scan.nan} NaN and {scan.inf} Inf values in {int(bad.sum())} rows",
+        )
+    ids = token_ids if token_ids is not None else np.arange(n_tokens)
+    dups = _duplicates(rep, scan, path, offset, shape, row_bytes, ids)
+
+    for a in range(n_aux):
+        v = norms[:, a][~(zero[:, a] | bad[:, a])]
+        st = LayerStats(
+            aux=a,
+            count=len(v),
+            mean_norm=None,
+            std_norm=None,
+            median_norm=None,
+            min_norm=None,
+            max_norm=None,
+            zero_rows=int(zero[:, a].sum()),
+            nonfinite_rows=int(bad[:, a].sum()),
+            duplicate_rows=dups[a],
+        )
+        if len(v):
+            med = float(np.median(v))
+            st.mean_norm, st.std_norm = _finite(v.mean()), _finite(v.std())
+            st.median_norm, st.min_norm, st.max_norm = (
+                _finite(med),
+                _finite(v.min()),
+                _finite(v.max()),
+            )
+            st.near_zero_rows = int((v < NEAR_ZERO_FRACTION * med).sum())
+        rep.layers.append(st)
+    if with_prefix and n_tokens:
+        rep.prefix = _prefix_data(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
+    rep.duplicate_rows = sum(dups)
+    rep.near_zero_rows = sum(st.near_zero_rows for st in rep.layers)
+    if rep.near_zero_rows:
+        layers = {st.aux: st.near_zero_rows for st in rep.layers if st.near_zero_rows}
+        rep.add(
+            "near_zero_rows",
+            SUSPECT,
+            f"{rep.near_zero_rows} rows have a norm under {NEAR_ZERO_FRACTION:g} x their "
+            f"layer's median (per aux layer {layers})",
+        )
+
+
+def _prefix_data(
+    head: NDArray[Any],
+    shape: tuple[int, int, int],
+    token_ids: NDArray[Any],
+    zero: NDArray[Any],
+    bad: NDArray[Any],
+) -> PrefixData:
+    """The first rows' sketches and token ids, for the cross-file prefix check; ``head``
+    holds those rows as the scan saw them ([tokens x n_aux, hidden], float32)."""
+    import numpy as np
+
+    n_tokens, n_aux, hidden = shape
+    k = min(n_tokens, prefix.PREFIX_ROWS)
+    rows = head.reshape(k, n_aux, hidden)
+    sound = ~(zero[:k] | bad[:k])
+    rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
+    with np.errstate(all="ignore"):  # huge rows overflow: their norm is inf, not sound
+        sketch = prefix.sketch_rows(rows)
+        norms = np.linalg.norm(sketch, axis=-1)
+    sound &= np.isfinite(norms)
+    # Unit vectors in float16 (half the transfer from the workers) and the norms in
+    # float32: activations of large models overflow float16 themselves.
+    with np.errstate(all="ignore"):
+        unit = sketch / np.where(norms > 0, norms, 1.0)[..., None]
+    return PrefixData(
+        token_ids=tuple(int(t) for t in token_ids[:k]),
+        sketches=np.nan_to_num(unit).astype(np.float16),
+        norms=np.where(sound, norms, 0.0).astype(np.float32),
+        sound=sound,
+        shape_key=(n_aux, hidden),
+    )
+
+
+def _audit_into(rep: FileReport, path: str) -> None:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        rep.bytes = size
+        header, data_start = read_header(f, size)
+        meta = header.get("__metadata__")
+        if isinstance(meta, dict):
+            rep.provenance = {
+                k: str(v) for k, v in meta.items() if str(k).startswith("vllm_hsfix.")
+            }
+    tensors, layout = check_layout(header, size - data_start)
+    if layout is not None:
+        if layout.code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
+            layout.detail += " (a .lock file sits beside it: the writer may still be running)"
+        rep.add(layout.code, layout.severity, layout.detail)
+    hs_ok, ti_ok = check_keys(rep, tensors)
+    if layout is not None and layout.code == "truncated":
+        return  # the data the header points at is not all there: reading it hits EOF
+    token_ids = None
+    if ti_ok:
+        ti = tensors[TOKEN_KEY]
+        token_ids = read_token_ids(path, data_start + ti["data_offsets"][0], ti["shape"][0])
+    if hs_ok:
+        hs = tensors[HIDDEN_KEY]
+        shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
+        _scan_hidden(rep, path, data_start + hs["data_offsets"][0], hs["dtype"], shape, token_ids)
+
+
+def audit_file(path: str | os.PathLike[str]) -> FileReport:
+    """Audit one file. Never raises: whatever goes wrong becomes a ``corrupt`` finding,
+    because one bad file must not hide the verdicts of the thousands after it."""
+    t0 = time.perf_counter()
+    p = os.fspath(path)
+    rep = FileReport(path=p)
+    try:
+        _audit_into(rep, p)
+    except BadFile as exc:
+        detail = exc.detail
+        if exc.code == "truncated" and os.path.exists(p + LOCK_SUFFIX):
+            detail += " (a .lock file sits beside it: the writer may still be running)"
+        rep.add(exc.code, CORRUPT, detail)
+    except OSError as exc:
+        rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
+    except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
+        rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
+    rep.seconds = time.perf_counter() - t0
+    return rep

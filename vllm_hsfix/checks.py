@@ -1,0 +1,330 @@
+"""The byte-level and behavioural checks that prove the fix is live, in one place.
+
+Used by ``vllm-hsfix verify`` (``verify.py``), by the in-situ check the runtime runs
+when a worker registers its KV caches, and by the tests:
+
+* :func:`scratch_case` / :func:`check_scatter`: call a ``basic_cache`` (the live one)
+  on a scratch cache with padding slots and list every byte that is wrong;
+* :func:`scatter_checks`, :func:`cuda_checks`: that check over dtypes and layouts, and
+  on CUDA: no host-device sync, capture in a CUDA graph and replay with new inputs;
+* :func:`connector_checks`: the LIVE connector class (whatever wrappers are on it) is
+  constructed on a hybrid ``KVCacheConfig`` built from vLLM's own spec classes, and
+  must read with the hidden-states group's block size;
+* :func:`in_situ_scatter`: the scatter check on a small scratch tensor with a real
+  buffer's device, dtype and row layout.
+
+torch and vLLM are imported inside functions only: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from packaging.version import Version
+
+MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# The release whose connector first reads with its block size on the worker.
+CONNECTOR_READS_FROM = "0.24.0"
+
+
+def scratch_case(
+    *,
+    device: str,
+    dtype: Any,
+    num_blocks: int = 6,
+    block_size: int = 8,
+    heads: int = 3,
+    head: int = 16,
+    strided: bool = False,
+    padding: int = 5,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A scratch cache, rows to scatter and a slot mapping with ``-1`` padding mixed in.
+
+    Real slots avoid block 0 (vLLM's null block, never given to a request) and the very
+    last slot of the buffer (where an unclamped ``-1`` lands), so both misbehaviours
+    are visible as changed bytes.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    pad_rows = 3 if strided else 0
+    base = torch.full((num_blocks, block_size + pad_rows, heads, head), 7.0, dtype=dtype)
+    base = base.to(device)
+    kv_cache = base[:, :block_size] if strided else base
+    usable = torch.arange(block_size, num_blocks * block_size - 1)
+    n_real = min(2 * block_size + 3, usable.numel())
+    real = usable[torch.randperm(usable.numel(), generator=gen)[:n_real]]
+    slots = torch.cat([real, torch.full((padding,), -1, dtype=torch.long)])
+    order = torch.randperm(slots.numel(), generator=gen)
+    slots = slots[order].to(device)
+    rows = torch.randn(slots.numel(), heads, head, generator=gen).to(dtype).to(device)
+    return {"base": base, "kv_cache": kv_cache, "slots": slots, "rows": rows}
+
+
+def check_scatter(fn: Any, case: dict[str, Any]) -> list[str]:
+    """Call ``fn(rows, kv_cache, slots)`` and list every byte that is not as it must be.
+
+    Must hold afterwards: each real row sits in its slot; the null block's slot 0 is
+    either untouched or holds one of the padding rows; nothing else in the whole
+    underlying buffer (including the padding of a strided view) changed.
+    """
+    import torch
+
+    base, kv_cache, slots, rows = case["base"], case["kv_cache"], case["slots"], case["rows"]
+    before = base.clone()
+    before_view = kv_cache.clone()
+    fn(rows, kv_cache, slots)
+    problems: list[str] = []
+    nb, bs = kv_cache.shape[0], kv_cache.shape[1]
+    flat_after = kv_cache.reshape(nb * bs, *kv_cache.shape[2:])
+    flat_before = before_view.reshape(nb * bs, *kv_cache.shape[2:])
+    real = slots >= 0
+    real_slots = slots[real]
+    if not torch.equal(flat_after[real_slots], rows[real]):
+        wrong = (flat_after[real_slots] != rows[real]).flatten(1).any(1).sum().item()
+        problems.append(f"{wrong} of {int(real.sum())} real rows are not in their slots")
+    written = torch.zeros(nb * bs, dtype=torch.bool, device=kv_cache.device)
+    written[real_slots] = True
+    written[0] = True
+    untouched = ~written
+    if not torch.equal(flat_after[untouched], flat_before[untouched]):
+        changed = (
+            torch.nonzero((flat_after != flat_before).flatten(1).any(1) & untouched)
+            .flatten()
+            .tolist()
+        )
+        where = ", ".join(f"block {s // bs} slot {s % bs}" for s in changed[:4])
+        problems.append(f"padding or stray writes changed {len(changed)} slot(s): {where}")
+    pad_rows = rows[~real]
+    slot0 = flat_after[0]
+    if not torch.equal(slot0, flat_before[0]) and not any(torch.equal(slot0, r) for r in pad_rows):
+        problems.append("the null block's slot 0 holds something other than a padding row")
+    if kv_cache.data_ptr() != base.data_ptr() or kv_cache.shape != base.shape:
+        # Strided view: the bytes outside the view must be untouched as well.
+        outside = torch.ones(base.shape[:2], dtype=torch.bool, device=base.device)
+        outside[:, :bs] = False
+        if not torch.equal(base[outside], before[outside]):
+            problems.append("bytes outside the strided view changed")
+    return problems
+
+
+def head_major(fn: Any) -> Any:
+    """Adapt a 0.29+ ``basic_cache`` (buffer ``[num_blocks, heads, block_size, head]``) to
+    the checks' ``[num_blocks, block_size, heads, head]`` scratch cache: it writes through
+    a transposed view of the same memory, so the byte checks hold unchanged."""
+
+    def call(to_cache: Any, kv_cache: Any, slot_mapping: Any) -> Any:
+        return fn(to_cache, kv_cache.transpose(1, 2), slot_mapping)
+
+    return call
+
+
+def live_scatter(module: Any, version: str | None) -> Any:
+    """The live ``basic_cache``, adapted to the buffer layout of the installed release."""
+    if version is not None and Version(Version(version).public) >= Version("0.29.0"):
+        return head_major(module.basic_cache)
+    return module.basic_cache
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def scatter_checks(fn: Any, device: str, shape: str | None) -> list[dict[str, Any]]:
+    """The scatter check over dtypes and layouts the installed release supports."""
+    results = []
+    layouts = [False, True] if shape != "flat-view" else [False]
+    for dtype in ("bfloat16", "float32"):
+        for strided in layouts:
+            case = scratch_case(device=device, dtype=_dtype(dtype), strided=strided)
+            t0 = time.perf_counter()
+            problems = check_scatter(fn, case)
+            results.append(
+                {
+                    "check": f"scatter {dtype} {'strided view' if strided else 'contiguous'}",
+                    "ok": not problems,
+                    "problems": problems,
+                    "ms": round((time.perf_counter() - t0) * 1e3, 3),
+                }
+            )
+    return results
+
+
+def cuda_checks(fn: Any) -> list[dict[str, Any]]:
+    """No host sync inside the scatter; capture in a CUDA graph, replay with new inputs."""
+    import torch
+
+    results: list[dict[str, Any]] = []
+    case = scratch_case(device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    problem = None
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        fn(case["rows"], case["kv_cache"], case["slots"])
+    except RuntimeError as exc:
+        problem = f"the scatter synchronised the host: {exc}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    results.append(
+        {
+            "check": "no host-device sync",
+            "ok": problem is None,
+            "problems": [problem] if problem else [],
+        }
+    )
+
+    static = scratch_case(device="cuda", dtype=torch.bfloat16, seed=1)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    problems: list[str] = []
+    try:
+        with torch.cuda.stream(stream):
+            fn(static["rows"], static["kv_cache"], static["slots"])  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            fn(static["rows"], static["kv_cache"], static["slots"])
+        for seed in (2, 3):
+            # New inputs in the captured tensors: a correct graph scatters them too.
+            fresh = scratch_case(device="cuda", dtype=torch.bfloat16, seed=seed)
+            for key in ("base", "rows", "slots"):
+                static[key].copy_(fresh[key])
+            problems += [
+                f"replay with seed {seed}: {p}"
+                for p in check_scatter(lambda *_: graph.replay(), static)
+            ]
+        torch.cuda.synchronize()
+    except Exception as exc:
+        problems.append(f"CUDA graph capture/replay failed: {exc!r}")
+    results.append(
+        {"check": "CUDA graph capture and replay", "ok": not problems, "problems": problems}
+    )
+    return results
+
+
+def hybrid_layout() -> tuple[Any, dict[str, int]]:
+    """A Qwen3.5-A3B-like hybrid ``KVCacheConfig`` from vLLM's own spec classes:
+    full attention and mamba at the bumped block size 528, the hidden-states group
+    (not first) at its own 22."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.3.self_attn"],
+            FullAttentionSpec(block_size=528, num_kv_heads=2, head_size=256, dtype=torch.bfloat16),
+        ),
+        KVCacheGroupSpec(
+            ["model.layers.0.linear_attn"],
+            MambaSpec(block_size=528, shapes=((4, 8),), dtypes=(torch.float32,)),
+        ),
+        KVCacheGroupSpec(
+            ["cache_only_layers.0"],
+            HiddenStateCacheSpec(
+                block_size=22, num_kv_heads=3, head_size=2048, dtype=torch.bfloat16
+            ),
+        ),
+    ]
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    return config, {"group": 2, "block_size": 22, "global_block_size": 528}
+
+
+def _connector_vllm_config(global_block_size: int, storage: str) -> Any:
+    """The parts of a ``VllmConfig`` the connector's constructor reads; the transfer
+    config is vLLM's real class."""
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="ExampleHiddenStatesConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": storage},
+    )
+    draft = SimpleNamespace(hf_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 2]))
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        cache_config=SimpleNamespace(block_size=global_block_size),
+        speculative_config=SimpleNamespace(draft_model_config=draft),
+    )
+
+
+def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int) -> Any:
+    """An instance of ``cls`` built through its live ``__init__`` (worker role)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with tempfile.TemporaryDirectory(prefix="vllm-hsfix-check-") as storage:
+        conn = cls(
+            vllm_config=_connector_vllm_config(global_block_size, storage),
+            role=KVConnectorRole.WORKER,
+            kv_cache_config=kv_cache_config,
+        )
+    executor = getattr(conn, "_executor", None)
+    if executor is not None:
+        executor.shutdown(wait=False)
+    return conn
+
+
+def connector_checks(version: str | None) -> list[dict[str, Any]]:
+    """The live connector class resolves a hybrid layout to the hidden group's own block
+    size. Expected from the installed release: 0.24.0 needs the patch for it, 0.25.0+
+    do it themselves; 0.17-0.23 never read with this block size (skipped)."""
+    import importlib
+
+    name = "connector group / block size (hybrid: 528, 528, hidden 22)"
+    if version is None or Version(Version(version).public) < Version(CONNECTOR_READS_FROM):
+        why = f"vLLM {version}: the connector does not read with its block size before 0.24"
+        return [{"check": name, "ok": True, "problems": [], "skipped": why}]
+    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    config, want = hybrid_layout()
+    problems: list[str] = []
+    try:
+        conn = construct_connector(cls, config, want["global_block_size"])
+    except Exception as exc:
+        return [{"check": name, "ok": False, "problems": [f"construction failed: {exc!r}"]}]
+    group = getattr(conn, "_cache_kv_group_id", getattr(conn, "_hs_group_idx", None))
+    got = {"group": group, "block_size": conn._block_size}
+    expected = {"group": want["group"], "block_size": want["block_size"]}
+    if got != expected:
+        problems.append(f"resolved {got}, expected {expected}")
+    return [{"check": name, "ok": not problems, "problems": problems, "resolved": got}]
+
+
+def in_situ_scatter(fn: Any, buffer: Any) -> dict[str, Any] | None:
+    """Check ``fn`` on a scratch cache shaped like ``buffer`` (None: not a 4-D buffer)."""
+    if buffer is None or buffer.dim() != 4:
+        return None
+    try:
+        t0 = time.perf_counter()
+        case = scratch_case(
+            device=str(buffer.device),
+            dtype=buffer.dtype,
+            num_blocks=3,
+            block_size=min(int(buffer.shape[1]), 8),
+            heads=int(buffer.shape[2]),
+            head=int(buffer.shape[3]),
+            strided=not buffer.is_contiguous(),
+            padding=2,
+        )
+        problems = check_scatter(fn, case)
+        return {
+            "ok": not problems,
+            "problems": problems,
+            "device": str(buffer.device),
+            "dtype": str(buffer.dtype).replace("torch.", ""),
+            "ms": round((time.perf_counter() - t0) * 1e3, 3),
+        }
+    except Exception as exc:
+        return {"ok": False, "problems": [f"check could not run: {exc!r}"]}

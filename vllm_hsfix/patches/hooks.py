@@ -1,0 +1,33 @@
+"""What a patch may call back into at run time, handed to it by the runtime.
+
+Patches sit below the runtime and never import it: a wrapper that must report a
+failure, or run the in-situ check once a worker has registered its caches, calls
+these instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _ignore_failure(patch_id: str, exc: BaseException) -> None:
+    return None
+
+
+def _ignore_registration(connector: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """``on_failure(patch_id, exc)``: a wrapper met an unexpected error (it is recorded;
+    the wrapper itself decides whether to raise). ``after_register(connector)``: the
+    connector registered its KV caches (the in-situ check runs here)."""
+
+    on_failure: Callable[[str, BaseException], None] = _ignore_failure
+    after_register: Callable[[Any], None] = _ignore_registration
+
+
+NO_HOOKS = Hooks()

@@ -1,0 +1,176 @@
+"""What this process tells the world: the status dict, the one log line, status files.
+
+Reads the records the runtime keeps (``state``); changes nothing in them.
+
+Logging follows the library convention: every module logs through a child of the
+``vllm_hsfix`` logger, which propagates, so an application's logging configuration
+(JSON collectors, vLLM's own handlers on the root) receives the lines. The one
+summary line per process must still be seen where nobody configured logging (vLLM
+configures only its own ``vllm`` logger, and Python's last-resort handler drops INFO),
+so ``vllm_hsfix`` carries one fallback handler that writes to the current
+``sys.stderr`` only when no other handler on the way to the root would take the
+record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import _lazy, tested
+from ._version import __version__
+from .config import Config
+from .state import APPLIED, FAILED, PENDING, REFUSED, STATE
+
+log = logging.getLogger("vllm_hsfix")
+
+
+class FallbackStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time (a stream swapped and closed
+    since set-up, e.g. by pytest's capture or a daemon, is never hit), and only when
+    the record would reach no other handler."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _other_handlers(self):
+            super().emit(record)
+
+
+def _other_handlers(ours: logging.Handler) -> bool:
+    logger: logging.Logger | None = log
+    while logger is not None:
+        if any(h is not ours for h in logger.handlers):
+            return True
+        if not logger.propagate:
+            return False
+        logger = logger.parent  # type: ignore[assignment]
+    return False
+
+
+def setup_logging(cfg: Config) -> None:
+    log.setLevel(cfg.log_level)
+    if not any(isinstance(h, FallbackStderrHandler) for h in log.handlers):
+        handler = FallbackStderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s [vllm-hsfix] %(message)s"))
+        log.addHandler(handler)
+
+
+def process_role() -> str:
+    """Which vLLM process this is, from the names vLLM gives its processes."""
+    import multiprocessing
+
+    name = multiprocessing.current_process().name
+    if name.startswith("EngineCore"):
+        return "engine-core"
+    if name.startswith("VllmWorker"):
+        return "worker-" + name.rsplit("-", 1)[-1]
+    if name == "MainProcess":
+        return "main"
+    return name
+
+
+def status_dict() -> dict[str, Any]:
+    cfg, inst = STATE.config, STATE.install
+    assert cfg is not None and inst is not None
+    return {
+        "vllm_hsfix": __version__,
+        "pid": os.getpid(),
+        "role": process_role(),
+        "activated_by": _lazy.sources(),
+        "enabled": STATE.enabled,
+        "unapplied": STATE.unapplied,
+        "vllm": inst.as_dict(),
+        "tested_build": tested.describe(
+            inst, {pid: rec.fingerprints for pid, rec in STATE.records.items()}
+        ),
+        "config": {
+            "disabled": cfg.disabled,
+            "disabled_patches": sorted(cfg.disabled_patches),
+            "strict": cfg.strict,
+            "verify": cfg.verify,
+            "provenance": cfg.provenance,
+            "vllm_version_override": cfg.vllm_version_override,
+            "warnings": list(cfg.warnings),
+        },
+        "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
+        "verify": STATE.verify,
+        "provenance": STATE.provenance,
+        "errors": list(STATE.errors) + _lazy.errors(),
+    }
+
+
+def summary_line() -> str:
+    inst = STATE.install
+    vllm = "absent"
+    if inst is not None and inst.present:
+        vllm = f"{inst.version or inst.raw_version or '?'} ({inst.distribution or inst.source})"
+    groups: dict[str, list[str]] = {}
+    for rec in STATE.records.values():
+        groups.setdefault(rec.status, []).append(
+            rec.patch.id if rec.status == APPLIED else f"{rec.patch.id} [{rec.code}]"
+        )
+    parts = [f"{k} {', '.join(v)}" for k, v in groups.items()]
+    line = (
+        f"vllm-hsfix {__version__} pid={os.getpid()} role={process_role()} vllm={vllm}: "
+        + "; ".join(parts)
+    )
+    if STATE.verify is not None:
+        line += f"; in-situ check {'passed' if STATE.verify.get('ok') else 'FAILED'}"
+    return line
+
+
+def log_summary_once() -> None:
+    """Log the per-process line once every patch is decided."""
+    if STATE.logged or any(r.status == PENDING for r in STATE.records.values()):
+        return
+    STATE.logged = True
+    bad = any(r.status in (REFUSED, FAILED) for r in STATE.records.values())
+    log.log(logging.WARNING if bad else logging.INFO, summary_line())
+
+
+def at_exit() -> None:
+    """The line for a process that never decided all patches, and the last status file."""
+    if not STATE.logged and any(r.status != PENDING for r in STATE.records.values()):
+        STATE.logged = True
+        log.info(summary_line())
+    write_status_file()
+
+
+def write_status_file() -> None:
+    cfg = STATE.config
+    if cfg is None or not cfg.status_dir or STATE.install is None:
+        return
+    try:
+        path = Path(cfg.status_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".{os.getpid()}.json.tmp"
+        tmp.write_text(json.dumps(status_dict(), indent=2, default=str))
+        tmp.replace(path / f"{os.getpid()}.json")
+    except Exception as exc:
+        log.debug("could not write status file: %r", exc)
+
+
+def provenance_metadata() -> dict[str, str]:
+    """The provenance keys for a hidden-states file written now, in this process."""
+    inst = STATE.install
+    applied = sorted(r.patch.id for r in STATE.records.values() if r.status == APPLIED)
+    check = STATE.verify
+    return {
+        "version": __version__,
+        "vllm": (inst.version or "unknown") if inst else "unknown",
+        "patches": ",".join(applied) or "none",
+        "in_situ_check": "not run"
+        if check is None
+        else ("passed" if check.get("ok") else "FAILED"),
+    }

@@ -1,0 +1,353 @@
+"""The live runtime: decide and patch each target as vLLM imports it, revert, report.
+
+Every activation path (``import vllm_hsfix``, the vLLM plugin, the sitecustomize
+bootstrap, ``apply()``) ends in :func:`start`. Patching happens in post-import hooks
+on the target modules (wrapt's), so it is right whether vLLM was imported before or
+after activation. For each target the flow is one way:
+
+    detect (``detect``) -> plan (``plan.decide``) -> patch (``patches.<id>.apply``)
+    -> report (``report``)
+
+Failures are recorded and logged, never raised, unless strict mode is on. The
+runtime hands the patches their callbacks (``patches.hooks.Hooks``); nothing below
+imports this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from . import _lazy, checks, config, detect, plan, provenance, report
+from .errors import HsfixError
+from .patches import MODULES, PATCH_IDS, PATCHES, PatchSpec
+from .patches import connector as connector_patch
+from .patches._wrap import Replacement
+from .patches.hooks import Hooks
+from .state import APPLIED, FAILED, LOCK, PENDING, REFUSED, REVERTED, SKIPPED, STATE, Record
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HsfixError", "internal_error", "start", "status", "unapply"]
+
+
+def _init_locked() -> config.Config:
+    if STATE.config is None:
+        cfg = config.load(known_patches=PATCH_IDS)
+        STATE.config = cfg
+        report.setup_logging(cfg)
+        STATE.records = {p.id: Record(p) for p in PATCHES}
+        for w in cfg.warnings:
+            log.warning(w)
+        atexit.register(_at_exit)
+    return STATE.config
+
+
+def install() -> detect.VllmInstall:
+    """What detection found (once per process; never raises)."""
+    with LOCK:
+        cfg = _init_locked()
+        if STATE.install is None:
+            try:
+                STATE.install = detect.detect(cfg.vllm_version_override)
+            except Exception as exc:
+                STATE.install = detect.VllmInstall(
+                    present=False, source="error", problem=f"vLLM detection failed: {exc!r}"
+                )
+                internal_error(STATE.install.problem or "", exc)
+        return STATE.install
+
+
+def _plugins_warning() -> None:
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is None:
+        return
+    names = [n.strip() for n in allowed.split(",")]
+    if "vllm_hsfix" not in names:
+        log.warning(
+            "VLLM_PLUGINS=%r leaves out 'vllm_hsfix': processes vLLM starts (engine core, "
+            "workers) will NOT be patched unless they import vllm_hsfix themselves or run "
+            "under the sitecustomize bootstrap; add vllm_hsfix to VLLM_PLUGINS",
+            allowed,
+        )
+
+
+def start(source: str) -> None:
+    """Entry point of every activation path. Idempotent and thread-safe.
+
+    After :func:`unapply`, only ``source == "apply"`` (the user's explicit call)
+    patches again; the plugin, the import watcher and the bootstrap keep out.
+    """
+    try:
+        with LOCK:
+            cfg = _init_locked()
+            _lazy.record_source(source)
+            if STATE.unapplied and source != "apply":
+                _report()
+                return
+            STATE.unapplied = False
+            _refresh()
+            if cfg.disabled:
+                inst = install()
+                for rec in STATE.records.values():
+                    decision = plan.decide(rec.patch, inst, cfg, _no_probe)
+                    rec.set(decision.code, decision.reason)
+                _report()
+                return
+            if not STATE.enabled and not STATE.hooks_registered:
+                _plugins_warning()
+            STATE.enabled = True
+            # Targets imported before (or reverted since): decide now, as a late patch.
+            for name in MODULES:
+                module = sys.modules.get(name)
+                if module is not None:
+                    _on_import(module, late=True)
+            _register_hooks()
+            _report()
+    except HsfixError:
+        raise
+    except Exception as exc:  # never into the user's program
+        internal_error(f"activation from {source} failed: {exc!r}", exc)
+
+
+def _no_probe() -> Any:
+    raise AssertionError("a disabled patch is never probed")
+
+
+def internal_error(message: str, exc: BaseException | None = None) -> None:
+    """Record and log an error of the package itself; raise only in strict mode."""
+    STATE.errors.append(message)
+    try:
+        cfg = _init_locked()
+    except Exception:
+        cfg = config.load()
+    log.error(message, exc_info=exc is not None and log.isEnabledFor(logging.DEBUG))
+    if cfg.strict:
+        raise HsfixError(message) from exc
+
+
+def _register_hooks() -> None:
+    if STATE.hooks_registered:
+        return
+    for name in MODULES:
+        wrapt.register_post_import_hook(_on_import, name)
+    STATE.hooks_registered = True
+
+
+def _on_import(module: ModuleType, late: bool = False) -> None:
+    with LOCK:
+        if not STATE.enabled or STATE.unapplied:
+            return
+        for rec in STATE.records.values():
+            if rec.patch.module == module.__name__ and rec.status in (PENDING, REVERTED):
+                _decide(rec, module, late)
+        _maybe_observe()
+        _maybe_provenance()
+        _report()
+        cfg = STATE.config
+        if cfg is not None and cfg.strict:
+            bad = [r for r in STATE.records.values() if r.status in (REFUSED, FAILED)]
+            if bad:
+                raise HsfixError(
+                    "strict mode: " + "; ".join(f"{r.patch.id} {r.status}: {r.reason}" for r in bad)
+                )
+
+
+def _decide(rec: Record, module: ModuleType, late: bool) -> None:
+    cfg = STATE.config
+    assert cfg is not None
+    patch = rec.patch
+    try:
+        inst = install()
+        if inst.source == "error":
+            rec.set("error", inst.problem or "vLLM detection failed")
+            return
+        impl = patch.implementation()
+        decision = plan.decide(patch, inst, cfg, lambda: impl.probe(module))
+        if decision.probe is not None:
+            rec.shape = decision.probe.shape
+            rec.fingerprints = dict(decision.probe.fingerprints)
+        if decision.code != plan.APPLY:
+            rec.set(decision.code, decision.reason)
+            if rec.status == REFUSED:
+                log.warning("%s refused: %s", patch.id, rec.reason)
+            return
+        assert rec.shape is not None
+        rec.replacements = impl.apply(module, rec.shape, HOOKS)
+        reason = decision.reason
+        adopt = getattr(impl, "adopt", None)
+        if late and adopt is not None:
+            note = adopt(module)
+            reason += f"; {note}" if note else ""
+        rec.set("applied", reason)
+    except Exception as exc:
+        rec.set("error", f"{type(exc).__name__}: {exc}")
+        log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+def _live_owner(patch: PatchSpec, owner: object) -> bool:
+    """``owner`` is still what the patch's module path leads to (not an old class or
+    module object left behind by ``importlib.reload``)."""
+    module = sys.modules.get(patch.module)
+    if module is None:
+        return False
+    return owner is module or getattr(module, getattr(owner, "__name__", ""), None) is owner
+
+
+def _refresh() -> None:
+    """Make the records true again: an applied patch whose wrapper is no longer what
+    the target's path leads to (module reloaded, attribute reassigned) is marked."""
+    for rec in STATE.records.values():
+        if rec.status != APPLIED:
+            continue
+        stale = [r for r in rec.replacements if not (r.live() and _live_owner(rec.patch, r.owner))]
+        if stale:
+            names = ", ".join(f"{getattr(r.owner, '__name__', r.owner)}.{r.name}" for r in stale)
+            rec.replacements = []
+            rec.set(
+                "overwritten",
+                f"the patched {names} was replaced after patching (module reloaded or "
+                "attribute reassigned); vllm_hsfix.apply() patches it again",
+            )
+
+
+def _on_failure(patch_id: str, exc: BaseException) -> None:
+    with LOCK:
+        rec = STATE.records.get(patch_id)
+        if rec is not None:
+            rec.set("error", f"at run time: {type(exc).__name__}: {exc}")
+        STATE.errors.append(f"{patch_id} failed at run time: {exc!r}")
+        report.write_status_file()
+    log.error("%s failed at run time: %r", patch_id, exc)
+
+
+def _after_register(connector: Any) -> None:
+    """The in-situ check, once per process, when a worker registers its KV caches."""
+    cfg = STATE.config
+    model = sys.modules.get(checks.MODEL_MODULE)
+    if cfg is None or not cfg.verify or STATE.verify is not None or model is None:
+        return
+    result = checks.in_situ_scatter(model.basic_cache, getattr(connector, "_kv_cache", None))
+    if result is None:
+        return
+    with LOCK:
+        STATE.verify = result
+        report.write_status_file()
+    log.log(
+        logging.INFO if result["ok"] else logging.ERROR,
+        "in-situ scatter check %s on %s %s in %s ms%s",
+        "passed" if result["ok"] else "FAILED",
+        result.get("device"),
+        result.get("dtype"),
+        result.get("ms"),
+        "" if result["ok"] else f": {result['problems']}",
+    )
+    if not result["ok"] and cfg.strict:
+        raise HsfixError(f"in-situ scatter check failed: {result['problems']}")
+
+
+HOOKS = Hooks(on_failure=_on_failure, after_register=_after_register)
+
+
+def _maybe_observe() -> None:
+    """Where only the clamp applies, hook the in-situ check onto register_kv_caches."""
+    scatter = STATE.records["scatter-clamp"]
+    conn = STATE.records["hidden-group-block-size"]
+    cfg = STATE.config
+    module = sys.modules.get(conn.patch.module)
+    if (
+        module is None
+        or cfg is None
+        or not cfg.verify
+        or scatter.status != APPLIED
+        or conn.status != SKIPPED  # decided, and not wrapping register_kv_caches itself
+        or any(r.wrapper.hsfix_patch == "in-situ-verify" for r in scatter.replacements)
+    ):
+        return
+    try:
+        rep = connector_patch.observe(module, HOOKS)
+        if rep is not None:
+            scatter.replacements.append(rep)
+    except Exception as exc:
+        log.warning("in-situ check not hooked: %r", exc)
+
+
+def _maybe_provenance() -> None:
+    """With VLLM_HSFIX_PROVENANCE=1 and a patch applied, stamp the files the connector saves."""
+    cfg = STATE.config
+    conn = STATE.records["hidden-group-block-size"]
+    module = sys.modules.get(conn.patch.module)
+    applied = [r for r in STATE.records.values() if r.status == APPLIED]
+    if module is None or cfg is None or not cfg.provenance or not applied:
+        return
+    if any(r.wrapper.hsfix_patch == provenance.PATCH_ID for a in applied for r in a.replacements):
+        return
+    try:
+        rep = provenance.install(module, report.provenance_metadata)
+        if rep is not None:
+            applied[-1].replacements.append(rep)
+            STATE.provenance = True
+    except Exception as exc:
+        log.warning("provenance metadata not hooked: %r", exc)
+
+
+def unapply() -> None:
+    """Stop patching in this process, for good unless :func:`start` is called with
+    "apply": every wrapper is switched to pass-through and, where it is still the
+    outermost, the original object is put back."""
+    with LOCK:
+        _init_locked()
+        STATE.enabled = False
+        STATE.unapplied = True
+        for rec in STATE.records.values():
+            results = [rep.restore() for rep in reversed(rec.replacements)]
+            if rec.replacements:
+                kept = results.count("pass-through")
+                rec.set(
+                    "reverted",
+                    "unapply() restored the original objects"
+                    + (f" ({kept} left as pass-through beneath a later wrapper)" if kept else ""),
+                )
+                rec.replacements = []
+            elif rec.status == PENDING:
+                rec.set(
+                    "reverted",
+                    "unapply() was called before the target was imported: it stays "
+                    "unpatched in this process unless apply() is called",
+                )
+        STATE.provenance = False
+        report.write_status_file()
+
+
+def status() -> dict[str, Any]:
+    """The true state of this process (records checked against the live targets)."""
+    with LOCK:
+        _init_locked()
+        install()
+        _refresh()
+        return report.status_dict()
+
+
+def replacements() -> list[Replacement]:
+    """Every wrapper in force (for tests and ``verify``)."""
+    with LOCK:
+        return [r for rec in STATE.records.values() for r in rec.replacements]
+
+
+def _report() -> None:
+    report.write_status_file()
+    report.log_summary_once()
+
+
+def _at_exit() -> None:
+    try:
+        with LOCK:
+            report.at_exit()
+    except Exception:
+        pass

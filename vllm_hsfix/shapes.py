@@ -1,0 +1,196 @@
+"""Reading a target's code without running it: the toolkit of every shape gate.
+
+A patch may touch vLLM only when the target's code is a shape it knows. This module
+turns source into what the gates compare:
+
+* :func:`canonical`: an AST written out without docstrings, formatting, comments or
+  the fields Python versions disagree on (``ctx``, ``type_params``, ``kind``, empty
+  defaults), so the same code reads the same on Python 3.10-3.13; :func:`fingerprint`
+  hashes it (``status`` tells a tested build from an untested one by these);
+* :func:`body_template`: a function's statements with its parameters and local
+  variables renamed by position, so a shape is recognised exactly, operands included,
+  whatever the variables are called;
+* small queries (top-level definitions, methods, attribute chains, assigned
+  attributes) for gates that test structure;
+* :class:`Probe`: what a gate concluded.
+
+Nothing here imports vLLM or the rest of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The outcome of looking at a target's code.
+
+    ``shape`` names a known shape the patch can handle, ``fixed`` says the code
+    already carries upstream's fix, and neither means the shape is unknown.
+    """
+
+    shape: str | None
+    fixed: bool = False
+    detail: str = ""
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def known(self) -> bool:
+        return self.shape is not None or self.fixed
+
+
+def parse(src: str) -> ast.Module | None:
+    try:
+        return ast.parse(src)
+    except SyntaxError:
+        return None
+
+
+def module_tree(module: object) -> ast.Module | None:
+    """The parsed source of a live module (None when its source cannot be read)."""
+    try:
+        src = inspect.getsource(module)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return None
+    return parse(src)
+
+
+def probe_file(path: str, probe_tree: Callable[[ast.Module], Probe]) -> Probe:
+    """Run a source probe on a file without importing it (used by ``status``)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = parse(fh.read())
+    except OSError as exc:
+        return Probe(None, detail=f"cannot read {path}: {exc}")
+    if tree is None:
+        return Probe(None, detail=f"{path} does not parse")
+    return probe_tree(tree)
+
+
+def top_level(tree: ast.Module, name: str) -> ast.FunctionDef | ast.ClassDef | None:
+    """The last top-level ``def``/``class`` called ``name`` (the one Python keeps)."""
+    found = None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            found = node
+    return found
+
+
+def method(cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | None:
+    if cls is None:
+        return None
+    found = None
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            found = node
+    return found
+
+
+def strip_docstrings(tree: ast.AST) -> ast.AST:
+    tree = copy.deepcopy(tree)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(getattr(body[0], "value", None), ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+# Fields whose presence or value differs between Python versions for the same code:
+# ``ctx`` (implied by position), ``type_params`` (3.12+), ``kind`` (the u"" prefix),
+# ``type_comment``. Empty lists and None are left out too (3.13's ``ast.dump`` drops
+# them, older versions print them).
+_UNSTABLE = frozenset({"ctx", "type_params", "kind", "type_comment"})
+
+
+def canonical(node: object) -> str:
+    """The code as a string that is the same on every supported Python version."""
+    if isinstance(node, ast.AST):
+        parts = []
+        for name in node._fields:
+            if name in _UNSTABLE:
+                continue
+            value = getattr(node, name, None)
+            if value is None or value == []:
+                continue
+            parts.append(f"{name}={canonical(value)}")
+        return f"{type(node).__name__}({','.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ",".join(canonical(v) for v in node) + "]"
+    return repr(node)
+
+
+def fingerprint(node: ast.AST | None) -> str:
+    """A short hash of a definition's code without docstrings, comments or formatting."""
+    if node is None:
+        return "absent"
+    return hashlib.sha256(canonical(strip_docstrings(node)).encode()).hexdigest()[:16]
+
+
+def body_template(fn: ast.FunctionDef) -> str:
+    """``fn``'s statements with parameters renamed ``p0, p1, ...`` by position and every
+    local variable ``v0, v1, ...`` in order of first assignment; annotations, defaults
+    and docstrings left out. Two functions with equal templates do the same thing to
+    the same operands."""
+    fn = strip_docstrings(fn)  # type: ignore[assignment]
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
+    rename = {name: f"p{i}" for i, name in enumerate(params)}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id not in rename:
+            rename[node.id] = f"v{len(rename) - len(params)}"
+    body = copy.deepcopy(fn.body)
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and node.id in rename:
+                node.id = rename[node.id]
+    return canonical(body)
+
+
+def template_of(src: str) -> str:
+    """The :func:`body_template` of the one function defined in ``src``."""
+    tree = ast.parse(src.strip())
+    fn = tree.body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    return body_template(fn)
+
+
+def attribute_chains(tree: ast.AST) -> set[str]:
+    """Dotted names the code reads, e.g. ``{"kv_cache.shape", "self._block_size"}``."""
+    chains: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts: list[str] = []
+            cur: ast.AST = node
+            while isinstance(cur, ast.Attribute):
+                parts.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name):
+                parts.append(cur.id)
+                chains.add(".".join(reversed(parts)))
+    return chains
+
+
+def assigned_attributes(tree: ast.AST) -> set[str]:
+    """``self.X`` targets assigned anywhere in the code."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                out.add(f"{t.value.id}.{t.attr}")
+    return out
