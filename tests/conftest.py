@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from vllm_hsfix import detect
-from vllm_hsfix.gate import in_release_range
+from vllm_hsfix.plan import in_release_range
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = detect.detect()

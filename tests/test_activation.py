@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import MODEL_MODULE, clean_env, last_json, run_py
 
+from vllm_hsfix._version import __version__
+
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
 
 TARGETS = f"""
@@ -59,7 +61,7 @@ print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
         "_zero_block_ids": 1,
     }
     assert sources == ["import", "vllm-import"]
-    lines = [ln for ln in out.stderr.splitlines() if "vllm-hsfix 0.1.0 pid=" in ln]
+    lines = [ln for ln in out.stderr.splitlines() if f"vllm-hsfix {__version__} pid=" in ln]
     assert len(lines) == 1, out.stderr[-3000:]
     assert "applied scatter-clamp, hidden-group-block-size, cpu-zero-blocks" in lines[0]
     assert "role=main" in lines[0] and "vllm=0.24.0" in lines[0]
@@ -202,7 +204,7 @@ def test_plugin_never_raises_into_vllm_unless_strict(strict: bool) -> None:
     code = """
 import json
 import vllm_hsfix._lazy as lazy
-def broken(source):
+def broken(*args):
     raise RuntimeError("forced failure in the plugin")
 lazy.activate = broken
 import vllm_hsfix.plugin

@@ -72,11 +72,43 @@ def test_status_exit_code_is_nonzero_when_the_fix_cannot_apply(
     assert any(needle in p for p in report["problems"]), report["problems"]
 
 
-def test_status_without_vllm_is_ok() -> None:
+def test_status_without_vllm_exits_2() -> None:
+    # A check run in the wrong virtualenv must not pass (issue 11.11).
     out = cli("status", "--json", env=clean_env(PYTHONPATH=None))
     report = json.loads(out.stdout)
-    assert out.returncode == 0 and report["vllm"]["present"] is False
+    assert out.returncode == 2 and report["vllm"]["present"] is False
     assert {v["code"] for v in report["patches"].values()} == {"no-vllm"}
+    text = cli("status", env=clean_env(PYTHONPATH=None))
+    assert text.returncode == 2 and "result: NO VLLM" in text.stdout
+
+
+@pytest.mark.fixed
+def test_status_disabled_on_a_fixed_release_is_ok() -> None:
+    out = cli("status", "--json", env=clean_env(VLLM_HSFIX_DISABLE="1"))
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report["problems"]
+    assert {v["code"] for v in report["patches"].values()} == {"upstream-fix-present"}
+
+
+@pytest.mark.parametrize("require", ["applied", "fixed", "tested", "applied,tested"])
+def test_status_require(require: str) -> None:
+    out = cli("status", "--json", "--require", require)
+    report = json.loads(out.stdout)
+    wanted = set(require.split(","))
+    holds = {
+        "applied": AFFECTED,
+        "fixed": FIXED,
+        "tested": report["tested_build"]["tested"],
+    }
+    expect = 0 if all(holds[w] for w in wanted) else 1
+    assert out.returncode == expect, (require, report["problems"])
+    for w in wanted:
+        assert any(p.startswith(f"--require {w}") for p in report["problems"]) == (not holds[w])
+
+
+def test_status_require_unknown_value_is_a_usage_error() -> None:
+    out = cli("status", "--require", "sometimes")
+    assert out.returncode == 2 and "unknown requirement" in out.stderr
 
 
 def test_verify_cpu_json_passes_on_the_real_release() -> None:

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE, FIXED, MODEL_MODULE
+from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE
+from packaging.version import Version
 
 from vllm_hsfix.patches import connector as patch
 
@@ -24,6 +25,12 @@ def _has_hidden_spec() -> bool:
 
 
 HAS_HIDDEN_SPEC = _has_hidden_spec()
+# Keyed on the installed release, never on vllm-hsfix's own report: on 0.24.x the
+# connector patch must be applied, and a silent non-application must fail.
+CONNECTOR_PATCHED_RELEASE = AFFECTED and Version(RELEASE or "0") >= Version("0.24.0")
+needs_connector_patch = pytest.mark.skipif(
+    not CONNECTOR_PATCHED_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
+)
 pytestmark = pytest.mark.needs_vllm
 needs_hidden_spec = pytest.mark.skipif(
     not HAS_HIDDEN_SPEC,
@@ -172,7 +179,8 @@ def test_real_connector_uses_the_hidden_groups_block_size(
 ) -> None:
     cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
     conn = cls(vllm_config, getattr(_roles(), role), layout(full(), hidden(22), mamba()))
-    if patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied":
+    if CONNECTOR_PATCHED_RELEASE:
+        assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
         assert (conn._hs_group_idx, conn._block_size) == (1, 22)
     else:  # 0.17-0.23: the connector is left as the release wrote it
         assert conn._block_size == 528
@@ -186,8 +194,8 @@ def test_unpatched_024_connector_shows_the_bug(vllm_config: Any) -> None:
 
     vllm_hsfix.unapply()
     module = importlib.import_module(CONNECTOR_MODULE)
-    if not hasattr(module.ExampleHiddenStatesConnector, "_submit_async_write"):
-        pytest.skip("only 0.24.0 reads with the block size on the worker")
+    if not CONNECTOR_PATCHED_RELEASE:
+        pytest.skip(f"only 0.24.x reads with the block size on the worker, have {RELEASE}")
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
     )
@@ -219,15 +227,14 @@ def distributed(vllm_config: Any) -> Any:
     return layer
 
 
-@needs_hidden_spec
+@needs_connector_patch
 @pytest.mark.affected
 @pytest.mark.parametrize(("buffer_block", "ok"), [(22, True), (528, False), (16, False)])
 def test_register_kv_caches_checks_the_buffer(
     patched: Any, vllm_config: Any, distributed: Any, buffer_block: int, ok: bool
 ) -> None:
     module = importlib.import_module(CONNECTOR_MODULE)
-    if patched.status()["patches"]["hidden-group-block-size"]["status"] != "applied":
-        pytest.skip("the mismatch check belongs to the 0.24 connector patch")
+    assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
     )
@@ -243,15 +250,14 @@ def test_register_kv_caches_checks_the_buffer(
         conn._executor.shutdown(wait=False)
 
 
-@needs_hidden_spec
+@needs_connector_patch
 @pytest.mark.affected
 def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     patched: Any, vllm_config: Any
 ) -> None:
     module = importlib.import_module(CONNECTOR_MODULE)
     cls = module.ExampleHiddenStatesConnector
-    if patched.status()["patches"]["hidden-group-block-size"]["status"] != "applied":
-        pytest.skip("0.24 only")
+    assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     conn = cls(vllm_config, _roles().SCHEDULER, layout(full(), hidden(22), mamba()))
     seen: list[Any] = []
     conn.request_finished = lambda request, block_ids: seen.append(block_ids) or (False, None)

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import FIXED, INSTALL
 
-from vllm_hsfix.gate import in_release_range
 from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_zero_blocks as patch
+from vllm_hsfix.plan import in_release_range
 
 pytestmark = pytest.mark.needs_vllm
 RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"

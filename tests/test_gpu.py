@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_hsfix import verify
+from vllm_hsfix import checks
 from vllm_hsfix.patches.scatter import scatter_clamped
 
 pytestmark = [
@@ -24,7 +24,7 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("strided", [False, True])
 def test_rows_land_and_padding_only_in_block_zero(dtype: torch.dtype, strided: bool) -> None:
-    case = verify.scratch_case(
+    case = checks.scratch_case(
         device="cuda",
         dtype=dtype,
         strided=strided,
@@ -34,11 +34,11 @@ def test_rows_land_and_padding_only_in_block_zero(dtype: torch.dtype, strided: b
         head=256,
         padding=40,
     )
-    assert verify.check_scatter(scatter_clamped, case) == []
+    assert checks.check_scatter(scatter_clamped, case) == []
 
 
 def test_no_host_device_synchronisation() -> None:
-    case = verify.scratch_case(device="cuda", dtype=torch.bfloat16)
+    case = checks.scratch_case(device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -60,7 +60,7 @@ def test_a_check_that_syncs_is_caught() -> None:
 
 
 def test_cuda_graph_capture_and_replay_with_new_inputs() -> None:
-    results = verify.cuda_checks(scatter_clamped)
+    results = checks.cuda_checks(scatter_clamped)
     assert [r["check"] for r in results] == ["no host-device sync", "CUDA graph capture and replay"]
     assert all(r["ok"] for r in results), results
 

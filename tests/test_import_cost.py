@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import last_json, run_py
 
-HEAVY = ("vllm", "torch", "wrapt", "packaging", "importlib.metadata", "vllm_hsfix.activation")
+HEAVY = ("vllm", "torch", "wrapt", "packaging", "importlib.metadata", "vllm_hsfix.runtime")
 
 
 def test_import_loads_nothing_heavy() -> None:
@@ -26,9 +26,9 @@ def test_activation_waits_for_vllm_import() -> None:
         """
         import json, sys
         import vllm_hsfix
-        before = "vllm_hsfix.activation" in sys.modules
+        before = "vllm_hsfix.runtime" in sys.modules
         import vllm  # the watcher fires here
-        print(json.dumps([before, "vllm_hsfix.activation" in sys.modules,
+        print(json.dumps([before, "vllm_hsfix.runtime" in sys.modules,
                           vllm_hsfix.status()["activated_by"]]))
         """
     )

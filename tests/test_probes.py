@@ -10,7 +10,7 @@ import pytest
 from conftest import CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE, last_json, run_py
 from packaging.version import Version
 
-from vllm_hsfix import gate
+from vllm_hsfix import shapes
 from vllm_hsfix.patches import connector, scatter
 
 pytestmark = pytest.mark.needs_vllm
@@ -46,7 +46,7 @@ def test_connector_probe_on_the_real_target() -> None:
 def test_static_probe_of_the_file_matches_the_live_probe() -> None:
     module = importlib.import_module(MODEL_MODULE)
     live = scatter.probe(module)
-    static = gate.probe_file(module.__file__, scatter.probe_tree)
+    static = shapes.probe_file(module.__file__, scatter.probe_tree)
     assert (static.shape, static.fixed, static.fingerprints) == (
         live.shape,
         live.fixed,
@@ -77,7 +77,7 @@ def test_one_line_changed_in_basic_cache_is_refused(tmp_path: Path) -> None:
         )
     probe = scatter.probe(_altered_copy(tmp_path, MODEL_MODULE, old, new))
     assert not probe.known
-    assert "expected an unclamped scatter" in probe.detail
+    assert "none of the known stores" in probe.detail
 
 
 @pytest.mark.affected
@@ -115,7 +115,7 @@ def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     )
     status, reason, untouched = last_json(out.stdout)
     assert status == "refused" and untouched
-    assert "does not look like any known shape" in reason and "expected an unclamped" in reason
+    assert "does not look like any known shape" in reason and "none of the known stores" in reason
     assert "scatter-clamp refused" in out.stderr  # the warning a user sees
 
 
@@ -140,10 +140,10 @@ def test_probes_do_not_need_vllm_imported() -> None:
     out = run_py(
         """
         import importlib.util, json, sys, os
-        from vllm_hsfix import detect, gate
+        from vllm_hsfix import detect, shapes
         from vllm_hsfix.patches import scatter
         root = os.path.dirname(detect.detect().location)
-        p = gate.probe_file(os.path.join(root, "model_executor/models/extract_hidden_states.py"),
+        p = shapes.probe_file(os.path.join(root, "model_executor/models/extract_hidden_states.py"),
                             scatter.probe_tree)
         print(json.dumps([p.shape, p.fixed, "vllm" in sys.modules, "torch" in sys.modules]))
         """

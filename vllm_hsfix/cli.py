@@ -264,7 +264,7 @@ def cmd_bootstrap_dir(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     ap = argparse.ArgumentParser(
         prog="vllm-hsfix",

@@ -86,9 +86,7 @@ def _slow_candidates() -> list[metadata.Distribution]:
     return out
 
 
-def from_version(
-    dist_name: str | None, raw: str, location: str | None, source: str
-) -> VllmInstall:
+def from_version(dist_name: str | None, raw: str, location: str | None, source: str) -> VllmInstall:
     try:
         parsed = Version(raw)
     except InvalidVersion:

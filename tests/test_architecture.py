@@ -1,0 +1,215 @@
+"""The package's structure, read from its source (issue 13): no import cycle, nothing
+imports upward, no private name is used across modules, no module assigns another's
+globals. Static: no torch, no vLLM (runs on Python 3.10-3.13).
+
+Every import counts, at module level, inside functions and under ``TYPE_CHECKING``.
+The implicit import of a parent package (``import a.b`` runs ``a/__init__``) does not:
+it is Python's mechanics, not a dependency the code chose. The layers are the ones
+``docs/architecture.md`` draws.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vllm_hsfix"
+ROOT = "vllm_hsfix"
+
+# Lowest first. A module may import only modules of a lower layer, or of its own
+# subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
+LAYERS: list[set[str]] = [
+    {"_version", "errors", "_lazy", "_locks", "config"},
+    {"detect", "shapes", "patches", "patches.hooks"},
+    {"patches._wrap", "tested"},
+    {"patches._probe", "provenance"},
+    {"patches.scatter", "patches.connector", "patches.cpu_zero_blocks"},
+    {"plan", "checks", "state", "audit"},
+    {"report"},
+    {"runtime"},
+    {"activation", "verify", "demo"},
+    {"plugin", "__init__", "cli"},
+    {"__main__", "_bootstrap"},
+]
+GROUPS = ("audit", "demo", "_bootstrap")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "__init__"
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def is_package(name: str, mods: dict[str, Path]) -> bool:
+    return mods[name].name == "__init__.py"
+
+
+def resolve(current: str, mods: dict[str, Path], level: int, target: str | None) -> str:
+    """The absolute in-package name of a (relative) import, "" for the package root."""
+    base = [] if current == "__init__" else current.split(".")
+    if not is_package(current, mods):
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, *(target.split(".") if target else [])])
+
+
+def imports_of(name: str, mods: dict[str, Path]) -> dict[str, set[str]]:
+    """In-package modules ``name`` imports -> the names it takes from them."""
+    tree = ast.parse(mods[name].read_text())
+    found: dict[str, set[str]] = {}
+
+    def add(target: str, what: str = "") -> None:
+        key = target or "__init__"
+        if key in mods:
+            found.setdefault(key, set()).add(what)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == ROOT or alias.name.startswith(ROOT + "."):
+                    add(alias.name[len(ROOT) + 1 :])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = resolve(name, mods, node.level, node.module)
+            elif node.module and (node.module == ROOT or node.module.startswith(ROOT + ".")):
+                target = node.module[len(ROOT) + 1 :]
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                if sub in mods:
+                    add(sub)  # ``from . import runtime``: the submodule itself
+                else:
+                    add(target, alias.name)
+    found.pop(name, None)
+    return found
+
+
+def graph() -> dict[str, dict[str, set[str]]]:
+    mods = modules()
+    return {name: imports_of(name, mods) for name in mods}
+
+
+def layer_of(name: str) -> int:
+    for group in GROUPS:
+        if name == group or name.startswith(group + "."):
+            name = group
+    for i, layer in enumerate(LAYERS):
+        if name in layer:
+            return i
+    raise AssertionError(f"module {name} is in no layer of tests/test_architecture.py")
+
+
+def group_of(name: str) -> str | None:
+    return next((g for g in GROUPS if name == g or name.startswith(g + ".")), None)
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in modules():
+        layer_of(name)
+
+
+def test_no_import_cycle() -> None:
+    edges = {k: set(v) for k, v in graph().items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+
+
+def test_nothing_imports_upward() -> None:
+    upward = []
+    for src, targets in graph().items():
+        for dst in targets:
+            same_group = group_of(src) is not None and group_of(src) == group_of(dst)
+            if not same_group and layer_of(dst) >= layer_of(src):
+                upward.append(f"{src} (layer {layer_of(src)}) -> {dst} (layer {layer_of(dst)})")
+    assert upward == []
+
+
+def test_no_private_name_crosses_a_module_boundary() -> None:
+    mods = modules()
+    crossing = []
+    for src, targets in graph().items():
+        for dst, names in targets.items():
+            crossing += [
+                f"{src}: from {dst} import {n}"
+                for n in names
+                if n.startswith("_") and not n.startswith("__")
+            ]
+        tree = ast.parse(mods[src].read_text())
+        aliases = _module_aliases(src, tree, mods)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                crossing.append(f"{src}: {node.value.id}.{node.attr}")
+    assert crossing == []
+
+
+def test_no_module_assigns_another_modules_globals() -> None:
+    mods = modules()
+    writes = []
+    for src in mods:
+        tree = ast.parse(mods[src].read_text())
+        aliases = _module_aliases(src, tree, mods)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id in aliases
+                ):
+                    writes.append(f"{src}: {t.value.id}.{t.attr} = ...")
+    assert writes == []
+
+
+def _module_aliases(src: str, tree: ast.Module, mods: dict[str, Path]) -> set[str]:
+    """Local names bound to in-package modules (``from . import runtime`` -> runtime)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = resolve(src, mods, node.level, node.module)
+            elif node.module and node.module.startswith(ROOT):
+                target = node.module[len(ROOT) + 1 :]
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                if sub in mods:
+                    out.add(alias.asname or alias.name)
+    return out
+
+
+def test_the_graph_sees_function_level_imports() -> None:
+    # Guards the test itself: runtime is imported only inside functions of activation.
+    assert "runtime" in graph()["activation"]

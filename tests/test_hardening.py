@@ -1,0 +1,315 @@
+"""Issue 11: the patcher fails closed, reverts for good, reports the truth, and survives
+fork, reload, late activation, other people's wrappers and other people's logging.
+
+Each test runs in a fresh interpreter with the real vLLM under test (activation is per
+process) and asserts on what the live objects do, not only on what status says.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import AFFECTED, RELEASE, last_json, run_py
+from packaging.version import Version
+
+pytestmark = pytest.mark.needs_vllm
+
+CONNECTOR_RELEASE = AFFECTED and Version(RELEASE or "0") >= Version("0.24.0")
+needs_connector_patch = pytest.mark.skipif(
+    not CONNECTOR_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
+)
+
+IMPORT_TARGETS = """
+import importlib
+MODEL = importlib.import_module("vllm.model_executor.models.extract_hidden_states")
+CONN = importlib.import_module(
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
+"""
+
+# The scatter check on the live basic_cache: [] when padding goes to the null block.
+SCATTER_OK = """
+import torch
+from vllm_hsfix import checks
+def scatter_problems():
+    case = checks.scratch_case(device="cpu", dtype=torch.float32)
+    return checks.check_scatter(MODEL.basic_cache, case)
+"""
+
+HYBRID = """
+import torch
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, HiddenStateCacheSpec,
+    KVCacheConfig, KVCacheGroupSpec, MambaSpec)
+def hybrid():
+    groups = [
+        KVCacheGroupSpec(["model.layers.3.self_attn"], FullAttentionSpec(
+            block_size=528, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)),
+        KVCacheGroupSpec(["model.layers.0.linear_attn"], MambaSpec(
+            block_size=528, shapes=((4, 8),), dtypes=(torch.float32,))),
+        KVCacheGroupSpec(["cache_only_layers.0"], HiddenStateCacheSpec(
+            block_size=22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)),
+    ]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+"""
+
+
+@needs_connector_patch
+def test_connector_init_fails_closed_on_an_unexpected_error() -> None:
+    """11.2: an unexpected error while resolving the group must stop the connector, not
+    leave it reading with the global block size (the bug) behind a log line."""
+    out = run_py(
+        IMPORT_TARGETS
+        + HYBRID
+        + """
+import json
+import vllm_hsfix
+from vllm_hsfix import checks
+from vllm_hsfix.patches import connector
+def broken(config):
+    raise RuntimeError("injected fault in group resolution")
+connector.find_hidden_group = broken
+try:
+    checks.construct_connector(CONN.ExampleHiddenStatesConnector, hybrid(), 528)
+    raised = None
+except Exception as exc:
+    raised = [type(exc).__name__, str(exc)]
+rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
+print(json.dumps([raised, rec["status"], rec["reason"]]))
+"""
+    )
+    raised, status, reason = last_json(out.stdout)
+    assert raised is not None, "the connector was built despite the failed resolution"
+    assert raised[0] == "HsfixError"
+    assert "VLLM_HSFIX_DISABLED_PATCHES=hidden-group-block-size" in raised[1]
+    assert "injected fault" in raised[1]
+    assert status == "failed" and "injected fault" in reason
+
+
+@pytest.mark.affected
+def test_unapply_before_vllm_is_imported_sticks() -> None:
+    """11.3: neither the import watcher nor vLLM's plugin call undoes unapply()."""
+    out = run_py(
+        """
+import json, sys
+import vllm_hsfix
+vllm_hsfix.unapply()
+"""
+        + IMPORT_TARGETS
+        + SCATTER_OK
+        + """
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # what every vLLM process does: calls our entry point
+from vllm_hsfix.patches._wrap import ours_in
+st = vllm_hsfix.status()
+before = [st["activated_by"], {k: v["status"] for k, v in st["patches"].items()},
+          ours_in(MODEL.basic_cache) is not None, bool(scatter_problems())]
+vllm_hsfix.apply()
+st = vllm_hsfix.status()["patches"]
+print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
+"""
+    )
+    before, after_apply, problems = last_json(out.stdout)
+    sources, statuses, wrapped, release_bug_visible = before
+    assert "vllm-import" in sources and "plugin" in sources
+    assert set(statuses.values()) == {"reverted"}, statuses
+    assert not wrapped and release_bug_visible
+    assert after_apply == "applied" and problems == []
+
+
+@pytest.mark.affected
+def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
+    """11.3: after importlib.reload the record must not say "applied"; apply() fixes it."""
+    out = run_py(
+        """
+import json, importlib
+import vllm_hsfix
+"""
+        + IMPORT_TARGETS
+        + SCATTER_OK
+        + """
+importlib.reload(MODEL)
+importlib.reload(CONN)
+st = vllm_hsfix.status()["patches"]
+after_reload = {k: [v["status"], v["code"]] for k, v in st.items()}
+bug_back = bool(scatter_problems())
+vllm_hsfix.apply()
+st = vllm_hsfix.status()["patches"]
+print(json.dumps([after_reload, bug_back,
+                  {k: v["status"] for k, v in st.items()}, scatter_problems()]))
+"""
+    )
+    after_reload, bug_back, repaired, problems = last_json(out.stdout)
+    assert after_reload["scatter-clamp"] == ["reverted", "overwritten"]
+    if CONNECTOR_RELEASE:
+        assert after_reload["hidden-group-block-size"] == ["reverted", "overwritten"]
+        assert repaired["hidden-group-block-size"] == "applied"
+    assert bug_back
+    assert repaired["scatter-clamp"] == "applied" and problems == []
+
+
+@needs_connector_patch
+def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
+    """11.3: a connector built before activation is re-resolved, and status says so."""
+    out = run_py(
+        IMPORT_TARGETS
+        + HYBRID
+        + """
+import json, tempfile
+from types import SimpleNamespace as NS
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
+    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
+vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
+          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
+conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, hybrid())
+before = conn._block_size
+import vllm_hsfix  # vLLM is imported: activates now, late
+rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
+print(json.dumps([before, conn._block_size, rec["status"], rec["reason"]]))
+conn._executor.shutdown(wait=False)
+"""
+    )
+    before, after, status, reason = last_json(out.stdout)
+    assert (before, after) == (528, 22)
+    assert status == "applied"
+    assert "1 connector(s) built before activation re-resolved (block size 528 -> 22)" in reason
+
+
+def test_find_spec_does_not_activate_a_real_import_does() -> None:
+    """11.6: transformers/TRL test for vLLM with find_spec; that must not load us."""
+    out = run_py(
+        """
+import json, sys, importlib.util
+import vllm_hsfix
+found = importlib.util.find_spec("vllm") is not None
+after_find = ["vllm_hsfix.runtime" in sys.modules, "vllm" in sys.modules]
+import vllm
+print(json.dumps([found, after_find, "vllm_hsfix.runtime" in sys.modules,
+                  vllm_hsfix.status()["activated_by"],
+                  type(vllm.__loader__).__name__, type(vllm.__spec__.loader).__name__]))
+"""
+    )
+    found, after_find, after_import, sources, loader, spec_loader = last_json(out.stdout)
+    assert found and after_find == [False, False]
+    assert after_import and sources == ["import", "vllm-import"]
+    assert "Activating" not in loader and "Activating" not in spec_loader
+
+
+def test_an_error_inside_the_watcher_never_breaks_import_vllm() -> None:
+    """11.6: e.g. a broken install of our runtime's dependencies."""
+    out = run_py(
+        """
+import json, sys
+import vllm_hsfix
+sys.modules["vllm_hsfix.runtime"] = None  # importing it now raises ImportError
+import vllm
+from vllm_hsfix import _lazy
+print(json.dumps(["vllm" in sys.modules, _lazy.errors()]))
+"""
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported, errors = last_json(out.stdout)
+    assert imported and errors and "ImportError" in errors[0]
+
+
+def test_a_fork_while_another_thread_holds_the_lock_does_not_hang_the_child() -> None:
+    """11.7: locks held by a thread at fork() are fresh in the child."""
+    out = run_py(
+        """
+import json, os, threading
+from vllm_hsfix import _lazy
+from vllm_hsfix.state import LOCK
+held, release = threading.Event(), threading.Event()
+def holder():
+    with LOCK, _lazy._LOCK:
+        held.set()
+        release.wait(10)
+threading.Thread(target=holder, daemon=True).start()
+held.wait(5)
+pid = os.fork()
+if pid == 0:
+    ok = LOCK.acquire(timeout=3) and _lazy._LOCK.acquire(timeout=3)
+    os._exit(0 if ok else 7)
+_, status = os.waitpid(pid, 0)
+release.set()
+print(json.dumps(os.waitstatus_to_exitcode(status)))
+""",
+        timeout=60,
+    )
+    assert last_json(out.stdout) == 0, out.stderr[-2000:]
+
+
+@pytest.mark.affected
+@pytest.mark.parametrize("configured", [True, False])
+def test_the_summary_line_goes_through_the_applications_logging(configured: bool) -> None:
+    """11.8: an app's handler gets the line (once, its format); without one, stderr does."""
+    setup = (
+        "import logging, sys\n"
+        "logging.basicConfig(stream=sys.stdout, level=logging.INFO,"
+        " format='APP|%(name)s|%(message)s')\n"
+        if configured
+        else ""
+    )
+    out = run_py(setup + "import vllm_hsfix\n" + IMPORT_TARGETS + "print('done')\n")
+    ours = [ln for ln in out.stdout.splitlines() if "vllm-hsfix 0." in ln and "pid=" in ln]
+    ours_err = [ln for ln in out.stderr.splitlines() if "[vllm-hsfix] vllm-hsfix" in ln]
+    if configured:
+        assert len(ours) == 1 and ours[0].startswith("APP|vllm_hsfix"), out.stdout[-2000:]
+        assert ours_err == [], out.stderr[-2000:]
+    else:
+        assert ours == [] and len(ours_err) == 1, out.stderr[-2000:]
+
+
+@needs_connector_patch
+def test_verify_goes_through_the_live_connector_class() -> None:
+    """11.9: a wrapper that is installed but does nothing must not verify."""
+    out = run_py(
+        """
+import json
+import vllm_hsfix
+"""
+        + IMPORT_TARGETS
+        + """
+from vllm_hsfix import verify
+from vllm_hsfix.patches._wrap import ours_in
+ours_in(CONN.ExampleHiddenStatesConnector.__dict__["__init__"]).hsfix_set_active(False)
+code, report = verify.run("cpu")
+conn = [c for c in report["checks"] if c["check"].startswith("connector")][0]
+print(json.dumps([code, conn["ok"], conn["problems"]]))
+"""
+    )
+    code, ok, problems = last_json(out.stdout)
+    assert code == 1 and not ok
+    assert "'block_size': 528" in problems[0]
+
+
+@pytest.mark.affected
+def test_unapply_leaves_a_later_wrapper_in_place_and_passes_through() -> None:
+    """11.12: someone wrapped basic_cache after us; unapply must not clobber them."""
+    out = run_py(
+        """
+import json, functools
+import vllm_hsfix
+"""
+        + IMPORT_TARGETS
+        + SCATTER_OK
+        + """
+calls = []
+ours = MODEL.basic_cache
+@functools.wraps(ours)
+def theirs(*args, **kwargs):
+    calls.append(1)
+    return ours(*args, **kwargs)
+MODEL.basic_cache = theirs
+vllm_hsfix.unapply()
+after_unapply = [MODEL.basic_cache is theirs, bool(scatter_problems()), len(calls),
+                 vllm_hsfix.status()["patches"]["scatter-clamp"]["reason"]]
+vllm_hsfix.apply()
+print(json.dumps([after_unapply, MODEL.basic_cache is theirs, scatter_problems(), len(calls)]))
+"""
+    )
+    after_unapply, still_theirs, problems, calls = last_json(out.stdout)
+    kept, release_bug, n_calls, reason = after_unapply
+    assert kept and release_bug and n_calls == 1  # theirs ran, ours passed through
+    assert "pass-through beneath a later wrapper" in reason
+    assert "was wrapped again" in out.stderr
+    assert still_theirs and problems == [] and calls == 2
