@@ -88,3 +88,30 @@ def test_source_tree_without_metadata_is_reported(tmp_path: os.PathLike[str]) ->
     present, version, problem = last_json(out.stdout)
     assert present is True and version is None
     assert "no installed distribution provides it" in problem
+
+
+@pytest.mark.needs_vllm
+def test_source_tree_or_editable_install_reads_vllms_own_version_file(
+    tmp_path: os.PathLike[str],
+) -> None:
+    """Issue 11.5: a source checkout on sys.path (or an editable install, whose files no
+    distribution owns) is identified from the ``_version.py`` vLLM's build writes."""
+    assert INSTALL.location is not None
+    real_version_file = os.path.join(os.path.dirname(INSTALL.location), "_version.py")
+    fake = os.path.join(tmp_path, "vllm")
+    os.makedirs(fake)
+    with open(os.path.join(fake, "__init__.py"), "w") as fh:
+        fh.write("raise RuntimeError('must not be imported')\n")
+    with open(real_version_file) as src, open(os.path.join(fake, "_version.py"), "w") as dst:
+        dst.write(src.read())
+    env = clean_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = run_py(
+        "import json, sys; from vllm_hsfix import detect; d = detect.detect();"
+        "print(json.dumps([d.present, d.version, d.release, d.source, d.location,"
+        " 'vllm' in sys.modules]))",
+        env=env,
+    )
+    present, version, release, source, location, imported = last_json(out.stdout)
+    assert present and source == "package" and not imported
+    assert release == INSTALL.release and version == INSTALL.version.split("+")[0]
+    assert location == os.path.realpath(os.path.join(fake, "__init__.py"))
