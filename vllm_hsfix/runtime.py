@@ -26,7 +26,7 @@ import wrapt
 
 from . import _lazy, checks, config, detect, plan, provenance, report
 from .errors import HsfixError
-from .patches import MODULES, PATCH_IDS, PATCHES, PatchSpec
+from .patches import MODULES, PATCH_IDS, PATCHES
 from .patches import connector as connector_patch
 from .patches._wrap import Replacement
 from .patches.hooks import Hooks
@@ -191,13 +191,13 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
         log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-def _live_owner(patch: PatchSpec, owner: object) -> bool:
-    """``owner`` is still what the patch's module path leads to (not an old class or
-    module object left behind by ``importlib.reload``)."""
-    module = sys.modules.get(patch.module)
-    if module is None:
-        return False
-    return owner is module or getattr(module, getattr(owner, "__name__", ""), None) is owner
+def _live_owner(owner: object) -> bool:
+    """``owner`` (a module or a class) is still what its import path leads to, not an
+    old object left behind by ``importlib.reload``."""
+    if isinstance(owner, ModuleType):
+        return sys.modules.get(owner.__name__) is owner
+    module = sys.modules.get(getattr(owner, "__module__", ""))
+    return module is not None and getattr(module, getattr(owner, "__name__", ""), None) is owner
 
 
 def _refresh() -> None:
@@ -206,7 +206,7 @@ def _refresh() -> None:
     for rec in STATE.records.values():
         if rec.status != APPLIED:
             continue
-        stale = [r for r in rec.replacements if not (r.live() and _live_owner(rec.patch, r.owner))]
+        stale = [r for r in rec.replacements if not (r.live() and _live_owner(r.owner))]
         if stale:
             names = ", ".join(f"{getattr(r.owner, '__name__', r.owner)}.{r.name}" for r in stale)
             rec.replacements = []
