@@ -147,3 +147,41 @@ def test_fingerprints_of_every_unpacked_release_match_the_tested_table() -> None
             assert ("fixed" if got.fixed else got.shape) == want_shape, (release, patch.id)
             checked += 1
     assert checked >= len(overlays), checked
+
+
+def test_status_on_every_unpacked_release_says_what_the_tested_table_says() -> None:
+    """`vllm-hsfix status` (vLLM not imported) on each unpacked wheel, on this Python."""
+    import subprocess
+    import sys
+
+    overlays = _overlays()
+    if not overlays:
+        pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
+    root = Path(shapes.__file__).resolve().parent.parent
+    table = json.loads((root / "vllm_hsfix" / "tested.json").read_text())["releases"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
+    env.pop("VLLM_PLUGINS", None)
+    checked = []
+    for overlay in overlays:
+        release = overlay.name.removeprefix("vllm-")
+        if release not in table:
+            continue
+        env["PYTHONPATH"] = f"{root}{os.pathsep}{overlay}"
+        out = subprocess.run(
+            [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        report = json.loads(out.stdout)
+        want = {
+            pid: ("would-apply" if code == "apply" else code)
+            for pid, code in table[release]["expected"].items()
+        }
+        got = {pid: p["code"] for pid, p in report["patches"].items()}
+        assert report["vllm"]["release"] == release
+        assert got == want, (release, got, want)
+        assert report["tested_build"]["tested"] is True, (release, report["tested_build"])
+        checked.append(release)
+    assert checked, "no overlay of a tested release"
