@@ -60,6 +60,16 @@ def resolve(current: str, mods: dict[str, Path], level: int, target: str | None)
     return ".".join([*base, *(target.split(".") if target else [])])
 
 
+def from_target(src: str, mods: dict[str, Path], node: ast.ImportFrom) -> str | None:
+    """The in-package module a ``from ... import`` reads from ("" for the package root),
+    or None when it reads from outside the package."""
+    if node.level:
+        return resolve(src, mods, node.level, node.module)
+    if node.module and (node.module == ROOT or node.module.startswith(ROOT + ".")):
+        return node.module[len(ROOT) + 1 :]
+    return None
+
+
 def imports_of(name: str, mods: dict[str, Path]) -> dict[str, set[str]]:
     """In-package modules ``name`` imports -> the names it takes from them."""
     tree = ast.parse(mods[name].read_text())
@@ -76,11 +86,8 @@ def imports_of(name: str, mods: dict[str, Path]) -> dict[str, set[str]]:
                 if alias.name == ROOT or alias.name.startswith(ROOT + "."):
                     add(alias.name[len(ROOT) + 1 :])
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                target = resolve(name, mods, node.level, node.module)
-            elif node.module and (node.module == ROOT or node.module.startswith(ROOT + ".")):
-                target = node.module[len(ROOT) + 1 :]
-            else:
+            target = from_target(name, mods, node)
+            if target is None:
                 continue
             for alias in node.names:
                 sub = f"{target}.{alias.name}" if target else alias.name
@@ -197,11 +204,8 @@ def _module_aliases(src: str, tree: ast.Module, mods: dict[str, Path]) -> set[st
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                target = resolve(src, mods, node.level, node.module)
-            elif node.module and node.module.startswith(ROOT):
-                target = node.module[len(ROOT) + 1 :]
-            else:
+            target = from_target(src, mods, node)
+            if target is None:
                 continue
             for alias in node.names:
                 sub = f"{target}.{alias.name}" if target else alias.name

@@ -166,8 +166,6 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
 def _what_happens(report: dict[str, Any]) -> str:
     """One line an image builder can read: what vllm-hsfix will do with this vLLM."""
     codes = {p["code"] for p in report["patches"].values()}
-    if codes == {"no-vllm"}:
-        return "no vLLM in this environment: nothing to patch (is this the image's Python?)"
     if codes == {"upstream-fix-present"}:
         return "fixed upstream, nothing to do"
     if "would-apply" in codes:

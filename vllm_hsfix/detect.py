@@ -129,10 +129,8 @@ def version_in_package(origin: str) -> str | None:
                 targets, value = list(node.targets), node.value
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 targets, value = [node.target], node.value
+            # ``__version__ = version = "0.24.0"`` is one Assign with two targets.
             names = {t.id for t in targets if isinstance(t, ast.Name)}
-            # ``__version__ = version = "0.24.0"`` chains: the value is the innermost.
-            while isinstance(value, ast.NamedExpr):
-                value = value.value
             if (
                 names & {"__version__", "version"}
                 and isinstance(value, ast.Constant)

@@ -28,7 +28,6 @@ from . import _lazy, checks, config, detect, plan, provenance, report
 from .errors import HsfixError
 from .patches import MODULES, PATCH_IDS, PATCHES
 from .patches import connector as connector_patch
-from .patches._wrap import Replacement
 from .patches.hooks import Hooks
 from .state import APPLIED, FAILED, LOCK, PENDING, REFUSED, REVERTED, SKIPPED, STATE, Record
 
@@ -332,12 +331,6 @@ def status() -> dict[str, Any]:
         install()
         _refresh()
         return report.status_dict()
-
-
-def replacements() -> list[Replacement]:
-    """Every wrapper in force (for tests and ``verify``)."""
-    with LOCK:
-        return [r for rec in STATE.records.values() for r in rec.replacements]
 
 
 def _report() -> None:

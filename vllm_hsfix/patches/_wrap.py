@@ -70,10 +70,8 @@ def ours_in(obj: object, patch_id: str | None = None) -> HsfixWrapper | None:
             return None
         if type(obj) is HsfixWrapper and (patch_id is None or obj.hsfix_patch == patch_id):
             return obj
-        try:
-            obj = object.__getattribute__(obj, "__wrapped__")
-        except AttributeError:
-            obj = getattr(obj, "__wrapped__", None)
+        # A wrapt proxy answers ``__wrapped__`` itself (it is not forwarded).
+        obj = getattr(obj, "__wrapped__", None)
     return None
 
 

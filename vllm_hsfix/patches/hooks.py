@@ -12,22 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def _ignore_failure(patch_id: str, exc: BaseException) -> None:
-    return None
-
-
-def _ignore_registration(connector: Any) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class Hooks:
     """``on_failure(patch_id, exc)``: a wrapper met an unexpected error (it is recorded;
     the wrapper itself decides whether to raise). ``after_register(connector)``: the
     connector registered its KV caches (the in-situ check runs here)."""
 
-    on_failure: Callable[[str, BaseException], None] = _ignore_failure
-    after_register: Callable[[Any], None] = _ignore_registration
-
-
-NO_HOOKS = Hooks()
+    on_failure: Callable[[str, BaseException], None]
+    after_register: Callable[[Any], None]
