@@ -38,6 +38,15 @@ def plugins_only(queue: Any) -> None:
     queue.put(json.dumps(report()))
 
 
+def plugins_and_print() -> None:
+    """A child (forked or spawned) that loads the general plugins as vLLM's workers do,
+    then prints its pid: its own vllm-hsfix line must come first."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    print("CHILD", os.getpid(), flush=True)
+
+
 if __name__ == "__main__":
     # Used as a command: print this process's report, and optionally a child's.
     out = report()

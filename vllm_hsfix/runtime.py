@@ -29,7 +29,18 @@ from .errors import HsfixError
 from .patches import MODULES, PATCH_IDS, PATCHES
 from .patches import connector as connector_patch
 from .patches.hooks import Hooks
-from .state import APPLIED, FAILED, LOCK, PENDING, REFUSED, REVERTED, SKIPPED, STATE, Record
+from .state import (
+    APPLIED,
+    ARMED,
+    FAILED,
+    LOCK,
+    PENDING,
+    REFUSED,
+    REVERTED,
+    STATE,
+    UNDECIDED,
+    Record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,22 +103,17 @@ def start(source: str) -> None:
                 return
             STATE.unapplied = False
             _refresh()
-            if cfg.disabled:
-                inst = install()
-                for rec in STATE.records.values():
-                    decision = plan.decide(rec.patch, inst, cfg, _no_probe)
-                    rec.set(decision.code, decision.reason)
-                _report()
-                return
-            if not STATE.enabled and not STATE.hooks_registered:
+            if not cfg.disabled and not STATE.enabled and not STATE.hooks_registered:
                 _plugins_warning()
-            STATE.enabled = True
-            # Targets imported before (or reverted since): decide now, as a late patch.
-            for name in MODULES:
-                module = sys.modules.get(name)
-                if module is not None:
-                    _on_import(module, late=True)
-            _register_hooks()
+            STATE.enabled = not cfg.disabled
+            _plan_ahead(cfg)
+            if STATE.enabled:
+                # Targets imported before (or reverted since): decide now, as a late patch.
+                for name in MODULES:
+                    module = sys.modules.get(name)
+                    if module is not None:
+                        _on_import(module, late=True)
+                _register_hooks()
             _report()
     except HsfixError:
         raise
@@ -115,8 +121,28 @@ def start(source: str) -> None:
         internal_error(f"activation from {source} failed: {exc!r}", exc)
 
 
-def _no_probe() -> Any:
-    raise AssertionError("a disabled patch is never probed")
+def _plan_ahead(cfg: config.Config) -> None:
+    """Decide every undecided patch now, so the process's line can be logged at
+    activation: what needs no look at the code (release, platform, switches) is
+    final; a patch that needs its target's shape is decided from the file on disk
+    and ``armed`` (patched when the module is imported, after the live module passed
+    the same gate)."""
+    inst = install()
+    for rec in STATE.records.values():
+        if rec.code not in (UNDECIDED, ARMED):
+            continue
+        if inst.source == "error":
+            rec.set("error", inst.problem or "vLLM detection failed")
+            continue
+        decision = plan.without_probe(rec.patch, inst, cfg)
+        if decision is None:
+            decision = plan.decide_from_file(rec.patch, inst, cfg)
+            if decision.code == plan.APPLY:
+                rec.set("armed", f"{decision.reason} (read from the file); patched on import")
+                continue
+        rec.set(decision.code, decision.reason)
+        if rec.status == REFUSED:
+            log.warning("%s refused: %s", rec.patch.id, rec.reason)
 
 
 def internal_error(message: str, exc: BaseException | None = None) -> None:
@@ -146,6 +172,8 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
         for rec in STATE.records.values():
             if rec.patch.module == module.__name__ and rec.status in (PENDING, REVERTED):
                 _decide(rec, module, late)
+                if rec.status in (REFUSED, FAILED):
+                    report.deviation(rec)
         _maybe_observe()
         _maybe_provenance()
         _report()
@@ -186,6 +214,13 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
             reason += f"; {note}" if note else ""
         rec.set("applied", reason)
     except Exception as exc:
+        # Never "failed" with wrappers live: take back whatever was installed.
+        for rep in reversed(rec.replacements):
+            try:
+                rep.restore()
+            except Exception as undo:
+                STATE.errors.append(f"{patch.id}: could not take back a wrapper: {undo!r}")
+        rec.replacements = []
         rec.set("error", f"{type(exc).__name__}: {exc}")
         log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
 
@@ -227,20 +262,27 @@ def _on_failure(patch_id: str, exc: BaseException) -> None:
 
 
 def _after_register(connector: Any) -> None:
-    """The in-situ check, once per process, when a worker registers its KV caches."""
+    """The in-situ checks, once per process, when a worker registers its KV caches:
+    every applied patch that declares one (``in_situ`` in its module) runs it."""
     cfg = STATE.config
-    model = sys.modules.get(checks.MODEL_MODULE)
-    if cfg is None or not cfg.verify or STATE.verify is not None or model is None:
+    if cfg is None or not cfg.verify or STATE.verify is not None:
         return
-    result = checks.in_situ_scatter(model.basic_cache, getattr(connector, "_kv_cache", None))
-    if result is None:
+    results = []
+    for rec in list(STATE.records.values()):
+        in_situ = getattr(rec.patch.implementation(), "in_situ", None)
+        if rec.status == APPLIED and in_situ is not None:
+            result = in_situ(connector)
+            if result is not None:
+                results.append({"patch": rec.patch.id, **result})
+    if not results:
         return
+    result = results[0] if len(results) == 1 else _merge(results)
     with LOCK:
         STATE.verify = result
         report.write_status_file()
     log.log(
         logging.INFO if result["ok"] else logging.ERROR,
-        "in-situ scatter check %s on %s %s in %s ms%s",
+        "in-situ check %s on %s %s in %s ms%s",
         "passed" if result["ok"] else "FAILED",
         result.get("device"),
         result.get("dtype"),
@@ -248,31 +290,43 @@ def _after_register(connector: Any) -> None:
         "" if result["ok"] else f": {result['problems']}",
     )
     if not result["ok"] and cfg.strict:
-        raise HsfixError(f"in-situ scatter check failed: {result['problems']}")
+        raise HsfixError(f"in-situ check failed: {result['problems']}")
+
+
+def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "ok": all(r["ok"] for r in results),
+        "problems": [f"{r['patch']}: {p}" for r in results for p in r.get("problems", [])],
+        "device": results[0].get("device"),
+        "dtype": results[0].get("dtype"),
+        "ms": round(sum(r.get("ms") or 0 for r in results), 3),
+        "checks": results,
+    }
 
 
 HOOKS = Hooks(on_failure=_on_failure, after_register=_after_register)
 
 
 def _maybe_observe() -> None:
-    """Where only the clamp applies, hook the in-situ check onto register_kv_caches."""
-    scatter = STATE.records["scatter-clamp"]
-    conn = STATE.records["hidden-group-block-size"]
+    """Where an applied patch has an in-situ check but no applied patch wraps the
+    connector's ``register_kv_caches`` itself (0.17-0.23: only the clamp), hook a pure
+    observer there so the check still runs when a worker registers its caches."""
     cfg = STATE.config
-    module = sys.modules.get(conn.patch.module)
-    if (
-        module is None
-        or cfg is None
-        or not cfg.verify
-        or scatter.status != APPLIED
-        or conn.status != SKIPPED  # decided, and not wrapping register_kv_caches itself
-        or any(r.wrapper.hsfix_patch == "in-situ-verify" for r in scatter.replacements)
-    ):
+    module = sys.modules.get(checks.CONNECTOR_MODULE)
+    if module is None or cfg is None or not cfg.verify:
+        return
+    applied = [r for r in STATE.records.values() if r.status == APPLIED]
+    if not any(getattr(r.patch.implementation(), "in_situ", None) for r in applied):
+        return
+    on_connector = [r for r in STATE.records.values() if r.patch.module == checks.CONNECTOR_MODULE]
+    if any(r.status in (APPLIED, PENDING) for r in on_connector):
+        return  # the connector patch calls after_register itself (or is about to be applied)
+    if any(rep.wrapper.hsfix_patch == "in-situ-verify" for r in applied for rep in r.replacements):
         return
     try:
         rep = connector_patch.observe(module, HOOKS)
         if rep is not None:
-            scatter.replacements.append(rep)
+            applied[0].replacements.append(rep)
     except Exception as exc:
         log.warning("in-situ check not hooked: %r", exc)
 
@@ -280,8 +334,7 @@ def _maybe_observe() -> None:
 def _maybe_provenance() -> None:
     """With VLLM_HSFIX_PROVENANCE=1 and a patch applied, stamp the files the connector saves."""
     cfg = STATE.config
-    conn = STATE.records["hidden-group-block-size"]
-    module = sys.modules.get(conn.patch.module)
+    module = sys.modules.get(checks.CONNECTOR_MODULE)
     applied = [r for r in STATE.records.values() if r.status == APPLIED]
     if module is None or cfg is None or not cfg.provenance or not applied:
         return
@@ -336,6 +389,16 @@ def status() -> dict[str, Any]:
 def _report() -> None:
     report.write_status_file()
     report.log_summary_once()
+
+
+def _forked_child() -> None:
+    """A forked child (vLLM's workers and engine core by default) is a process of its
+    own: it logs its own line and runs its own in-situ check."""
+    STATE.logged = False
+    STATE.verify = None
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def _at_exit() -> None:

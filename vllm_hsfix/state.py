@@ -26,8 +26,13 @@ PENDING, APPLIED, SKIPPED, REFUSED, FAILED, REVERTED = (
     "failed",
     "reverted",
 )
+UNDECIDED, ARMED = "waiting-for-import", "armed"
 CODES = {
+    # Not decided yet: the target's code must be seen first (no vLLM found yet).
     "waiting-for-import": PENDING,
+    # Decided from the target's file at activation: it is patched when imported (the
+    # live module is probed again then).
+    "armed": PENDING,
     "applied": APPLIED,
     "upstream-fix-present": SKIPPED,
     "not-needed": SKIPPED,
@@ -46,7 +51,7 @@ LOCK = ForkSafeRLock()
 @dataclass
 class Record:
     patch: PatchSpec
-    code: str = "waiting-for-import"
+    code: str = UNDECIDED
     reason: str = "target module not imported yet"
     shape: str | None = None
     fingerprints: dict[str, str] = field(default_factory=dict)

@@ -1,8 +1,12 @@
 """``vllm-hsfix verify``: import vLLM, activate, and run the checks on the live code.
 
-The checks themselves live in ``checks``; this module only decides which apply to
-the installed release and on which device, and builds the report. Exit codes: 0
-verified, 1 a check failed or a patch is not in place, 2 it cannot run here.
+Every row of the patch table whose release and platform this build concerns is
+checked: its target module is imported (activation patches it on that import) and
+the patch module's own ``verify`` runs on the live target, whatever wrappers are on
+it; for a release carrying upstream's fix that checks upstream's code. A row that is
+not needed here (release, platform) or turned off is listed as skipped with the
+reason. Exit codes: 0 verified, 1 a check failed or a patch is not in place, 2 it
+cannot run here.
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ import importlib
 from typing import Any
 
 from . import checks, runtime
+from .patches import PATCHES
+
+# Decisions under which a patch's target is not checked here.
+SKIP_CODES = {"not-needed", "disabled", "no-vllm"}
 
 
 def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
@@ -33,21 +41,25 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         return 2, report
     report["device"] = device
     runtime.start("verify")
-    try:
-        model = importlib.import_module(checks.MODEL_MODULE)
-        importlib.import_module(checks.CONNECTOR_MODULE)
-    except Exception as exc:
-        report["error"] = f"cannot import vLLM's targets: {exc!r}"
-        return 2, report
+    results: list[dict[str, Any]] = []
+    for patch in PATCHES:
+        rec = runtime.status()["patches"][patch.id]
+        if rec["code"] in SKIP_CODES:
+            why = f"{patch.id}: {rec['code']}: {rec['reason']}"
+            results.append({"check": patch.id, "ok": True, "problems": [], "skipped": why})
+            continue
+        try:
+            module = importlib.import_module(patch.module)
+        except Exception as exc:
+            report["error"] = f"cannot import vLLM's target {patch.module}: {exc!r}"
+            return 2, report
+        rec = runtime.status()["patches"][patch.id]  # decided on that import
+        ctx = checks.Context(device=device, version=inst.version, shape=rec["shape"])
+        results += [{"patch": patch.id, **r} for r in patch.implementation().verify(module, ctx)]
     st = runtime.status()
     report["patches"] = {
         k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
     }
-    fn = checks.live_scatter(model, inst.version)
-    results = checks.scatter_checks(fn, device, st["patches"]["scatter-clamp"]["shape"])
-    if device == "cuda":
-        results += checks.cuda_checks(fn)
-    results += checks.connector_checks(inst.version)
     report["checks"] = results
     bad_patch = [k for k, v in st["patches"].items() if v["status"] in ("refused", "failed")]
     if bad_patch:

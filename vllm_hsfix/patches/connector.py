@@ -25,9 +25,19 @@ import ast
 import gc
 from typing import Any
 
+from .. import checks
 from ..config import DISABLED_PATCHES
 from ..errors import HsfixError
-from ..shapes import Probe, assigned_attributes, attribute_chains, fingerprint, method, top_level
+from ..shapes import (
+    Probe,
+    assigned_attributes,
+    attribute_chains,
+    body_template,
+    fingerprint,
+    method,
+    template_of,
+    top_level,
+)
 from ._probe import probe_live
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
@@ -97,6 +107,15 @@ def check_buffer(connector: Any) -> None:
     if buffer is None or buffer.dim() < 2:
         return
     if int(buffer.shape[1]) != connector._block_size:
+        if buffer.dim() == 4 and int(buffer.shape[2]) == connector._block_size:
+            raise ValueError(
+                f"vllm-hsfix: the registered hidden-states buffer {tuple(buffer.shape)} is "
+                f"head-major ([blocks, heads, block_size={connector._block_size}, head], the "
+                "layout of vLLM 0.29+), but this connector reads blocks-first "
+                "([blocks, block_size, heads, head]); its reads would be wrong, refusing to "
+                f"write corrupted hidden states (set {DISABLED_PATCHES}={PATCH_ID} only if "
+                "this build's connector is known to read this layout)"
+            )
         raise ValueError(
             f"vllm-hsfix: hidden-states block-size mismatch: the connector reads with block "
             f"size {connector._block_size} (group {connector._hs_group_idx}) but the registered "
@@ -143,6 +162,17 @@ def _installed_register_kv_caches(hooks: Hooks) -> Any:
 
 
 METHODS = ("__init__", "register_kv_caches", "_submit_async_write", "request_finished_all_groups")
+# The module function the worker reads the buffer with. 0.24.0 reads a blocks-first
+# buffer ``[num_blocks, block_size, heads, head]``; the patch's block-size check and
+# its slot arithmetic are written for that layout only (0.29+ is head-major).
+READER = "extract_from_kv_cache"
+READ_BLOCKS_FIRST = template_of(
+    """
+def f(cache, slots, n):
+    bs = cache.shape[1]
+    return cache[slots // bs, slots % bs][:n]
+"""
+)
 
 
 def probe_tree(tree: ast.Module) -> Probe:
@@ -151,6 +181,8 @@ def probe_tree(tree: ast.Module) -> Probe:
     if not isinstance(cls, ast.ClassDef):
         return Probe(None, detail=f"no class {ATTRIBUTE} in the module")
     fps = {name: fingerprint(method(cls, name)) for name in METHODS}
+    reader = top_level(tree, READER)
+    fps[READER] = fingerprint(reader)
     init = method(cls, "__init__")
     defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     init_sets = {a.split(".", 1)[-1] for a in assigned_attributes(init)} if init else set()
@@ -172,6 +204,9 @@ def probe_tree(tree: ast.Module) -> Probe:
         "request_finished_all_groups indexes block_ids by self._hs_group_idx": fin is not None
         and "self._hs_group_idx" in attribute_chains(fin),
     }
+    expected[
+        f"{READER} reads a blocks-first buffer (kv_cache[slot // shape[1], slot % shape[1]])"
+    ] = isinstance(reader, ast.FunctionDef) and body_template(reader) == READ_BLOCKS_FIRST
     missing = [k for k, ok in expected.items() if not ok]
     if missing:
         return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
@@ -249,3 +284,9 @@ def observe(module: object, hooks: Hooks) -> Replacement | None:
     if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
         return None
     return wrap(cls, "register_kv_caches", _installed_observer(hooks), "in-situ-verify")
+
+
+def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
+    """The live connector class, built on a hybrid layout, reads with the hidden-states
+    group's own block size (22, not the global 528)."""
+    return checks.connector_checks(ctx.version)

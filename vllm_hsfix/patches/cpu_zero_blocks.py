@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from .. import checks
 from ..shapes import Probe, attribute_chains, fingerprint, method, top_level
 from ._probe import probe_live
 from ._wrap import Replacement, wrap
@@ -142,3 +143,18 @@ def probe(module: object) -> Probe:
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [wrap(getattr(module, ATTRIBUTE), METHOD, zero_new_blocks, PATCH_ID)]
+
+
+def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
+    """The live ``CPUModelRunner._zero_block_ids`` zeroes exactly the listed blocks of a
+    real runner's hybrid layout (NaN everywhere before). Ours also with a view split
+    into two kernel blocks per block; upstream's own method (0.25.0+) indexes the
+    view's first axis with block ids, which is right only without a split, so a fixed
+    release is checked without one."""
+    splits = (1, 2) if ctx.shape is not None else (1,)
+    name = f"{ATTRIBUTE}.{METHOD} zeroes exactly the listed blocks"
+    try:
+        problems = checks.check_zeroing(getattr(module, ATTRIBUTE), splits=splits)
+    except Exception as exc:
+        problems = [f"check could not run: {exc!r}"]
+    return [{"check": name, "ok": not problems, "problems": problems}]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from .. import checks
 from ..shapes import Probe, body_template, fingerprint, template_of, top_level
 from ._probe import probe_live
 from ._wrap import Replacement, wrap
@@ -128,6 +129,9 @@ def probe_tree(tree: ast.Module) -> Probe:
         return Probe(
             None, fixed=True, detail=f"slots are clamped ({FIXED_SHAPES[body]})", fingerprints=fps
         )
+    clamped = clamped_store(fn)
+    if clamped:
+        return Probe(None, fixed=True, detail=f"slots are clamped ({clamped})", fingerprints=fps)
     if body in SHAPES:
         return Probe(SHAPES[body], detail=f"unclamped {SHAPES[body]} store", fingerprints=fps)
     return Probe(
@@ -141,6 +145,95 @@ def probe_tree(tree: ast.Module) -> Probe:
     )
 
 
+def _is_clamp_at_zero(node: ast.AST, clamped: set[str], slots: str) -> bool:
+    """``node`` is a clamp of the slots (or of an already clamped name) at 0, however
+    spelled: ``s.clamp_min(0)``, ``s.clamp(0)``, ``s.clamp(min=0)``,
+    ``torch.clamp(s, min=0)``, ``torch.clamp_min(s, 0)``, ``s.clamp_min_(0)``."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    name = node.func.attr
+    if name not in {"clamp", "clamp_min", "clamp_", "clamp_min_", "clip", "clip_"}:
+        return False
+    args = list(node.args)
+    owner = node.func.value
+    if isinstance(owner, ast.Name) and owner.id == "torch":
+        if not args:
+            return False
+        owner, args = args[0], args[1:]
+    if not (isinstance(owner, ast.Name) and owner.id in clamped | {slots}):
+        return False
+    low = args[0] if args else next((k.value for k in node.keywords if k.arg == "min"), None)
+    return isinstance(low, ast.Constant) and low.value == 0
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def clamped_store(fn: ast.FunctionDef) -> str:
+    """How the store is fed by a clamp of the slots ("" when it is not).
+
+    Fixed code in any spelling: every name the store's index reads that carries slot
+    values was bound to (or clamped in place from) a clamp at 0 of the slots, or the
+    index clamps the slots inline, and the raw slot parameter itself is not read by
+    the index. So a vendor build that clamps differently from upstream is left alone
+    (never refused); a clamp whose result the store ignores is not a fix.
+    """
+    slots = fn.args.args[2].arg
+    clamped: set[str] = set()
+    derived: set[str] = set()  # names computed from slot values (clamped or not)
+    raw_derived: set[str] = set()  # names computed from unclamped slots
+    for stmt in fn.body:
+        if isinstance(stmt, ast.Expr) and _is_clamp_at_zero(stmt.value, clamped, slots):
+            func = stmt.value.func  # in place: s.clamp_min_(0)
+            if isinstance(func, ast.Attribute) and func.attr.endswith("_"):
+                owner = func.value
+                if isinstance(owner, ast.Name):
+                    clamped.add(owner.id)
+                    if owner.id == slots:
+                        slots = "\0"  # the parameter itself now holds clamped values
+            continue
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target = stmt.targets[0]
+            if isinstance(target, ast.Name):
+                value = stmt.value
+                if _is_clamp_at_zero(value, clamped, slots):
+                    clamped.add(target.id)
+                    raw_derived.discard(target.id)
+                    if target.id == slots:
+                        slots = "\0"  # the parameter's name now holds clamped values
+                    continue
+                reads = _names(value)
+                if reads & (clamped | derived | raw_derived | {slots}):
+                    unclamped = bool(reads & (raw_derived | {slots}))
+                    (raw_derived if unclamped else derived).add(target.id)
+                    clamped.discard(target.id)
+                continue
+            if isinstance(target, ast.Subscript):
+                index = target.slice
+                inline = any(_is_clamp_at_zero(n, clamped, slots) for n in ast.walk(index))
+                raw = _names(index) & (raw_derived | {slots})
+                if inline:
+                    raw = {
+                        n.id
+                        for n in ast.walk(index)
+                        if isinstance(n, ast.Name)
+                        and n.id in raw_derived | {slots}
+                        and not _inside_clamp(index, n, clamped, slots)
+                    }
+                fed = bool(_names(index) & (clamped | derived)) or inline
+                if fed and not raw:
+                    return "the store reads only clamped slots"
+    return ""
+
+
+def _inside_clamp(root: ast.AST, name: ast.Name, clamped: set[str], slots: str) -> bool:
+    for node in ast.walk(root):
+        if _is_clamp_at_zero(node, clamped, slots) and any(n is name for n in ast.walk(node)):
+            return True
+    return False
+
+
 def live_objects(module: object) -> dict[str, object]:
     return {ATTRIBUTE: getattr(module, ATTRIBUTE, None)}
 
@@ -152,3 +245,24 @@ def probe(module: object) -> Probe:
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     """Install the clamped scatter written for ``shape`` (a name from :data:`SHAPES`)."""
     return [wrap(module, ATTRIBUTE, _installed(REPLACEMENTS[shape]), PATCH_ID)]
+
+
+def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
+    """The live ``basic_cache`` on scratch caches with padding: real rows land, padding
+    goes to the null block only, nothing else changes; on CUDA also no host sync and
+    CUDA-graph capture and replay."""
+    fn = checks.live_scatter(module, ctx.version)
+    results = checks.scatter_checks(fn, ctx.device, ctx.shape)
+    if ctx.device == "cuda":
+        results += checks.cuda_checks(fn)
+    return results
+
+
+def in_situ(connector: Any) -> dict[str, Any] | None:
+    """The scatter check on a scratch copy of the buffer the worker just registered."""
+    import sys
+
+    model = sys.modules.get(checks.MODEL_MODULE)
+    if model is None:
+        return None
+    return checks.in_situ_scatter(model.basic_cache, getattr(connector, "_kv_cache", None))

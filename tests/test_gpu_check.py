@@ -1,0 +1,360 @@
+"""The GPU check where there is no GPU: it refuses with a reason, and it can fail.
+
+``scripts/gpu_check.sh`` is only worth running on a lent GPU machine if it fails when
+the fix is wrong. These tests show that on the CPU, with the same files:
+
+* without a CUDA device the script exits 2 and says why (it runs nothing);
+* its CPU dry run (``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes with vllm-hsfix's
+  replacements, and a planted wrong replacement (``VLLM_HSFIX_CHECK_PLANT``) fails it,
+  naming exactly the replacement tests;
+* the real ``basic_cache`` of 0.17.0, 0.22.0 and 0.24.0, read from the unpacked wheels,
+  writes a padding row (slot ``-1``) over a live request's last slot, the patched
+  module does not, and 0.25.0's own (fixed) function does not either: the check tells
+  the two apart;
+* the scatter benchmark exits 1 on wrong bytes.
+
+The subject does not depend on the installed vLLM: it runs in the 0.24.0 rows only.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import types
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import CACHE, RELEASE, ROOT, clean_env
+
+from vllm_hsfix.patches import scatter
+from vllm_hsfix.patches.hooks import Hooks
+
+pytestmark = pytest.mark.skipif(
+    RELEASE != "0.24.0",
+    reason=f"the GPU check does not depend on the installed vLLM: 0.24.0 rows only ({RELEASE})",
+)
+
+RELEASES = ("0.17.0", "0.22.0", "0.24.0")
+TARGET = Path("vllm/model_executor/models/extract_hidden_states.py")
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+
+
+def load_path(name: str, path: Path) -> types.ModuleType:
+    """A script that is not in a package, imported by path (once)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+GRC = load_path("gpu_release_code", ROOT / "scripts" / "gpu_release_code.py")
+
+
+def overlay_file(release: str) -> Path:
+    path = CACHE / "overlays" / f"vllm-{release}" / TARGET
+    if not path.is_file():
+        pytest.skip(f"no overlay of {release}: python3 scripts/vllm_env.py ensure {release}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def release_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three releases' files, copied by the script the GPU check is prepared with."""
+    for release in RELEASES:
+        overlay_file(release)
+    dest = tmp_path_factory.mktemp("gpu-release-code")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_release_code.py"), "--dest", str(dest)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    for release in RELEASES:
+        copied = dest / f"vllm-{release}" / TARGET.name
+        assert copied.read_bytes() == overlay_file(release).read_bytes()
+    return dest
+
+
+def gpu_check(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT)],
+        env=clean_env(OUT=str(out), PYTHON=sys.executable, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+def junit(path: Path) -> dict[str, str]:
+    """Test name -> passed / failed / skipped: <reason>, from a pytest junit report."""
+    states = {}
+    for case in ET.parse(path).iter("testcase"):
+        skipped = case.find("skipped")
+        if case.find("failure") is not None or case.find("error") is not None:
+            states[case.get("name", "")] = "failed"
+        elif skipped is not None:
+            states[case.get("name", "")] = "skipped: " + skipped.get("message", "")
+        else:
+            states[case.get("name", "")] = "passed"
+    return states
+
+
+# Written out, not derived from tests/test_gpu.py: the tests that check what the
+# replacement stores, on the CPU.
+REPLACEMENT_BYTE_TESTS = {
+    *(
+        f"test_replacement_bytes[{fn}-{layout}-torch.{dtype}]"
+        for fn, layout in (
+            ("scatter_flat", "contiguous"),
+            ("scatter_clamped", "contiguous"),
+            ("scatter_clamped", "strided"),
+        )
+        for dtype in ("bfloat16", "float16", "float32")
+    ),
+    "test_release_replacement_keeps_the_live_last_slot[0.17.0-contiguous]",
+    "test_release_replacement_keeps_the_live_last_slot[0.22.0-contiguous]",
+    "test_release_replacement_keeps_the_live_last_slot[0.22.0-strided]",
+    "test_release_replacement_keeps_the_live_last_slot[0.24.0-contiguous]",
+    "test_release_replacement_keeps_the_live_last_slot[0.24.0-strided]",
+    "test_flat_view_release_and_replacement_refuse_a_strided_view[0.17.0]",
+}
+RELEASE_ORIGINAL_TESTS = {
+    "test_release_original_overwrites_the_live_last_slot[0.17.0-contiguous]",
+    "test_release_original_overwrites_the_live_last_slot[0.22.0-contiguous]",
+    "test_release_original_overwrites_the_live_last_slot[0.22.0-strided]",
+    "test_release_original_overwrites_the_live_last_slot[0.24.0-contiguous]",
+    "test_release_original_overwrites_the_live_last_slot[0.24.0-strided]",
+}
+
+
+@NO_CUDA
+def test_gpu_check_exits_2_without_a_cuda_device(tmp_path: Path) -> None:
+    out = gpu_check(tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "cannot run here: no CUDA GPU" in out.stderr
+    assert "torch.cuda.is_available() is False" in out.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "no CUDA GPU" in summary and "exit 2" in summary
+    assert not (tmp_path / "tests.txt").exists()  # nothing ran
+
+
+def test_gpu_check_exits_2_without_torch(tmp_path: Path) -> None:
+    out = subprocess.run(
+        ["bash", str(SCRIPT)],
+        env=clean_env(OUT=str(tmp_path), PYTHON=str(tmp_path / "no-such-python")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert "cannot run here" in out.stderr
+
+
+def test_cpu_dry_run_passes_with_the_real_replacements(release_code: Path, tmp_path: Path) -> None:
+    out = gpu_check(
+        tmp_path, VLLM_HSFIX_CHECK_DEVICE="cpu", VLLM_HSFIX_RELEASE_CODE=str(release_code)
+    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert out.returncode == 0, summary
+    assert "CPU DRY RUN" in summary and "gpu_check: exit 0" in summary
+    for step in ("release-code", "tests", "planted-unclamped", "planted-wrong-slot", "bench"):
+        assert any(line.split()[:2] == [step, "ok"] for line in summary.splitlines()), step
+    states = junit(tmp_path / "tests-junit.xml")
+    for name in REPLACEMENT_BYTE_TESTS | RELEASE_ORIGINAL_TESTS:
+        assert states.get(name) == "passed", (name, states.get(name))
+    skipped = {n: s for n, s in states.items() if s.startswith("skipped")}
+    assert skipped, "the CUDA-only tests must be listed as skipped on the CPU"
+    assert all("need a CUDA device" in s for s in skipped.values()), skipped
+    assert "failed" not in states.values()
+
+
+@pytest.mark.parametrize("plant", ["unclamped", "wrong-slot"])
+def test_a_planted_wrong_replacement_fails_exactly_the_replacement_tests(
+    plant: str, release_code: Path, tmp_path: Path
+) -> None:
+    xml = tmp_path / "junit.xml"
+    out = subprocess.run(
+        [*PYTEST, str(ROOT / "tests" / "test_gpu.py"), f"--junitxml={xml}"],
+        env=clean_env(
+            VLLM_HSFIX_CHECK_DEVICE="cpu",
+            VLLM_HSFIX_CHECK_PLANT=plant,
+            VLLM_HSFIX_RELEASE_CODE=str(release_code),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1, out.stdout[-3000:]
+    states = junit(xml)
+    failed = {n for n, s in states.items() if s == "failed"}
+    assert failed == REPLACEMENT_BYTE_TESTS, sorted(failed ^ REPLACEMENT_BYTE_TESTS)
+    for name in RELEASE_ORIGINAL_TESTS:
+        assert states[name] == "passed"  # the originals show the bug either way
+    assert "test_replacement_bytes[scatter_flat-contiguous-torch.bfloat16]" in out.stdout
+
+
+def test_planted_wrong_replacement_makes_the_gpu_check_exit_1(
+    release_code: Path, tmp_path: Path
+) -> None:
+    out = gpu_check(
+        tmp_path,
+        VLLM_HSFIX_CHECK_DEVICE="cpu",
+        VLLM_HSFIX_RELEASE_CODE=str(release_code),
+        VLLM_HSFIX_CHECK_PLANT="unclamped",
+        VLLM_HSFIX_CHECK_STEPS="tests",
+    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert out.returncode == 1, summary
+    assert any(line.split()[:2] == ["tests", "FAIL1"] for line in summary.splitlines()), summary
+    assert "gpu_check: exit 1" in summary and "ONLY THESE STEPS: tests" in summary
+
+
+def test_gpu_check_fails_without_the_release_code(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = gpu_check(
+        tmp_path / "out",
+        VLLM_HSFIX_CHECK_DEVICE="cpu",
+        VLLM_HSFIX_RELEASE_CODE=str(empty),
+        VLLM_HSFIX_CHECK_STEPS="release-code tests",
+    )
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert out.returncode == 1, summary
+    lines = [line.split()[:2] for line in summary.splitlines()]
+    assert ["release-code", "FAIL1"] in lines and ["tests", "FAIL1"] in lines, summary
+    assert "MISSING 0.17.0" in (tmp_path / "out" / "release-code.txt").read_text()
+    # In the GPU check a missing release file fails its tests; it never skips them.
+    states = junit(tmp_path / "out" / "tests-junit.xml")
+    for name in RELEASE_ORIGINAL_TESTS:
+        assert states[name] == "failed", (name, states[name])
+
+
+# --- the releases' own code on the CPU -------------------------------------------------
+
+
+def padded_call(fn: Any) -> dict[str, torch.Tensor]:
+    """One padded batch on a 4-block cache whose last slot holds a live request's row."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.zeros(4, 8, 2, 4)
+    live = torch.randn(2, 4, generator=gen)
+    cache[3, 7] = live
+    rows = torch.randn(3, 2, 4, generator=gen)
+    fn(rows, cache, torch.tensor([9, -1, -1]))
+    return {"cache": cache, "live": live, "rows": rows}
+
+
+def patched_module(path: Path) -> types.ModuleType:
+    """The release's function in a module, with vllm-hsfix's replacement installed the
+    way the runtime installs it (the shape decides which replacement)."""
+    module = types.ModuleType("release")
+    module.basic_cache = GRC.compile_basic_cache(path)  # type: ignore[attr-defined]
+    shape = scatter.probe_tree(ast.parse(path.read_text())).shape
+    assert shape in scatter.SHAPES.values()
+    hooks = Hooks(on_failure=lambda _p, exc: None, after_register=lambda _c: None)
+    scatter.apply(module, shape, hooks)
+    return module
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_release_basic_cache_overwrites_the_live_slot_and_the_patched_one_does_not(
+    release: str,
+) -> None:
+    path = overlay_file(release)
+    got = padded_call(GRC.compile_basic_cache(path))
+    cache, rows = got["cache"], got["rows"]
+    assert torch.equal(cache[1, 1], rows[0])  # slot 9 = block 1, offset 1
+    assert any(torch.equal(cache[3, 7], r) for r in rows[1:]), "padding should land there"
+    assert not torch.equal(cache[3, 7], got["live"])
+
+    got = padded_call(patched_module(path).basic_cache)
+    cache, rows = got["cache"], got["rows"]
+    assert torch.equal(cache[3, 7], got["live"])  # the live request's row survives
+    assert torch.equal(cache[1, 1], rows[0])
+    assert any(torch.equal(cache[0, 0], r) for r in rows[1:])  # padding: the null block
+    touched = torch.zeros(4, 8, dtype=torch.bool)
+    touched[0, 0] = touched[1, 1] = touched[3, 7] = True
+    assert not cache[~touched].any()  # nothing else written
+
+
+def test_the_gpu_tests_tell_a_fixed_release_from_an_affected_one() -> None:
+    """0.25.0's own basic_cache (upstream's fix) fails the "original overwrites" check
+    of tests/test_gpu.py and passes the "replacement keeps" one: those checks see the
+    bug, not the release number."""
+    import test_gpu
+
+    fixed = GRC.compile_basic_cache(overlay_file("0.25.0"))
+    run = test_gpu.padded_run("cpu", torch.bfloat16, strided=True)
+    got = test_gpu.run_eager(fixed, run)
+    test_gpu.assert_replacement_keeps_live_slot(run, got)
+    with pytest.raises(AssertionError):
+        test_gpu.assert_original_overwrites_live_slot(run, got)
+    affected = GRC.compile_basic_cache(overlay_file("0.24.0"))
+    run = test_gpu.padded_run("cpu", torch.bfloat16, strided=True)
+    got = test_gpu.run_eager(affected, run)
+    test_gpu.assert_original_overwrites_live_slot(run, got)
+    with pytest.raises(AssertionError, match="overwritten"):
+        test_gpu.assert_replacement_keeps_live_slot(run, got)
+
+
+def test_release_code_script_names_a_missing_overlay(tmp_path: Path) -> None:
+    rc = GRC.main(["--overlays", str(tmp_path / "none"), "--dest", str(tmp_path / "d"), "0.17.0"])
+    assert rc == 1
+    assert not (tmp_path / "d" / "vllm-0.17.0").exists()
+
+
+# --- the benchmark ---------------------------------------------------------------------
+
+
+def test_bench_passes_then_exits_1_on_wrong_bytes(
+    release_code: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    bench = load_path("bench_scatter", ROOT / "benchmarks" / "bench_scatter.py")
+    args = ["--device", "cpu", "--quick", "--reps", "1", "--no-vllm"]
+    assert bench.main([*args, "--release-code", str(release_code)]) == 0
+    printed = capsys.readouterr().out
+    assert "scatter_clamped    strided / upstream: median" in printed
+    assert "orig-0.17.0 contiguous / upstream: median" in printed
+
+    # A release whose function is already fixed cannot show the bug: bad inputs.
+    fixed = tmp_path / "fixed" / "vllm-0.25.0"
+    fixed.mkdir(parents=True)
+    (fixed / TARGET.name).write_bytes(overlay_file("0.25.0").read_bytes())
+    assert bench.main([*args, "--release-code", str(tmp_path / "fixed")]) == 1
+    assert "the bug does not show" in capsys.readouterr().out
+
+    def unclamped(to_cache: Any, kv_cache: Any, slots: Any) -> None:
+        bs = kv_cache.shape[1]
+        kv_cache[slots // bs, slots % bs] = to_cache
+
+    monkeypatch.setattr(scatter, "scatter_clamped", unclamped)
+    assert bench.main(args) == 1
+    assert "scatter_clamped: bytes differ from upstream's" in capsys.readouterr().out
+
+
+def test_nothing_of_vllm_is_tracked() -> None:
+    """The copied release files stay out of git (the folder is ignored)."""
+    out = subprocess.run(
+        ["git", "check-ignore", "-q", "gpu-release-code/vllm-0.24.0/extract_hidden_states.py"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=30,
+    )
+    if out.returncode == 128 or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert out.returncode == 0, "gpu-release-code/ must be in .gitignore"

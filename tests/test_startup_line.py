@@ -1,0 +1,147 @@
+"""Every process logs its own vllm-hsfix line when its patches are decided, not at exit.
+
+Real child processes on the real vLLM under test. "Before its own next output": the
+child prints a marker right after the step that activates vllm-hsfix (stdout and
+stderr go to one pipe, unbuffered), and the line must come before that marker. The
+import orders are the ones vLLM's processes have: a worker loads the general plugins
+(``WorkerWrapperBase.init_worker``) and then imports the model, the connector and its
+model runner; the engine core loads the plugins and imports the connector only; the
+API process loads them in ``EngineArgs`` and imports no target at all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import AFFECTED, CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env
+
+pytestmark = pytest.mark.needs_vllm
+
+LINE = re.compile(r"\[vllm-hsfix\] vllm-hsfix \S+ pid=(\d+) role=(\S+) vllm=")
+# What a GPU worker imports, and what a CPU worker imports instead of the GPU runner.
+RUNNER = (
+    "vllm.v1.worker.cpu_model_runner" if INSTALL.cpu_build else "vllm.v1.worker.gpu_model_runner"
+)
+
+
+def run_child(code: str, **env: str) -> list[str]:
+    """Run ``code`` with stdout and stderr in one pipe, unbuffered; its output lines."""
+    out = subprocess.run(
+        [sys.executable, "-u", "-c", textwrap.dedent(code)],
+        env=clean_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+    return out.stdout.splitlines()
+
+
+def hsfix_lines(lines: list[str]) -> list[tuple[int, str]]:
+    return [(i, line) for i, line in enumerate(lines) if LINE.search(line)]
+
+
+def index_of(lines: list[str], marker: str) -> int:
+    found = [i for i, line in enumerate(lines) if line.strip() == marker]
+    assert found, f"{marker} not printed:\n" + "\n".join(lines[-30:])
+    return found[0]
+
+
+def test_worker_logs_its_line_when_its_targets_are_imported() -> None:
+    """A worker's import order: plugins first, then model, connector, model runner.
+    The line is out before the worker's next print, and says what happened."""
+    lines = run_child(
+        f"""
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        print("PLUGINS-LOADED")
+        import {MODEL_MODULE}, {CONNECTOR_MODULE}, {RUNNER}
+        print("TARGETS-IMPORTED")
+        import vllm_hsfix
+        st = vllm_hsfix.status()
+        print("STATUS", sorted((k, v["code"]) for k, v in st["patches"].items()))
+        """
+    )
+    found = hsfix_lines(lines)
+    assert len(found) == 1, "\n".join(lines[-40:])
+    at, line = found[0]
+    assert at < index_of(lines, "PLUGINS-LOADED"), "\n".join(lines[-40:])
+    assert int(LINE.search(line).group(1)) > 0  # type: ignore[union-attr]
+    status = next(line for line in lines if line.startswith("STATUS"))
+    if AFFECTED:
+        # Decided from the files at activation: armed, then applied on import.
+        assert "on import scatter-clamp" in line, line
+        assert "('scatter-clamp', 'applied')" in status, status
+    else:
+        assert "upstream-fix-present" in line, line
+        assert "('scatter-clamp', 'upstream-fix-present')" in status, status
+
+
+def test_api_process_logs_at_activation_without_importing_any_target() -> None:
+    """The API process imports no target: its line still comes at start (it used to
+    come at exit)."""
+    lines = run_child(
+        """
+        import sys
+        import vllm_hsfix
+        import vllm
+        print("VLLM-IMPORTED")
+        targets = [m for m in sys.modules if m.endswith(("extract_hidden_states",
+                   "example_hidden_states_connector", "cpu_model_runner"))]
+        print("TARGETS", targets)
+        """
+    )
+    found = hsfix_lines(lines)
+    assert len(found) == 1, "\n".join(lines[-40:])
+    assert found[0][0] < index_of(lines, "VLLM-IMPORTED")
+    assert "TARGETS []" in lines
+
+
+def test_forked_and_spawned_children_log_their_own_line() -> None:
+    """The parent logs; a forked child (vLLM's default for workers) and a spawned one
+    each log a line with their own pid when they load the plugins as vLLM's workers
+    do."""
+    lines = run_child(
+        """
+        import multiprocessing, os, sys
+        sys.path.insert(0, os.environ["HSFIX_TESTS"])
+        import vllm_hsfix, vllm
+        import _children
+        print("PARENT", os.getpid())
+        for method in ("fork", "spawn"):
+            p = multiprocessing.get_context(method).Process(target=_children.plugins_and_print)
+            p.start(); p.join()
+            assert p.exitcode == 0, p.exitcode
+        """,
+        HSFIX_TESTS=os.path.dirname(os.path.abspath(__file__)),
+    )
+    pids = {int(LINE.search(line).group(1)) for _, line in hsfix_lines(lines)}  # type: ignore[union-attr]
+    parent = int(next(line.split()[1] for line in lines if line.startswith("PARENT")))
+    children = [int(line.split()[1]) for line in lines if line.startswith("CHILD")]
+    assert len(children) == 2, "\n".join(lines[-40:])
+    assert pids == {parent, *children}, "\n".join(lines[-40:])
+    for child in children:
+        line_at = min(i for i, line in hsfix_lines(lines) if f"pid={child} " in line)
+        assert line_at < index_of(lines, f"CHILD {child}")
+
+
+@pytest.mark.affected
+def test_a_refused_patch_makes_the_line_a_warning() -> None:
+    """An unknown version refuses every patch that needs a look at the code: the line
+    is a WARNING, at start."""
+    lines = run_child(
+        """
+        import vllm_hsfix, vllm
+        print("VLLM-IMPORTED")
+        """,
+        VLLM_HSFIX_VLLM_VERSION="not-a-version",
+    )
+    found = hsfix_lines(lines)
+    assert len(found) == 1 and found[0][1].startswith("WARNING"), "\n".join(lines[-40:])
+    assert found[0][0] < index_of(lines, "VLLM-IMPORTED")
