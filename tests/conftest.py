@@ -28,6 +28,29 @@ CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
 
 
+def _release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in release.split("."))
+
+
+def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
+    """What a row of the patch table DECLARES for a release and platform: "applied"
+    inside its range on its platform, "skipped" otherwise. Written from the row's
+    fields (first, fixed_in, platform) with plain tuple comparison, not through
+    ``plan``: the tests that cover every patch expect this, and a new row is covered
+    without touching them."""
+    release = release or RELEASE or "0.0.0"
+    cpu = INSTALL.cpu_build if cpu_build is None else cpu_build
+    in_range = _release_key(patch.first) <= _release_key(release) < _release_key(patch.fixed_in)
+    on_platform = patch.platform == "any" or (patch.platform == "cpu" and cpu is True)
+    return "applied" if in_range and on_platform else "skipped"
+
+
+def declared_all(**kw: Any) -> dict[str, str]:
+    from vllm_hsfix.patches import PATCHES
+
+    return {p.id: declared(p, **kw) for p in PATCHES}
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"vllm under test: {INSTALL.distribution} {INSTALL.version} at {INSTALL.location}"
 

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_MODULE, clean_env, last_json, run_py
+from conftest import MODEL_MODULE, clean_env, declared_all, last_json, run_py
 
 from vllm_hsfix._version import __version__
 
@@ -49,11 +49,7 @@ print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
 """
     )
     statuses, depths, sources = last_json(out.stdout)
-    assert statuses == {
-        "scatter-clamp": "applied",
-        "hidden-group-block-size": "applied",
-        "cpu-zero-blocks": "applied",
-    }
+    assert statuses == declared_all()
     assert depths == {
         "basic_cache": 1,
         "__init__": 1,
@@ -142,18 +138,19 @@ print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
     assert off == [
         {"basic_cache": 0, "__init__": 0, "register_kv_caches": 0, "_zero_block_ids": 0},
         {
-            "scatter-clamp": "disabled",
-            "hidden-group-block-size": "disabled",
-            "cpu-zero-blocks": "disabled",
+            pid: ("disabled" if st == "applied" else "not-needed")
+            for pid, st in declared_all().items()
         },
     ]
     one = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")).stdout)
     assert one == [
         {"basic_cache": 0, "__init__": 1, "register_kv_caches": 1, "_zero_block_ids": 1},
         {
+            **{
+                pid: ("applied" if st == "applied" else "not-needed")
+                for pid, st in declared_all().items()
+            },
             "scatter-clamp": "disabled",
-            "hidden-group-block-size": "applied",
-            "cpu-zero-blocks": "applied",
         },
     ]
 
@@ -194,9 +191,7 @@ print(json.dumps([raised, st and {k: v["code"] for k, v in st["patches"].items()
     else:
         raised, codes = last_json(out.stdout)
         assert raised is None, raised
-        assert codes == dict.fromkeys(
-            ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks"), "error"
-        )
+        assert codes == dict.fromkeys(declared_all(), "error")
         assert "forced failure inside activation" in out.stderr
 
 

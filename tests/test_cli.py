@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import AFFECTED, FIXED, INSTALL, clean_env
+from conftest import AFFECTED, FIXED, INSTALL, clean_env, declared_all
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -37,13 +37,12 @@ def test_status_json_reads_the_environment_without_importing_vllm() -> None:
     codes = {k: v["code"] for k, v in report["patches"].items()}
     if FIXED:
         assert set(codes.values()) == {"upstream-fix-present"}
-    elif INSTALL.release == "0.24.0":
-        assert codes == dict.fromkeys(
-            ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks"), "would-apply"
-        )
     else:
-        assert codes["scatter-clamp"] == "would-apply"
-        assert codes["hidden-group-block-size"] == "not-needed"
+        want = {
+            pid: "would-apply" if st == "applied" else "not-needed"
+            for pid, st in declared_all().items()
+        }
+        assert codes == want
     assert report["ok"] is True and report["problems"] == []
 
 

@@ -252,6 +252,27 @@ def test_register_kv_caches_checks_the_buffer(
 
 @needs_connector_patch
 @pytest.mark.affected
+def test_a_head_major_buffer_fails_with_the_real_reason(
+    patched: Any, vllm_config: Any, distributed: Any
+) -> None:
+    """Issue 18.7: a buffer in 0.29's head-major layout ([blocks, heads, block_size,
+    head]) under 0.24's connector is named as such, not as a plain size mismatch."""
+    module = importlib.import_module(CONNECTOR_MODULE)
+    conn = module.ExampleHiddenStatesConnector(
+        vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
+    )
+    buffer = torch.zeros(4, 3, 22, 256, dtype=torch.bfloat16)
+    try:
+        with pytest.raises(
+            ValueError, match=r"head-major .*\(4, 3, 22, 256\)|\(4, 3, 22, 256\) is head-major"
+        ):
+            conn.register_kv_caches({"cache_only_layers.0": buffer})
+    finally:
+        conn._executor.shutdown(wait=False)
+
+
+@needs_connector_patch
+@pytest.mark.affected
 def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     patched: Any, vllm_config: Any
 ) -> None:

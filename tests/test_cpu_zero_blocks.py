@@ -29,52 +29,11 @@ needs_range = pytest.mark.skipif(
 NUM_BLOCKS = 8
 
 
-def _specs() -> Any:
-    return importlib.import_module("vllm.v1.kv_cache_interface")
-
-
 def _runner(kv_split: int = 1) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A real CPUModelRunner with a hybrid layout: one buffer shared by a mamba layer
-    and an attention layer (as vLLM lays hybrids out), a hidden-states layer, and NaN
-    everywhere (what stale fp32 SSM state reads as)."""
-    from vllm.config import CompilationConfig
-
-    k = _specs()
+    """A real CPUModelRunner with a hybrid layout full of NaN (see
+    ``cpu_runner_case``)."""
     cls = importlib.import_module(RUNNER_MODULE).CPUModelRunner
-    shared = torch.full((NUM_BLOCKS, 4096), float("nan"), dtype=torch.bfloat16)
-    attn = shared.view(NUM_BLOCKS * kv_split, 2, 16 // kv_split, 128)  # CPU layout: blocks first
-    mamba = shared.view(torch.float32)[:, :1024]  # another group's view of the same bytes
-    hidden = torch.full((NUM_BLOCKS, 16, 2, 256), float("nan"), dtype=torch.bfloat16)
-    groups = [
-        k.KVCacheGroupSpec(
-            ["model.layers.0.linear_attn"],
-            k.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
-        ),
-        k.KVCacheGroupSpec(
-            ["model.layers.1.self_attn.attn"],
-            k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16),
-        ),
-    ]
-    if hasattr(k, "HiddenStateCacheSpec"):
-        groups.append(
-            k.KVCacheGroupSpec(
-                ["cache_only_layers.0"],
-                k.HiddenStateCacheSpec(
-                    block_size=16, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
-                ),
-            )
-        )
-    runner = object.__new__(cls)
-    runner.kv_cache_config = k.KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    runner.compilation_config = CompilationConfig()
-    runner.compilation_config.static_forward_context = {
-        "model.layers.0.linear_attn": SimpleNamespace(kv_cache=mamba),
-        "model.layers.1.self_attn.attn": SimpleNamespace(kv_cache=attn),
-        "cache_only_layers.0": SimpleNamespace(kv_cache=hidden),
-    }
-    return runner, {"shared": shared, "hidden": hidden}
+    return patch.cpu_runner_case(cls, kv_split)
 
 
 def _zeroed_blocks(t: torch.Tensor) -> list[int]:

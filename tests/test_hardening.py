@@ -316,3 +316,80 @@ print(json.dumps([after_unapply, MODEL.basic_cache is theirs, scatter_problems()
     assert "pass-through beneath a later wrapper" in reason
     assert "was wrapped again" in out.stderr
     assert still_theirs and problems == [] and calls == 2
+
+
+AMBIGUOUS = """
+def ambiguous():
+    # Two hidden-states groups: the fix's own ValueError (cannot tell which one).
+    cfg = hybrid()
+    cfg.kv_cache_groups.append(KVCacheGroupSpec(["cache_only_layers.1"], HiddenStateCacheSpec(
+        block_size=22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)))
+    return cfg
+"""
+
+
+@needs_connector_patch
+def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_back() -> None:
+    """Issue 18.7: re-resolving a connector built before activation raises (ambiguous
+    groups); the patch reports failed AND its wrappers are no longer on the class:
+    never "failed" while live."""
+    out = run_py(
+        IMPORT_TARGETS
+        + HYBRID
+        + AMBIGUOUS
+        + """
+import json, tempfile
+from types import SimpleNamespace as NS
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
+    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
+vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
+          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
+try:
+    conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, ambiguous())
+except Exception as exc:  # 0.24.0's own __init__ may reject it already
+    print(json.dumps(["init-raised", repr(exc)])); raise SystemExit(0)
+import vllm_hsfix  # vLLM is imported: activates now, late
+from vllm_hsfix.patches._wrap import patch_id_of
+rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
+C = CONN.ExampleHiddenStatesConnector.__dict__
+print(json.dumps([rec["status"], rec["reason"],
+                  [patch_id_of(C["__init__"]), patch_id_of(C["register_kv_caches"])]]))
+conn._executor.shutdown(wait=False)
+"""
+    )
+    result = last_json(out.stdout)
+    assert result[0] != "init-raised", result
+    status, reason, wrappers = result
+    assert status == "failed" and "cannot identify the hidden-states KV-cache group" in reason
+    # None of the failed patch's wrappers is left (the clamp's in-situ observer may sit on
+    # register_kv_caches: it belongs to the patch that did apply).
+    assert "hidden-group-block-size" not in wrappers and wrappers[0] is None
+
+
+@pytest.mark.skipif(not AFFECTED, reason=f"needs vLLM 0.22-0.24, have {RELEASE}")
+def test_verify_fails_when_the_cpu_zeroing_patch_is_refused() -> None:
+    """Issue 18.7: ``verify`` covers every patch in range: someone else's no-op on the
+    CPU runner makes the gate refuse cpu-zero-blocks, and verify is NOT verified."""
+    from conftest import INSTALL, declared
+
+    from vllm_hsfix.patches import by_id
+
+    if declared(by_id("cpu-zero-blocks")) != "applied":
+        pytest.skip(f"cpu-zero-blocks is not applied on {INSTALL.version} (this build)")
+    out = run_py(
+        """
+import json
+import vllm.v1.worker.cpu_model_runner as runner_module
+def _zero_block_ids(self, block_ids):  # a foreign no-op, defined outside vLLM
+    return None
+runner_module.CPUModelRunner._zero_block_ids = _zero_block_ids
+from vllm_hsfix import verify
+code, report = verify.run("cpu")
+print(json.dumps([code, report.get("error"), report["patches"]["cpu-zero-blocks"]["status"]]))
+"""
+    )
+    code, error, status = last_json(out.stdout)
+    assert (code, status) == (1, "refused"), out.stderr[-2000:]
+    assert "cpu-zero-blocks" in error

@@ -113,3 +113,58 @@ def test_dev_and_local_builds_compare_by_release() -> None:
     assert not plan.in_release_range(Version("0.25.0"), ">=0.17.0,<0.25.0")
     assert not plan.in_release_range(Version("0.16.2"), ">=0.17.0,<0.25.0")
     assert plan.in_release_range(Version("0.17.0+cpu"), ">=0.17.0,<0.25.0")
+
+
+CPU_ZEROING = by_id("cpu-zero-blocks")
+
+
+@pytest.mark.parametrize(
+    ("cpu_build", "version", "want"),
+    [
+        (True, "0.24.0", "apply"),
+        (True, "0.21.0", "not-needed"),
+        (True, "0.25.0", "upstream-fix-present"),
+        (False, "0.24.0", "not-needed"),  # a CUDA wheel: the CPU runner never runs
+        (False, "0.22.0", "not-needed"),
+        (False, "0.25.0", "upstream-fix-present"),
+    ],
+)
+def test_a_cpu_only_patch_is_not_needed_on_other_builds(
+    cpu_build: bool, version: str, want: str
+) -> None:
+    inst = from_version("vllm", version, "/x/vllm/__init__.py", "metadata", cpu_build=cpu_build)
+    d = plan.decide(CPU_ZEROING, inst, ON, lambda: Probe("no-op"))
+    assert d.code == want, d
+    if not cpu_build and want == "not-needed":
+        assert "GPU workers zero new blocks themselves" in d.reason
+
+
+def test_disabling_a_patch_another_platform_never_runs_changes_nothing() -> None:
+    """Turning off the CPU zeroing on a CUDA build is not a refusal: it was not needed."""
+    inst = from_version("vllm", "0.24.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
+    cfg = Config(disabled_patches=frozenset({"cpu-zero-blocks"}))
+    assert plan.decide(CPU_ZEROING, inst, cfg, lambda: Probe("no-op")).code == "not-needed"
+    assert plan.decide(CPU_ZEROING, inst, OFF, lambda: Probe("no-op")).code == "not-needed"
+
+
+def test_decisions_that_need_no_code_are_made_without_a_probe() -> None:
+    """What the runtime decides at activation, before any target is imported."""
+    cuda = from_version("vllm", "0.24.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
+    assert plan.without_probe(CPU_ZEROING, cuda, ON).code == "not-needed"  # type: ignore[union-attr]
+    assert plan.without_probe(by_id("scatter-clamp"), cuda, ON) is None  # needs the code
+    fixed = from_version("vllm", "0.25.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
+    for patch in PATCHES:
+        d = plan.without_probe(patch, fixed, ON)
+        assert d is not None and d.code == "upstream-fix-present"
+
+
+def test_each_patch_has_its_own_fixed_release() -> None:
+    """A later fixed release on one row moves only that row (the single FIXED_FROM went)."""
+    import dataclasses
+
+    later = dataclasses.replace(by_id("scatter-clamp"), fixed_in="0.29.0")
+    inst = from_version("vllm", "0.26.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
+    assert plan.decide(later, inst, ON, lambda: Probe("2d-index")).code == "apply"
+    assert plan.decide(by_id("scatter-clamp"), inst, ON, lambda: Probe("2d-index")).code == (
+        "upstream-fix-present"
+    )

@@ -16,19 +16,12 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
 
 HERE = Path(__file__).resolve().parent
 CHILD = str(HERE / "_children.py")
-ALL = {
-    "scatter-clamp": "applied",
-    "hidden-group-block-size": "applied",
-    "cpu-zero-blocks": "applied",
-}
 
 
 def expected() -> dict[str, str]:
-    from conftest import RELEASE
+    from conftest import declared_all
 
-    if RELEASE == "0.24.0":
-        return ALL
-    return {**ALL, "hidden-group-block-size": "skipped"}
+    return declared_all()
 
 
 def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:

@@ -1,39 +1,54 @@
 """The only part of vllm-hsfix that runs at interpreter start.
 
 ``import vllm_hsfix`` (and the sitecustomize bootstrap) may run in every Python
-process of an image, most of which never touch vLLM. So this module imports nothing
-but builtins and knows nothing of the rest of the package: it keeps the list of
-activation paths that fired, and arms a ``sys.meta_path`` watcher that calls back
-(the callback is given by the caller) when ``vllm`` is really imported. If vLLM is
-already imported, the callback runs at once.
+process of an image, most of which never touch vLLM. So this module imports only what
+every interpreter has loaded before ``site`` finishes (``_thread``, ``os``, ``sys``):
+not even ``typing`` or ``__future__`` (``typing`` alone pulls ``re``, ``contextlib``,
+``collections`` and more into every process). Annotations that name typing constructs
+are therefore strings, resolved by type checkers only (``TYPE_CHECKING`` below is a
+plain ``False``, which checkers treat as ``typing.TYPE_CHECKING``).
+``tests/test_import_cost.py`` holds the list of modules the import may add.
+
+It knows nothing of the rest of the package: it keeps the list of activation paths
+that fired, and arms a ``sys.meta_path`` watcher that calls back (the callback is
+given by the caller) when ``vllm`` is really imported. If vLLM is already imported,
+the callback runs at once. The same watcher runs post-import hooks on named modules
+(:func:`when_imported`), so the runtime needs no import-hook library until a target
+module is really imported.
 
 *Really* imported: ``importlib.util.find_spec("vllm")`` (what transformers, TRL and
 accelerate call to test whether vLLM is available) also asks every meta-path finder.
-So the watcher does not act when asked; it hands back vLLM's own spec with the loader
-wrapped, and the callback runs when that loader executes the module, i.e. on import.
-It runs before vLLM's ``__init__`` does, so the post-import hooks are in place for
-every vLLM module that import pulls in.
+So the watcher does not act when asked; it hands back the module's own spec with the
+loader wrapped, and the callback runs when that loader executes the module, i.e. on
+import. The ``vllm`` callback runs before vLLM's ``__init__`` does, so the post-import
+hooks are in place for every vLLM module that import pulls in.
 
-Nothing raised inside the watcher or the callback reaches the user's ``import vllm``:
-it is recorded in :func:`errors` and the import goes on. The watcher never removes
-itself from ``sys.meta_path`` while the import system is iterating over it (that
-would make Python skip the next finder); once fired it is a no-op.
+Nothing raised inside the watcher or the ``vllm`` callback reaches the user's
+``import vllm``: it is recorded in :func:`errors` and the import goes on (post-import
+hooks are the caller's: what they raise, the import raises, as with ``wrapt``'s). The
+watcher never removes itself from ``sys.meta_path`` while the import system is
+iterating over it (that would make Python skip the next finder); with nothing left to
+watch it is a no-op.
 """
-
-from __future__ import annotations
 
 import _thread
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from typing import Any
 
 _LOCK = _thread.RLock()
 _SOURCES: list[str] = []
 _ERRORS: list[str] = []
-_callback: Callable[[str], None] | None = None
+_callback: "Callable[[str], None] | None" = None
 _armed = False
 _searching: set[int] = set()  # threads inside our own find_spec
+# Post-import hooks by module name; popped when they fire (once, as wrapt's do).
+_HOOKS: "dict[str, list[Callable[[ModuleType], None]]]" = {}
 
 
 def sources() -> list[str]:
@@ -53,34 +68,41 @@ def record_source(source: str) -> None:
 
 
 class _ActivatingLoader:
-    """vLLM's own loader, with the activation callback run first in ``exec_module``."""
+    """The module's own loader, with the ``vllm`` activation run before
+    ``exec_module`` and the post-import hooks after it."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: "Any") -> None:
         self._loader = loader
 
-    def create_module(self, spec: Any) -> Any:
+    def create_module(self, spec: "Any") -> "Any":
         create = getattr(self._loader, "create_module", None)
         return create(spec) if create is not None else None
 
-    def exec_module(self, module: Any) -> None:
+    def exec_module(self, module: "ModuleType") -> None:
         # Leave no trace of the wrapper on the module once it is running.
         module.__loader__ = self._loader
         spec = getattr(module, "__spec__", None)
         if spec is not None and spec.loader is self:
             spec.loader = self._loader
-        _fire()
+        if module.__name__ == "vllm":
+            _fire()
         self._loader.exec_module(module)
+        with _LOCK:
+            hooks = _HOOKS.pop(module.__name__, [])
+        for hook in hooks:  # outside the lock: a hook may import, or start threads
+            hook(module)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> "Any":
         return getattr(self._loader, name)
 
 
 class _VllmImportWatcher:
-    """Meta-path finder that finds nothing itself: it wraps vLLM's loader."""
+    """Meta-path finder that finds nothing itself: it wraps the real loader of
+    ``vllm`` (while armed) and of the modules that have post-import hooks."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> Any:
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> "Any":
         me = _thread.get_ident()
-        if fullname != "vllm" or not _armed or me in _searching:
+        if me in _searching or not ((fullname == "vllm" and _armed) or fullname in _HOOKS):
             return None
         try:
             _searching.add(me)
@@ -101,7 +123,7 @@ class _VllmImportWatcher:
         return "<vllm_hsfix import watcher>"
 
 
-def _find_with_the_others(fullname: str, path: object, target: object) -> Any:
+def _find_with_the_others(fullname: str, path: object, target: object) -> "Any":
     for finder in list(sys.meta_path):
         if finder is _WATCHER:
             continue
@@ -115,6 +137,12 @@ def _find_with_the_others(fullname: str, path: object, target: object) -> Any:
 
 
 _WATCHER = _VllmImportWatcher()
+
+
+def _install_watcher() -> None:
+    """Put the watcher first on ``sys.meta_path`` (once; the caller holds the lock)."""
+    if _WATCHER not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCHER)
 
 
 def _fire() -> None:
@@ -134,7 +162,7 @@ def _fire() -> None:
             raise
 
 
-def activate(source: str, start: Callable[[str], None]) -> None:
+def activate(source: str, start: "Callable[[str], None]") -> None:
     """Record ``source``; run ``start(source)`` now if vLLM is imported, else arm the
     watcher so ``start("vllm-import")`` runs when it is."""
     global _armed, _callback
@@ -142,11 +170,27 @@ def activate(source: str, start: Callable[[str], None]) -> None:
         record_source(source)
         if "vllm" not in sys.modules:
             _callback = start
-            if _WATCHER not in sys.meta_path:
-                sys.meta_path.insert(0, _WATCHER)
+            _install_watcher()
             _armed = True
             return
     start(source)
+
+
+def when_imported(name: str, hook: "Callable[[ModuleType], None]") -> None:
+    """Call ``hook(module)`` once module ``name`` has been imported: now if it already
+    is, else right after its body has run (once; a later reload does not call it).
+
+    The same contract as ``wrapt.register_post_import_hook``, without importing wrapt
+    (4 ms, with its C extension) into every vLLM process: most never import a target.
+    What the hook raises propagates to the import, as there.
+    """
+    with _LOCK:
+        module = sys.modules.get(name)
+        if module is None:
+            _HOOKS.setdefault(name, []).append(hook)
+            _install_watcher()
+    if module is not None:  # outside the lock, as for a hook that fires on import
+        hook(module)
 
 
 def _after_fork_in_child() -> None:

@@ -6,6 +6,12 @@ the connectors exist. So installing vllm-hsfix into the vLLM environment is enou
 no code change in the user's script. vLLM does not catch exceptions raised inside a
 plugin function; this one never raises unless strict mode asks for it, and it does
 not touch CUDA.
+
+What it costs is paid in every one of those processes, most of which never import a
+module vllm-hsfix patches: :func:`register` only records itself and starts the
+runtime, which arms post-import hooks on the target modules and leaves detection,
+the decision gates and the patches to the first target import
+(``benchmarks/bench_startup.py`` measures it against a process without the plugin).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from .errors import HsfixError
 
 
 def register() -> None:
+    """vLLM's hook: activate as "plugin". Never raises, except :class:`HsfixError` in
+    strict mode."""
     try:
         from .activation import activate
 

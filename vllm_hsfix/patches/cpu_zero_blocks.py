@@ -22,6 +22,8 @@ import this module's target, and already zero these blocks.
 from __future__ import annotations
 
 import ast
+import importlib
+from types import SimpleNamespace
 from typing import Any
 
 from .. import checks
@@ -154,7 +156,91 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     splits = (1, 2) if ctx.shape is not None else (1,)
     name = f"{ATTRIBUTE}.{METHOD} zeroes exactly the listed blocks"
     try:
-        problems = checks.check_zeroing(getattr(module, ATTRIBUTE), splits=splits)
+        problems = check_zeroing(getattr(module, ATTRIBUTE), splits=splits)
     except Exception as exc:
         problems = [f"check could not run: {exc!r}"]
     return [{"check": name, "ok": not problems, "problems": problems}]
+
+
+ZEROING_BLOCKS = 8
+
+
+def cpu_runner_case(cls: type, kv_split: int = 1) -> tuple[Any, dict[str, Any]]:
+    """A real ``CPUModelRunner`` (made without its heavy ``__init__``) holding a real
+    ``KVCacheConfig`` and ``CompilationConfig`` with a hybrid layout: one buffer shared
+    by a mamba layer and an attention layer (as vLLM lays hybrids out), a
+    hidden-states layer where the release has one, and NaN everywhere (what stale
+    fp32 SSM state reads as). The forward context's layers are plain holders of a
+    ``kv_cache`` tensor, which is all the method reads of them."""
+    import torch
+    from vllm.config import CompilationConfig
+
+    k = importlib.import_module("vllm.v1.kv_cache_interface")
+    n = ZEROING_BLOCKS
+    shared = torch.full((n, 4096), float("nan"), dtype=torch.bfloat16)
+    attn = shared.view(n * kv_split, 2, 16 // kv_split, 128)  # CPU layout: blocks first
+    mamba = shared.view(torch.float32)[:, :1024]  # another group's view of the same bytes
+    hidden = torch.full((n, 16, 2, 256), float("nan"), dtype=torch.bfloat16)
+    groups = [
+        k.KVCacheGroupSpec(
+            ["model.layers.0.linear_attn"],
+            k.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
+        ),
+        k.KVCacheGroupSpec(
+            ["model.layers.1.self_attn.attn"],
+            k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16),
+        ),
+    ]
+    buffers = {"shared": shared}
+    context: dict[str, Any] = {
+        "model.layers.0.linear_attn": SimpleNamespace(kv_cache=mamba),
+        "model.layers.1.self_attn.attn": SimpleNamespace(kv_cache=attn),
+    }
+    if hasattr(k, "HiddenStateCacheSpec"):
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["cache_only_layers.0"],
+                k.HiddenStateCacheSpec(
+                    block_size=16, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
+                ),
+            )
+        )
+        context["cache_only_layers.0"] = SimpleNamespace(kv_cache=hidden)
+        buffers["hidden"] = hidden
+    runner = object.__new__(cls)
+    runner.kv_cache_config = k.KVCacheConfig(
+        num_blocks=n, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    runner.compilation_config = CompilationConfig()
+    runner.compilation_config.static_forward_context = context
+    return runner, buffers
+
+
+def zeroed_blocks(t: Any) -> list[int]:
+    """Blocks of ``t`` (blocks first) whose bytes are all zero."""
+    flat = t.reshape(t.shape[0], -1)
+    return [b for b in range(t.shape[0]) if bool((flat[b] == 0).all())]
+
+
+def check_zeroing(
+    cls: type, blocks: tuple[int, ...] = (2, 5), splits: tuple[int, ...] = (1, 2)
+) -> list[str]:
+    """Call the live ``cls._zero_block_ids`` on :func:`cpu_runner_case` and list what is
+    wrong: every listed block must be zero in every attention buffer, every other
+    block must still hold its old bytes. ``splits``: kernel blocks per block in the
+    attention view (2: the view's first axis has twice as many rows as blocks)."""
+    problems: list[str] = []
+    for kv_split in splits:
+        runner, buffers = cpu_runner_case(cls, kv_split)
+        runner._zero_block_ids(list(blocks))
+        for name, buf in buffers.items():
+            got = zeroed_blocks(buf)
+            if got != list(blocks):
+                problems.append(
+                    f"kernel split {kv_split}: {name} buffer has blocks {got} zeroed, "
+                    f"expected {list(blocks)}"
+                )
+            others = [b for b in range(buf.shape[0]) if b not in blocks]
+            if not bool(buf[others].isnan().all()):
+                problems.append(f"kernel split {kv_split}: {name} buffer: unlisted blocks changed")
+    return problems
