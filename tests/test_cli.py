@@ -89,7 +89,12 @@ def test_status_disabled_on_a_fixed_release_is_ok() -> None:
     assert {v["code"] for v in report["patches"].values()} == {"upstream-fix-present"}
 
 
-@pytest.mark.parametrize("require", ["applied", "fixed", "tested", "applied,tested"])
+@pytest.mark.parametrize(
+    "require",
+    ["applied", "fixed", "tested", "applied,tested"],
+    # Prefixed ids: a bare "fixed" id would read as the ``fixed`` marker and be skipped.
+    ids=lambda r: f"require-{r}",
+)
 def test_status_require(require: str) -> None:
     out = cli("status", "--json", "--require", require)
     report = json.loads(out.stdout)

