@@ -135,7 +135,7 @@ def basic_cache(to_cache, kv_cache, slot_mapping):
 def test_a_clamp_in_any_spelling_is_fixed_code(tmp_path: Path, variant: str) -> None:
     root = skeleton(tmp_path)
     replace_function(root / MODEL, "basic_cache", CLAMPED[variant])
-    code, report = status(root, VLLM_HSFIX_STRICT="1")
+    _code, report = status(root, VLLM_HSFIX_STRICT="1")
     scatter = report["patches"]["scatter-clamp"]
     assert scatter["code"] == "upstream-fix-present", scatter
     assert "clamped" in scatter["reason"]
@@ -153,7 +153,7 @@ def test_a_store_not_fed_by_the_clamp_is_refused(tmp_path: Path, variant: str) -
 
 def test_the_real_024_files_are_patched(tmp_path: Path) -> None:
     """The control: the same skeleton, untouched, is 0.24.0 and would be patched."""
-    code, report = status(skeleton(tmp_path))
+    _code, report = status(skeleton(tmp_path))
     assert report["patches"]["scatter-clamp"]["code"] == "would-apply"
     assert report["patches"]["hidden-group-block-size"]["code"] == "would-apply"
     assert patch_problems(report) == []
