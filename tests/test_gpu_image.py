@@ -31,7 +31,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, clean_env
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, ROOT, clean_env
 
 from vllm_hsfix import tested
 
@@ -47,18 +47,20 @@ pytestmark = [
     ),
 ]
 
-PATCH_IDS = ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks")
-# What a GPU image must get, stated here (README's table), not read from the code: on
-# 0.24.x the clamp and the connector patch, never the CPU block zeroing (GPU workers
-# zero new blocks themselves); from 0.25.0 on nothing.
+sys.path.insert(0, str(ROOT / "scripts"))
+import fingerprints  # noqa: E402
+
+# What a GPU image must get, stated by hand from the README's table
+# (``scripts/fingerprints.py``'s ``STATED``), not read from the code: on 0.24.x the
+# clamp and the connector patch, never the CPU block zeroing (GPU workers zero new
+# blocks themselves); from 0.25.0 on nothing.
 STATED: dict[str, dict[str, str]] = {
-    "0.24.0": {
-        "scatter-clamp": "apply",
-        "hidden-group-block-size": "apply",
-        "cpu-zero-blocks": "not-needed",
-    },
-    "0.25.0": dict.fromkeys(PATCH_IDS, "upstream-fix-present"),
+    release: {
+        pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED
+    }
+    for release in ("0.24.0", "0.25.0")
 }
+PATCH_IDS = tuple(fingerprints.STATED)
 WORKER_MODULES = (MODEL_MODULE, CONNECTOR_MODULE, "vllm.v1.worker.gpu_model_runner")
 MARK = "HSFIX-TEST-MARK first print of the process"
 

@@ -216,20 +216,20 @@ def test_status_on_every_unpacked_release_says_what_the_tested_table_says() -> N
         assert report["tested_build"]["tested"] is True, (release, report["tested_build"])
 
 
-# What the CUDA wheel must get, stated independently of tested.json: the clamp on
-# 0.17-0.24, the connector patch on 0.24 only, never the CPU block zeroing (GPU
-# workers zero new blocks themselves), nothing from 0.25.0 on.
+# What the CUDA wheel must get, stated independently of tested.json and of the code:
+# the README's table as data (``scripts/fingerprints.py``'s ``STATED``, written by
+# hand from the upstream PRs): the clamp on 0.17-0.24, the connector patch on 0.24
+# only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
+# from 0.25.0 on. A new patch is stated there once.
 def _stated_cuda(release: str) -> dict[str, str]:
-    r = tuple(int(p) for p in release.split("."))
-    if r >= (0, 25, 0):
-        return dict.fromkeys(
-            ("scatter-clamp", "hidden-group-block-size", "cpu-zero-blocks"), "upstream-fix-present"
-        )
-    return {
-        "scatter-clamp": "would-apply",
-        "hidden-group-block-size": "would-apply" if r >= (0, 24, 0) else "not-needed",
-        "cpu-zero-blocks": "not-needed",
-    }
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import fingerprints
+
+    out = {}
+    for pid in fingerprints.STATED:
+        code = fingerprints.stated(pid, release, cpu_build=False)
+        out[pid] = "would-apply" if code == "apply" else code
+    return out
 
 
 def test_status_on_every_cuda_skeleton_says_what_the_tested_table_says() -> None:
