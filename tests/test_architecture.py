@@ -24,7 +24,7 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 # subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_lazy", "_locks", "config"},
-    {"detect", "shapes", "patches", "patches.hooks"},
+    {"detect", "shapes", "patches", "patches.hooks", "hazards"},
     {"patches._wrap", "tested"},
     {"patches._probe", "provenance", "checks"},
     PATCH_MODULES,

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import AFFECTED, FIXED, INSTALL, clean_env, declared_all
+from conftest import AFFECTED, INSTALL, clean_env, declared_code
+
+from vllm_hsfix.patches import PATCHES
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -35,14 +37,7 @@ def test_status_json_reads_the_environment_without_importing_vllm() -> None:
     assert report["activation"]["entry_point"]["value"] == "vllm_hsfix.plugin:register"
     assert report["activation"]["bootstrap_usable"] is True
     codes = {k: v["code"] for k, v in report["patches"].items()}
-    if FIXED:
-        assert set(codes.values()) == {"upstream-fix-present"}
-    else:
-        want = {
-            pid: "would-apply" if st == "applied" else "not-needed"
-            for pid, st in declared_all().items()
-        }
-        assert codes == want
+    assert codes == {p.id: declared_code(p) for p in PATCHES}
     assert report["ok"] is True and report["problems"] == []
 
 
@@ -81,12 +76,19 @@ def test_status_without_vllm_exits_2() -> None:
     assert text.returncode == 2 and "result: NO VLLM" in text.stdout
 
 
-@pytest.mark.fixed
-def test_status_disabled_on_a_fixed_release_is_ok() -> None:
+def test_status_disabled_fails_only_for_a_needed_fix() -> None:
+    """``VLLM_HSFIX_DISABLE=1``: a row this release carries the fix for reads
+    upstream-fix-present, one it does not concern not-needed (neither fails); a needed,
+    non-optional row reads disabled and fails ``status``."""
     out = cli("status", "--json", env=clean_env(VLLM_HSFIX_DISABLE="1"))
     report = json.loads(out.stdout)
-    assert out.returncode == 0, report["problems"]
-    assert {v["code"] for v in report["patches"].values()} == {"upstream-fix-present"}
+    want = {
+        p.id: "disabled" if declared_code(p) == "would-apply" else declared_code(p) for p in PATCHES
+    }
+    assert {k: v["code"] for k, v in report["patches"].items()} == want
+    needed = [p.id for p in PATCHES if want[p.id] == "disabled" and not p.optional]
+    assert out.returncode == (1 if needed else 0), report["problems"]
+    assert sorted(p.split(":")[0] for p in report["problems"]) == sorted(needed)
 
 
 @pytest.mark.parametrize(
@@ -99,9 +101,10 @@ def test_status_require(require: str) -> None:
     out = cli("status", "--json", "--require", require)
     report = json.loads(out.stdout)
     wanted = set(require.split(","))
+    codes = {declared_code(p) for p in PATCHES}
     holds = {
-        "applied": AFFECTED,
-        "fixed": FIXED,
+        "applied": "would-apply" in codes,
+        "fixed": codes - {"not-needed"} == {"upstream-fix-present"},
         "tested": report["tested_build"]["tested"],
     }
     expect = 0 if all(holds[w] for w in wanted) else 1

@@ -99,6 +99,8 @@ def test_disabling_a_fixed_release_changes_nothing(version: str) -> None:
     # Issue 11.11: on a fixed vLLM there is nothing to turn off, so the answer (and
     # `vllm-hsfix status`'s exit code) does not depend on the switch.
     for patch in PATCHES:
+        if Version(Version(version).public) < Version(patch.fixed_in):
+            continue  # still inside this row's own range
         assert decide(patch, version, lambda: Probe("x"), OFF).code == "upstream-fix-present"
 
 
@@ -152,8 +154,10 @@ def test_decisions_that_need_no_code_are_made_without_a_probe() -> None:
     cuda = from_version("vllm", "0.24.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
     assert plan.without_probe(CPU_ZEROING, cuda, ON).code == "not-needed"  # type: ignore[union-attr]
     assert plan.without_probe(by_id("scatter-clamp"), cuda, ON) is None  # needs the code
-    fixed = from_version("vllm", "0.25.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
-    for patch in PATCHES:
+    for patch in PATCHES:  # each row at its own fixed release
+        fixed = from_version(
+            "vllm", patch.fixed_in, "/x/vllm/__init__.py", "metadata", cpu_build=False
+        )
         d = plan.without_probe(patch, fixed, ON)
         assert d is not None and d.code == "upstream-fix-present"
 

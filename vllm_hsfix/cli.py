@@ -48,7 +48,7 @@ def _entry_point() -> dict[str, Any]:
 def static_status() -> dict[str, Any]:
     """What activation would do here, from metadata and source files: vLLM is NOT
     imported. The decisions come from ``plan.decide``, the runtime's own function."""
-    from . import config, detect, plan, tested
+    from . import config, detect, hazards, plan, tested
     from ._version import __version__
     from .patches import PATCH_IDS, PATCHES
 
@@ -63,11 +63,13 @@ def static_status() -> dict[str, Any]:
             "target": patch.target,
             "releases": patch.releases,
             "platform": patch.platform,
+            "optional": patch.optional,
             "why": patch.why,
             "shape": decision.probe.shape if decision.probe else None,
             "fingerprints": dict(decision.probe.fingerprints) if decision.probe else {},
         }
     ep = _entry_point()
+    codes = {pid: p["code"] for pid, p in patches.items()}
     return {
         "vllm_hsfix": __version__,
         "vllm": inst.as_dict(),
@@ -75,6 +77,11 @@ def static_status() -> dict[str, Any]:
             inst, {pid: p["fingerprints"] for pid, p in patches.items()}
         ),
         "patches": patches,
+        # Known hazards of this release and what is done about each (vllm_hsfix.hazards).
+        # An "open" one is a patch above that will not be in place: the exit code already
+        # says so through that patch; an "exposed" one is documented, its reason the
+        # workaround.
+        "hazards": hazards.assess_all(inst.release if inst.present else None, codes),
         "activation": {
             "entry_point": ep,
             "bootstrap_dir": str(BOOTSTRAP_DIR),
@@ -102,7 +109,7 @@ def status_exit_code(
     problems = [
         f"{pid}: {p['code']}: {p['reason']}"
         for pid, p in report["patches"].items()
-        if p["code"] not in OK_CODES
+        if p["code"] not in OK_CODES and not (p["code"] == "disabled" and p.get("optional"))
     ]
     ep = report["activation"]["entry_point"]
     affected = "would-apply" in codes
@@ -136,6 +143,13 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
     )
     for pid, p in report["patches"].items():
         print(f"  {pid:<24} {p['code']:<22} {p['reason']}")
+    if v["present"]:
+        print("known hazards (vllm_hsfix.hazards):")
+        for hid, h in report.get("hazards", {}).items():
+            if h["state"] in ("not-affected", "fixed-upstream"):
+                continue
+            models = f" [only {h['models']}]" if h.get("models") else ""
+            print(f"  {hid:<24} {h['state']:<22} {h['reason']}{models}")
     act = report["activation"]
     ep = act["entry_point"]
     print(

@@ -19,6 +19,7 @@ VERIFY = PREFIX + "VERIFY"  # "0": no in-situ check when a worker registers its 
 STATUS_DIR = PREFIX + "STATUS_DIR"  # write each process's status as <dir>/<pid>.json
 LOG_LEVEL = PREFIX + "LOG_LEVEL"  # logging level of the "vllm_hsfix" logger
 PROVENANCE = PREFIX + "PROVENANCE"  # "1": saved hidden-states files carry our metadata
+ATOMIC_WRITES = PREFIX + "ATOMIC_WRITES"  # "0": the atomic-writes patch is left out
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -59,6 +60,8 @@ def load(env: dict[str, str] | None = None, known_patches: tuple[str, ...] = ())
     verify = _flag(env, VERIFY, True, warnings)
     provenance = _flag(env, PROVENANCE, False, warnings)
     names = {p.strip() for p in env.get(DISABLED_PATCHES, "").split(",") if p.strip()}
+    if not _flag(env, ATOMIC_WRITES, True, warnings):
+        names.add("atomic-writes")  # the same as naming it in DISABLED_PATCHES
     if known_patches:
         unknown = sorted(names - set(known_patches))
         if unknown:

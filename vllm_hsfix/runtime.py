@@ -318,8 +318,16 @@ def _maybe_observe() -> None:
     applied = [r for r in STATE.records.values() if r.status == APPLIED]
     if not any(getattr(r.patch.implementation(), "in_situ", None) for r in applied):
         return
-    on_connector = [r for r in STATE.records.values() if r.patch.module == checks.CONNECTOR_MODULE]
-    if any(r.status in (APPLIED, PENDING) for r in on_connector):
+    # Only a patch that declares it runs hooks.after_register itself makes the observer
+    # unnecessary; other patches on the connector module (abort-before-scheduling,
+    # atomic-writes, cpu-connector-save) wrap other methods.
+    calls_it = [
+        r
+        for r in STATE.records.values()
+        if r.patch.module == checks.CONNECTOR_MODULE
+        and getattr(r.patch.implementation(), "CALLS_AFTER_REGISTER", False)
+    ]
+    if any(r.status in (APPLIED, PENDING) for r in calls_it):
         return  # the connector patch calls after_register itself (or is about to be applied)
     if any(rep.wrapper.hsfix_patch == "in-situ-verify" for r in applied for rep in r.replacements):
         return

@@ -43,6 +43,8 @@ from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
+# Its register_kv_caches wrapper runs hooks.after_register (the runtime's in-situ check).
+CALLS_AFTER_REGISTER = True
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 # Names upstream's fixed connector defines; any of them means the fix is in the build.
 FIXED_MARKERS = ("_find_cache_kv_group_id", "_get_cache_block_size", "_cache_kv_group_id")

@@ -1,0 +1,172 @@
+"""One in-process vLLM engine driven through aborts before scheduling (test_hazards_e2e.py).
+
+``python tests/_abort_case.py ARGS.json`` prints one line ``HSFIX_ABORT_RESULT {json}``.
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the
+caller), so an exception the engine core raises reaches this script instead of
+killing a process of its own. With ``max_num_seqs=1`` three prompts are added and
+the third is aborted while it waits, before any step; then the engine is stepped
+until the other two are done and their files are written.
+
+vllm-hsfix is active as in a user's job (on vLLM's CPU build its CPU patches are what
+let the connector save at all). The ``abort-before-scheduling`` wrappers are switched
+with the product's own switch (``HsfixWrapper.hsfix_set_active``: off, the release's
+method runs unchanged). Three rounds in one engine (one start-up on a 2-core machine
+is most of the cost):
+
+A. ``release``: the patch's three wrappers off: the release's own connector;
+B. ``patched``: all three on;
+C. ``request-finished-only`` (experiment): only the ``request_finished`` wrapper on,
+   the connector half of the fix, to show where the crash moves without the worker
+   half. Last, because it leaves the engine broken.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "function": last.name if last else None,
+        "file": os.path.basename(last.filename) if last else None,
+        "line": last.line if last else None,
+        "functions": [f.name for f in frames],
+    }
+
+
+def written(path: str) -> bool:
+    """The file exists and its writer has released the ``.lock`` (the readers' protocol)."""
+    if not (os.path.exists(path) and os.path.exists(path + ".lock")):
+        return False
+    with open(path + ".lock") as lf:
+        try:
+            fcntl.flock(lf, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+    return True
+
+
+def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
+    ids = [f"{tag}-r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    result: dict[str, Any] = {"aborted": ids[-1], "abort_error": None, "step_error": None}
+    try:
+        engine.abort_request([ids[-1]])
+    except Exception as exc:
+        result["abort_error"] = describe(exc)
+    paths: dict[str, str | None] = {}
+    steps = 0
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            waiting = [r for r in ids[:-1] if r not in paths]
+            files = [p for p in paths.values() if p]
+            if not waiting and all(written(p) for p in files):
+                # A few more steps: the worker's report of the writes reaches the scheduler.
+                for _ in range(3):
+                    engine.step()
+                    steps += 1
+                break
+            for out in engine.step():
+                if out.finished:
+                    paths[out.request_id] = (out.kv_transfer_params or {}).get("hidden_states_path")
+            steps += 1
+    except Exception as exc:
+        result["step_error"] = describe(exc)
+    result.update(
+        steps=steps,
+        paths={rid: paths.get(rid) for rid in ids[:-1]},
+        aborted_output=ids[-1] in paths,
+    )
+    return result
+
+
+def switch(cls: type, on: dict[str, bool]) -> dict[str, bool]:
+    """Turn the patch's wrapper on each named method on or off; return what is live."""
+    from vllm_hsfix.patches import abort_unscheduled
+    from vllm_hsfix.patches._wrap import ours_in
+
+    live = {}
+    for name in abort_unscheduled.METHODS:
+        wrapper = ours_in(cls.__dict__.get(name), abort_unscheduled.PATCH_ID)
+        if wrapper is None:
+            live[name] = False
+            continue
+        wrapper.hsfix_set_active(on[name])
+        live[name] = wrapper.hsfix_active
+    return live
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        args = json.load(fh)
+    import vllm_hsfix
+    from vllm_hsfix.patches import abort_unscheduled
+
+    vllm_hsfix.apply()
+    from vllm import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_model_len=256,
+        max_num_seqs=1,
+        seed=0,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": args["aux_ids"]}
+            },
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": args["out"]},
+        },
+    )
+    startup = time.monotonic() - t0
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    prompts = args["prompts"]
+    cls = sys.modules[CONNECTOR].ExampleHiddenStatesConnector
+    statuses = {k: v["status"] for k, v in vllm_hsfix.status()["patches"].items()}
+    off = dict.fromkeys(abort_unscheduled.METHODS, False)
+    on = dict.fromkeys(abort_unscheduled.METHODS, True)
+    rounds: dict[str, Any] = {"release": {"live": switch(cls, off)}}
+    rounds["release"].update(run_round(engine, "a", prompts, sp))
+    rounds["patched"] = {"live": switch(cls, on)}
+    rounds["patched"].update(run_round(engine, "b", prompts, sp))
+    if args.get("half"):
+        half = {**off, "request_finished": True}
+        rounds["request-finished-only"] = {"live": switch(cls, half)}
+        rounds["request-finished-only"].update(run_round(engine, "c", prompts, sp))
+    print(
+        "HSFIX_ABORT_RESULT "
+        + json.dumps(
+            {"startup_s": round(startup, 1), "patches": statuses, "rounds": rounds}, default=str
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""One in-process vLLM engine, prefix caching on: the two prefix hazards (test_hazards_e2e.py).
+
+``python tests/_prefix_case.py ARGS.json`` prints ``HSFIX_PREFIX_RESULT {json}``.
+
+Prefix caching on 0.22.0-0.23.x (upstream issue 44485): the connector cuts each new
+request's rows out of the step's slot mapping with the request's full prompt length
+and a running offset from 0. A prompt served partly from the prefix cache has fewer
+rows in the step than its length; a step that also runs other requests (decodes)
+puts their rows first. Either way the file gets too few rows or another request's.
+
+Drafter skip on 0.25.0-0.28.x. The trigger, read from the releases' schedulers: a
+waiting request whose prompt is all in the prefix cache but for its last token gets
+that one token padded with the speculative token (``1 + num_spec_tokens``) when
+another request is decoding; 0.25.0 to 0.28.x allow that up to ``max_model_len``
+itself, so the step's longest sequence is ``max_model_len`` and the worker's
+``_input_fits_in_drafter`` says no: the extract-hidden-states "drafter", which is
+what writes the step's hidden states into the cache, does not run for ANY request of
+that step. 0.29.0 pads only where the
+sampled token still fits.
+
+Here: block size 16, ``max_model_len`` 66 (66 - 2 = 64 = four blocks), prefix caching
+on. W (64 shared tokens + 1) runs alone and fills the cache; S (the same 64 + another
+token) runs alone: a prefix hit with nothing else in the step; R (10 tokens, 12 to
+generate) starts decoding; then P (the same 64 + a third token) and Q (20 fresh
+tokens) arrive together. The harness records what the worker's
+``_input_fits_in_drafter`` answered each step (where the release has that method) and
+which requests each step had.
+
+vllm-hsfix is active, as in a user's job (on vLLM's CPU build its CPU patches are what
+let the connector save at all); none of its patches touches what is measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from _abort_case import describe, written
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        args = json.load(fh)
+    import wrapt
+
+    import vllm_hsfix
+
+    vllm_hsfix.apply()
+    fits: list[bool] = []
+
+    def record_fits(module: Any) -> None:
+        def observe(wrapped: Any, instance: Any, a: Any, kw: Any) -> Any:
+            answer = wrapped(*a, **kw)
+            fits.append(bool(answer))
+            return answer
+
+        if hasattr(module.GPUModelRunner, "_input_fits_in_drafter"):
+            wrapt.wrap_function_wrapper(module, "GPUModelRunner._input_fits_in_drafter", observe)
+
+    wrapt.register_post_import_hook(record_fits, "vllm.v1.worker.gpu_model_runner")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=False,
+        block_size=16,
+        max_model_len=args["max_model_len"],
+        max_num_seqs=4,
+        seed=0,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": args["aux_ids"]}
+            },
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": args["out"]},
+        },
+    )
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    steps: list[dict[str, Any]] = []
+    real_schedule = scheduler.schedule
+
+    def schedule(*a: Any, **kw: Any) -> Any:
+        out = real_schedule(*a, **kw)
+        steps.append(
+            {
+                "tokens": {k.split("-")[0]: v for k, v in out.num_scheduled_tokens.items()},
+                "spec": sorted(k.split("-")[0] for k in out.scheduled_spec_decode_tokens),
+            }
+        )
+        return out
+
+    scheduler.schedule = schedule
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    p = args["prompts"]
+    paths: dict[str, str | None] = {}
+    produced: dict[str, int] = {}
+    error = None
+
+    def step() -> None:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids) if out.outputs else 0
+            if out.finished:
+                paths[out.request_id] = (out.kv_transfer_params or {}).get("hidden_states_path")
+
+    def until(done: Any, limit: float = 120) -> None:
+        deadline = time.monotonic() + limit
+        while not done() and time.monotonic() < deadline:
+            step()
+
+    try:
+        engine.add_request("W", {"prompt_token_ids": p["W"]}, one)
+        until(lambda: "W" in paths and written(paths["W"] or ""))
+        engine.add_request("S", {"prompt_token_ids": p["S"]}, one)
+        until(lambda: "S" in paths and written(paths["S"] or ""))
+        engine.add_request("R", {"prompt_token_ids": p["R"]}, decode)
+        until(lambda: produced.get("R", 0) >= 2)
+        mark = len(fits)
+        engine.add_request("P", {"prompt_token_ids": p["P"]}, one)
+        engine.add_request("Q", {"prompt_token_ids": p["Q"]}, one)
+        until(lambda: all(r in paths and written(paths[r] or "") for r in "WSRPQ"))
+        for _ in range(3):
+            step()
+    except Exception as exc:
+        error = describe(exc)
+        mark = len(fits)
+    patches = {k: v["status"] for k, v in vllm_hsfix.status()["patches"].items()}
+    print(
+        "HSFIX_PREFIX_RESULT "
+        + json.dumps(
+            {
+                "paths": paths,
+                "fits": fits,
+                "fits_after_pq": fits[mark:],
+                "steps": steps,
+                "error": error,
+                "block_size": engine.vllm_config.cache_config.block_size,
+                "patches": patches,
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

