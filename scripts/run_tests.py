@@ -80,6 +80,8 @@ RELEASE_TESTS = [
     "tests/test_connector.py",
     "tests/test_cpu_zero_blocks.py",
     "tests/test_hardening.py",
+    "tests/test_cpu_build.py",
+    "tests/test_hazards.py",
 ]
 # Tests that need neither torch nor an importable vLLM (vLLM's files and metadata are
 # findable), run on every supported Python. Add a file here; one that does not exist

@@ -304,9 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cases",
         default="hybrid-mp,load-mp",
-        help="comma list of: hybrid-mp, hybrid-1aux, dense-mp, moe-mp, load-mp, load-moe-mp "
-        "(default hybrid-mp,load-mp; the moe cases run only where vLLM's CPU MoE kernels "
-        "exist)",
+        help="comma list of: hybrid-mp, hybrid-1aux, dense-mp, chat-mp, moe-mp, load-mp, "
+        "load-moe-mp, user-script (default hybrid-mp,load-mp; the moe cases run only where "
+        "vLLM's CPU MoE kernels exist; user-script runs a plain extraction script with "
+        "vllm-hsfix off and on)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--workdir", default=None)

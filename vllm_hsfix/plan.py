@@ -109,6 +109,13 @@ def decide(
         return Decision("no-vllm", "vLLM is not installed")
     parsed = install.parsed
     if parsed is not None:
+        if is_fixed_release(patch, parsed) and not patch.upstream_fixed:
+            return Decision(
+                "not-needed",
+                f"vLLM {install.version}: not read by this version of vllm-hsfix (the patch "
+                f"covers releases before {patch.fixed_in}, no upstream fix is known); left "
+                "alone",
+            )
         if is_fixed_release(patch, parsed):
             return Decision(
                 "upstream-fix-present",

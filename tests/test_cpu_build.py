@@ -1,0 +1,328 @@
+"""``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` on the real installed vLLM.
+
+The connector is vLLM's own class, built through its live ``__init__``; the save is
+driven through its own ``wait_for_save`` / ``get_finished`` / ``load_hidden_states``,
+so the file, the thread pool and the ``.lock`` protocol are the release's. What the
+file must hold is worked out in ``save_case`` from block ids and slot arithmetic, not
+by calling vLLM. The sampler is the release's CPU stand-in, called as the rejection
+sampler calls it, against an argmax computed here with torch. The end-to-end proof (a
+user's script, row by row against transformers) is ``test_user_script.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import fcntl
+import importlib
+import inspect
+import os
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import CACHE, CONNECTOR_MODULE, INSTALL, declared
+
+from vllm_hsfix import checks
+from vllm_hsfix.patches import by_id
+from vllm_hsfix.patches import cpu_connector_save as save
+from vllm_hsfix.patches import cpu_sampler_kwargs as sampler
+from vllm_hsfix.shapes import probe_file
+
+pytestmark = pytest.mark.needs_vllm
+SAMPLER_MODULE = "vllm.utils.cpu_triton_utils"
+SAVE_APPLIES = declared(by_id(save.PATCH_ID)) == "applied"
+SAMPLER_APPLIES = declared(by_id(sampler.PATCH_ID)) == "applied"
+needs_save = pytest.mark.skipif(
+    not SAVE_APPLIES, reason=f"{save.PATCH_ID} does not apply to {INSTALL.distribution}"
+)
+needs_sampler = pytest.mark.skipif(
+    not SAMPLER_APPLIES, reason=f"{sampler.PATCH_ID} does not apply to {INSTALL.distribution}"
+)
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for a CPU machine")
+
+
+def _release(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("+")[0].split(".")[:3])
+
+
+def _connector() -> Any:
+    return importlib.import_module(CONNECTOR_MODULE)
+
+
+# Which save path each release line has, read from the release files (issue 22):
+# synchronous before 0.22.0; per-layer CUDA-stream copy in save_kv_layer 0.22-0.23; per
+# finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0).
+def expected_save_shape(release: str) -> str | None:
+    r = _release(release)
+    if r < (0, 22, 0):
+        return None  # "fixed": no CUDA stream at all
+    return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
+
+
+def test_the_save_path_probe_reads_the_installed_release() -> None:
+    p = save.probe(_connector())
+    want = expected_save_shape(INSTALL.release or "0.0.0")
+    assert p.shape == want and p.fixed == (want is None), p
+
+
+SKELETONS = CACHE / "cuda-skeletons"
+CONNECTOR_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
+SKELETON_RELEASES = sorted(
+    (d.name.split("-", 1)[1] for d in SKELETONS.glob("vllm-*") if (d / CONNECTOR_FILE).exists()),
+    key=_release,
+)
+
+
+@pytest.mark.skipif(not SKELETON_RELEASES, reason=f"no release files under {SKELETONS}")
+def test_the_save_path_probe_on_every_release_file_there_is() -> None:
+    """Every release whose connector file the cache holds (``scripts/vllm_env.py
+    skeletons``: 0.17.0-0.33.0 here) is recognised as its line's shape; none is
+    refused, so ``status`` on any of them tells the truth."""
+    seen = {}
+    for release in SKELETON_RELEASES:
+        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONNECTOR_FILE), save.probe_tree)
+        want = expected_save_shape(release)
+        assert p.shape == want and p.fixed == (want is None), (release, p)
+        seen[release] = p.shape
+    print(seen)
+
+
+def _mutated(edit: Any) -> ast.Module:
+    tree = ast.parse(inspect.getsource(_connector()))
+    edit(tree)
+    return tree
+
+
+def _method(tree: ast.Module, name: str) -> ast.FunctionDef:
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == save.ATTRIBUTE)
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@needs_save
+def test_the_save_gate_refuses_a_changed_save_method_and_a_new_event_use() -> None:
+    target = save.SHAPES[expected_save_shape(INSTALL.release or "") or ""][0]
+
+    def extra_statement(tree: ast.Module) -> None:
+        _method(tree, target).body.insert(0, ast.parse("self._hsfix_probe_marker = 1").body[0])
+
+    p = save.probe_tree(_mutated(extra_statement))
+    assert p.shape is None and not p.fixed and f"{target} is a known body" in p.detail
+
+    def timed_events(tree: ast.Module) -> None:
+        _method(tree, "get_finished").body.insert(0, ast.parse("event.elapsed_time(event)").body[0])
+
+    p = save.probe_tree(_mutated(timed_events))
+    assert p.shape is None and "events used only through" in p.detail
+
+
+@needs_save
+def test_a_connector_without_cuda_is_upstream_fixed() -> None:
+    """A release whose connector no longer touches ``torch.cuda`` saves on a CPU by
+    itself: left alone, whatever else changed."""
+
+    class NoCuda(ast.NodeTransformer):
+        def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+            self.generic_visit(node)
+            if (
+                isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+                and node.attr == "cuda"
+            ):
+                return ast.Attribute(value=node.value, attr="accelerator", ctx=node.ctx)
+            return node
+
+    p = save.probe_tree(_mutated(lambda t: NoCuda().visit(t)))
+    assert p.fixed, p
+
+
+@needs_save
+@no_cuda
+def test_the_release_save_path_fails_on_a_cpu() -> None:
+    """Failing first: the release's own connector cannot save from a CPU buffer here."""
+    import vllm_hsfix
+
+    vllm_hsfix.unapply()  # the release's own methods (the suite may have activated it)
+    problems = save.check_save(_connector())
+    assert problems and "the save path raised" in problems[0], problems
+
+
+@needs_save
+@no_cuda
+def test_the_patched_save_path_writes_the_requests_rows(patched: Any) -> None:
+    assert patched.status()["patches"][save.PATCH_ID]["status"] == "applied"
+    assert save.check_save(_connector()) == []
+
+
+@contextlib.contextmanager
+def _writer_held(conn: Any) -> Any:
+    """Keep the connector's one writer thread busy until the block exits."""
+    gate = threading.Event()
+    conn._executor.submit(gate.wait, 30)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+def _lock_is_held(path: str) -> bool:
+    with open(path + ".lock") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+@needs_save
+@no_cuda
+def test_same_file_and_same_lock_protocol(patched: Any, tmp_path: Path) -> None:
+    """The ``.lock`` is held from before the path reaches a client until the file is
+    whole, then released; the file is byte for byte what ``save_file`` writes for the
+    request's tokens and rows."""
+    from safetensors.torch import save as serialize
+
+    module = _connector()
+    case = save.save_case()
+    path = str(tmp_path / "req-0.safetensors")
+    conn = save.new_connector(module)
+    try:
+        with _writer_held(conn):
+            finished, _ = save.save_request(module, conn, case, path, "req-0")
+            assert finished == {"req-0"}  # the copy is complete: the request is done
+            assert not os.path.exists(path) and _lock_is_held(path)
+        assert save.wait_unlocked(path)
+        want = serialize({"hidden_states": case["expected"], "token_ids": case["token_ids"]})
+        assert Path(path).read_bytes() == want
+    finally:
+        conn._executor.shutdown(wait=True)
+
+
+@needs_save
+@no_cuda
+def test_a_buffer_off_the_host_goes_to_the_release_path(patched: Any, tmp_path: Path) -> None:
+    """Only a host buffer takes the synchronous copy; any other device (here ``meta``)
+    reaches the release's own method, whose CUDA copy fails on this machine."""
+    module = _connector()
+    case = save.save_case()
+    case["buffer"] = case["buffer"].to("meta")
+    target = save.SHAPES[expected_save_shape(INSTALL.release or "") or ""][0]
+    conn = save.new_connector(module)
+    try:
+        with pytest.raises(Exception) as info:
+            save.save_request(module, conn, case, str(tmp_path / "m.safetensors"), "m")
+        frames = [
+            (Path(f.filename).name, f.name) for f in traceback.extract_tb(info.value.__traceback__)
+        ]
+        # The release's method ran (its own file, its own name) and raised below it.
+        assert (Path(module.__file__).name, target) in frames, frames
+    finally:
+        for fd in conn._lock_fds.values() if hasattr(conn, "_lock_fds") else ():
+            os.close(fd)
+        conn._executor.shutdown(wait=True)
+
+
+@needs_save
+@no_cuda
+@pytest.mark.skipif(
+    _release(INSTALL.release or "0") < (0, 24, 0),
+    reason="the connector saves from its block size from 0.24.0 (0.22-0.23: the step's slots)",
+)
+def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: Path) -> None:
+    """Composition with ``hidden-group-block-size`` (0.24.0) or upstream's own (0.25+):
+    a hybrid layout whose global block size is 528 and whose hidden-states group's is
+    22; the save reads with 22, the block size of the buffer it was given."""
+    module = _connector()
+    config, want = checks.hybrid_layout()
+    conn = checks.construct_connector(module.ExampleHiddenStatesConnector, config, 528)
+    assert conn._block_size == want["block_size"] == 22
+    from concurrent.futures import ThreadPoolExecutor
+
+    conn._executor = ThreadPoolExecutor(max_workers=1)
+    b = torch.arange(3).view(-1, 1, 1, 1)
+    i = torch.arange(22).view(1, -1, 1, 1)
+    j = torch.arange(22).view(1, 1, -1, 1)
+    buffer = (1000 * b + 100 * (i + j) + torch.arange(2).view(1, 1, 1, -1)).float()
+    ids = torch.arange(30)
+    expected = torch.stack(
+        [buffer[[2, 0][t // 22], t % 22] for t in range(30)]  # blocks 2 then 0, offsets
+    )
+    path = str(tmp_path / "h.safetensors")
+    try:
+        save.save_request(
+            module,
+            conn,
+            {"buffer": buffer, "block_ids": [2, 0], "token_ids": ids},
+            path,
+            "h",
+        )
+        assert save.wait_unlocked(path)
+        got = module.load_hidden_states(path)
+        assert got["hidden_states"].equal(expected) and got["token_ids"].equal(ids)
+    finally:
+        conn._executor.shutdown(wait=True)
+
+
+# --- the sampler ------------------------------------------------------------------
+
+
+def _sampler_module() -> Any:
+    return importlib.import_module(SAMPLER_MODULE)
+
+
+def test_the_sampler_probe_reads_the_installed_release() -> None:
+    if not INSTALL.cpu_build:
+        pytest.skip("only vLLM's CPU build has the CPU kernel stand-ins")
+    p = sampler.probe(_sampler_module())
+    # Read from the files: 0.22.0-0.24.0 ship the same stand-in without the keyword,
+    # 0.25.0+ accept it.
+    if _release(INSTALL.release or "0") >= (0, 25, 0):
+        assert p.fixed, p
+    else:
+        assert p.shape == "keyword-missing", p
+
+
+@needs_sampler
+def test_the_release_sampler_rejects_the_keyword_its_caller_passes() -> None:
+    """Failing first: the release's stand-in, called as the 0.23+ sampler calls it."""
+    import vllm_hsfix
+
+    vllm_hsfix.unapply()
+    with pytest.raises(TypeError, match="USE_FP64_GUMBEL"):
+        sampler.check_recovered_tokens(_sampler_module())
+
+
+@needs_sampler
+def test_the_patched_sampler_recovers_the_right_tokens(patched: Any) -> None:
+    module = _sampler_module()
+    assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
+    assert sampler.check_recovered_tokens(module) == []
+
+
+@needs_sampler
+def test_other_kernels_are_handed_out_unchanged(patched: Any) -> None:
+    module = _sampler_module()
+    assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
+    assert module.expand_kernel[(1,)] is module.expand_kernel.func
+    assert module.sample_recovered_tokens_kernel[(1,)] is not (
+        module.sample_recovered_tokens_kernel.func
+    )
+
+
+@needs_sampler
+def test_unapply_restores_the_kernel_lookup() -> None:
+    import vllm_hsfix
+
+    module = _sampler_module()
+    original = module._FuncWrapper.__dict__["__getitem__"]
+    vllm_hsfix.apply()
+    try:
+        assert module._FuncWrapper.__dict__["__getitem__"] is not original
+    finally:
+        vllm_hsfix.unapply()
+    assert module._FuncWrapper.__dict__["__getitem__"] is original
+    kernel = module.sample_recovered_tokens_kernel
+    assert kernel[(1,)] is kernel.func
