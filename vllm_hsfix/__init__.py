@@ -1,13 +1,15 @@
-"""vllm-hsfix: backport of vLLM PR 46301 to pinned vLLM 0.17.0-0.24.x.
+"""vllm-hsfix: correct hidden-state extraction on pinned vLLM releases (0.17-0.33).
 
 Importing this package activates it: the patches are applied when vLLM's target
 modules are imported (or at once if they already are). Importing it costs almost
 nothing where vLLM is never used: nothing heavy loads until ``vllm`` is imported.
 
 Public API: :func:`apply`, :func:`unapply`, :func:`status`, ``__version__``.
-"""
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here or in the other start-up modules:
+``__future__`` is a module that ``site`` does not load, and ``tests/test_import_cost.py``
+lists every module this import may add.
+"""
 
 from ._version import __version__
 from .errors import HsfixError

@@ -1,6 +1,7 @@
-"""The package's one exception type, at the bottom so every layer can raise it."""
+"""The package's one exception type, at the bottom so every layer can raise it.
 
-from __future__ import annotations
+Imported by ``import vllm_hsfix`` in every process: no imports here (not even
+``from __future__``, a module like any other; see ``tests/test_import_cost.py``)."""
 
 
 class HsfixError(RuntimeError):

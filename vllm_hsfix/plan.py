@@ -30,14 +30,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
 from .detect import VllmInstall
 from .patches import PatchSpec
-from .shapes import Probe, probe_file
+
+if TYPE_CHECKING:
+    from .shapes import Probe
 
 APPLY = "apply"
 
@@ -62,9 +64,7 @@ def in_release_range(version: Version, releases: str) -> bool:
     """
     public = Version(version.public)
     release = Version(".".join(str(p) for p in version.release))
-    for spec in SpecifierSet(releases):
-        bound = Version(spec.version)
-        op = spec.operator
+    for op, bound, spec in _clauses(releases):
         if op == ">=":
             ok = release >= bound
         elif op == ">":
@@ -78,6 +78,33 @@ def in_release_range(version: Version, releases: str) -> bool:
         if not ok:
             return False
     return True
+
+
+_ORDERED = (">=", "<=", ">", "<")  # two-character operators first
+
+
+def _clauses(releases: str) -> list[tuple[str, Version, Any]]:
+    """``(operator, version, specifier)`` per clause of ``releases``. The patch table
+    declares plain ordered comparisons; those are read here (``specifier`` None),
+    because ``packaging.specifiers`` costs milliseconds to import (it compiles a large
+    regex) and this runs at activation in every vLLM process, where vLLM has already
+    loaded ``packaging.version``. Anything else goes to ``SpecifierSet`` as before."""
+    out: list[tuple[str, Version, Any]] = []
+    for clause in (c.strip() for c in releases.split(",")):
+        if not clause:
+            continue
+        op = next((o for o in _ORDERED if clause.startswith(o)), "")
+        rest = clause[len(op) :].strip()
+        if op and rest[:1].isdigit() and not {"*", "+"} & set(rest):
+            try:
+                out.append((op, Version(rest), None))
+                continue
+            except InvalidVersion:
+                pass
+        from packaging.specifiers import SpecifierSet
+
+        out.extend((s.operator, Version(s.version), s) for s in SpecifierSet(clause))
+    return out
 
 
 def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
@@ -161,6 +188,8 @@ def decide_from_file(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Dec
     """:func:`decide` with the shape gate run on the target's file on disk: what
     ``vllm-hsfix status`` reports, and what the runtime announces at activation for a
     target not imported yet (the live module is probed again when it is)."""
+    from .shapes import probe_file
+
     impl = patch.implementation()
     path = target_file(patch, install)
     return decide(patch, install, cfg, lambda: probe_file(path, impl.probe_tree))

@@ -2,8 +2,9 @@
 
 Every activation path (``import vllm_hsfix``, the vLLM plugin, the sitecustomize
 bootstrap, ``apply()``) ends in :func:`start`. Patching happens in post-import hooks
-on the target modules (wrapt's), so it is right whether vLLM was imported before or
-after activation. For each target the flow is one way:
+on the target modules (``_lazy.when_imported``: wrapt's contract, without loading
+wrapt into processes that never import a target), so it is right whether vLLM was
+imported before or after activation. For each target the flow is one way:
 
     detect (``detect``) -> plan (``plan.decide``) -> patch (``patches.<id>.apply``)
     -> report (``report``)
@@ -11,6 +12,11 @@ after activation. For each target the flow is one way:
 Failures are recorded and logged, never raised, unless strict mode is on. The
 runtime hands the patches their callbacks (``patches.hooks.Hooks``); nothing below
 imports this module.
+
+Start-up cost: vLLM's plugin starts the runtime in every process it creates, and most
+of them never import a target module. So what only a target import needs (the
+patches, wrapt, the checks, provenance) is imported where it is first used
+(``benchmarks/bench_startup.py`` measures the plugin against a process without it).
 """
 
 from __future__ import annotations
@@ -19,16 +25,13 @@ import atexit
 import logging
 import os
 import sys
+from functools import cache
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import wrapt
-
-from . import _lazy, checks, config, detect, plan, provenance, report
+from . import _lazy, config, detect, plan, report
 from .errors import HsfixError
 from .patches import MODULES, PATCH_IDS, PATCHES
-from .patches import connector as connector_patch
-from .patches.hooks import Hooks
 from .state import (
     APPLIED,
     ARMED,
@@ -41,6 +44,9 @@ from .state import (
     UNDECIDED,
     Record,
 )
+
+if TYPE_CHECKING:
+    from .patches.hooks import Hooks
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +130,10 @@ def start(source: str) -> None:
 def _plan_ahead(cfg: config.Config) -> None:
     """Decide every undecided patch now, so the process's line can be logged at
     activation: what needs no look at the code (release, platform, switches) is
-    final; a patch that needs its target's shape is decided from the file on disk
-    and ``armed`` (patched when the module is imported, after the live module passed
-    the same gate)."""
+    final; a patch that needs its target's shape is ``armed``: the shape gate runs on
+    the live module when it is imported. Not on the file now: parsing and
+    fingerprinting the target files cost every vLLM process tens of milliseconds,
+    most of them never import a target (``vllm-hsfix status`` still reads the files)."""
     inst = install()
     for rec in STATE.records.values():
         if rec.code not in (UNDECIDED, ARMED):
@@ -136,10 +143,8 @@ def _plan_ahead(cfg: config.Config) -> None:
             continue
         decision = plan.without_probe(rec.patch, inst, cfg)
         if decision is None:
-            decision = plan.decide_from_file(rec.patch, inst, cfg)
-            if decision.code == plan.APPLY:
-                rec.set("armed", f"{decision.reason} (read from the file); patched on import")
-                continue
+            rec.set("armed", f"vLLM {inst.version}: in range; shape checked on import")
+            continue
         rec.set(decision.code, decision.reason)
         if rec.status == REFUSED:
             log.warning("%s refused: %s", rec.patch.id, rec.reason)
@@ -161,7 +166,7 @@ def _register_hooks() -> None:
     if STATE.hooks_registered:
         return
     for name in MODULES:
-        wrapt.register_post_import_hook(_on_import, name)
+        _lazy.when_imported(name, _on_import)
     STATE.hooks_registered = True
 
 
@@ -206,7 +211,7 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
                 log.warning("%s refused: %s", patch.id, rec.reason)
             return
         assert rec.shape is not None
-        rec.replacements = impl.apply(module, rec.shape, HOOKS)
+        rec.replacements = impl.apply(module, rec.shape, hooks())
         reason = decision.reason
         adopt = getattr(impl, "adopt", None)
         if late and adopt is not None:
@@ -304,13 +309,21 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-HOOKS = Hooks(on_failure=_on_failure, after_register=_after_register)
+@cache
+def hooks() -> Hooks:
+    """The callbacks the patches get, built when a patch is first applied."""
+    from .patches.hooks import Hooks
+
+    return Hooks(on_failure=_on_failure, after_register=_after_register)
 
 
 def _maybe_observe() -> None:
     """Where an applied patch has an in-situ check but no applied patch wraps the
     connector's ``register_kv_caches`` itself (0.17-0.23: only the clamp), hook a pure
     observer there so the check still runs when a worker registers its caches."""
+    from . import checks
+    from .patches import connector as connector_patch
+
     cfg = STATE.config
     module = sys.modules.get(checks.CONNECTOR_MODULE)
     if module is None or cfg is None or not cfg.verify:
@@ -332,7 +345,7 @@ def _maybe_observe() -> None:
     if any(rep.wrapper.hsfix_patch == "in-situ-verify" for r in applied for rep in r.replacements):
         return
     try:
-        rep = connector_patch.observe(module, HOOKS)
+        rep = connector_patch.observe(module, hooks())
         if rep is not None:
             applied[0].replacements.append(rep)
     except Exception as exc:
@@ -341,6 +354,8 @@ def _maybe_observe() -> None:
 
 def _maybe_provenance() -> None:
     """With VLLM_HSFIX_PROVENANCE=1 and a patch applied, stamp the files the connector saves."""
+    from . import checks, provenance
+
     cfg = STATE.config
     module = sys.modules.get(checks.CONNECTOR_MODULE)
     applied = [r for r in STATE.records.values() if r.status == APPLIED]
