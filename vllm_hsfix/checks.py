@@ -44,6 +44,16 @@ class Context:
     shape: str | None = None
 
 
+def one(name: str, run: Any) -> list[dict[str, Any]]:
+    """A patch's single check as ``verify`` reports it: ``run()`` lists problems; an
+    exception is a problem too (the check could not run), never a crash of ``verify``."""
+    try:
+        problems = list(run())
+    except Exception as exc:
+        problems = [f"check could not run: {exc!r}"]
+    return [{"check": name, "ok": not problems, "problems": problems}]
+
+
 def scratch_case(
     *,
     device: str,

@@ -410,8 +410,4 @@ def check_abort(cls: type) -> list[str]:
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live connector class survives an abort before scheduling (both halves)."""
     name = f"{ATTRIBUTE}: abort of a request never scheduled (declined, not reported)"
-    try:
-        problems = check_abort(getattr(module, ATTRIBUTE))
-    except Exception as exc:
-        problems = [f"check could not run: {exc!r}"]
-    return [{"check": name, "ok": not problems, "problems": problems}]
+    return checks.one(name, lambda: check_abort(getattr(module, ATTRIBUTE)))

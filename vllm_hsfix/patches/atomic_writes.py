@@ -247,8 +247,4 @@ def check_writer(cls: type) -> list[str]:
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live writer replaces the final path with a complete file, then unlocks."""
     name = f"{ATTRIBUTE}.{WRITER} renames a complete file into place, then releases the lock"
-    try:
-        problems = check_writer(getattr(module, ATTRIBUTE))
-    except Exception as exc:
-        problems = [f"check could not run: {exc!r}"]
-    return [{"check": name, "ok": not problems, "problems": problems}]
+    return checks.one(name, lambda: check_writer(getattr(module, ATTRIBUTE)))

@@ -316,11 +316,7 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     file read back with the release's ``load_hidden_states``), and the file holds
     exactly the rows of the request's slots."""
     name = f"{ATTRIBUTE} saves hidden states from a CPU buffer"
-    try:
-        problems = check_save(module)
-    except Exception as exc:
-        problems = [f"check could not run: {exc!r}"]
-    return [{"check": name, "ok": not problems, "problems": problems}]
+    return checks.one(name, lambda: check_save(module))
 
 
 # The check's buffer: NUM_BLOCKS blocks of BLOCK_SIZE slots, HEADS = BLOCK_SIZE rows of
