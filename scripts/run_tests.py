@@ -286,6 +286,12 @@ def main() -> int:
         "release only, to stay under its time budget)",
     )
     ap.add_argument(
+        "--extended",
+        action="store_true",
+        help="also the slow e2e cases marked 'extended' (moe hybrid, dense controls, "
+        "hybrid-1aux, chat dataset with the fix), left out of default CI for time",
+    )
+    ap.add_argument(
         "--py312-all",
         action="store_true",
         help="the py3.12 rows run every non-e2e test, not just PY312_TESTS",
@@ -364,6 +370,8 @@ def main() -> int:
         marker += " and not gpu_image"
         if args.fast:
             marker += " and not e2e"
+        if not args.extended:
+            marker += " and not extended"
         if is_fixed(release) and not args.image_on_fixed:
             marker += " and not image"
         env = vllm_env.env_for(overlay)

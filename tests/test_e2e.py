@@ -65,7 +65,9 @@ def _roles(r: e2e.Result) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.affected
-@pytest.mark.parametrize("case", ["hybrid-mp", "hybrid-1aux"])
+@pytest.mark.parametrize(
+    "case", ["hybrid-mp", pytest.param("hybrid-1aux", marks=pytest.mark.extended)]
+)
 def test_unpatched_024_hybrid_is_wrong(case: str, workdir: Path) -> None:
     r = result(case, False, workdir)
     # This is what proves the test can fail: the release's own code saves wrong rows.
@@ -76,7 +78,9 @@ def test_unpatched_024_hybrid_is_wrong(case: str, workdir: Path) -> None:
 
 
 @pytest.mark.affected
-@pytest.mark.parametrize("case", ["hybrid-mp", "hybrid-1aux"])
+@pytest.mark.parametrize(
+    "case", ["hybrid-mp", pytest.param("hybrid-1aux", marks=pytest.mark.extended)]
+)
 def test_patched_024_hybrid_matches_the_reference_row_by_row(case: str, workdir: Path) -> None:
     r = result(case, True, workdir)
     assert r.rows_correct == r.rows > 0, r.as_dict()
@@ -158,6 +162,9 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
     _nan_without_zeroing(workdir, False, {"HSFIX_EXPERIMENT_NO_CPU_ZEROING": "1"})
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
+# minutes cold; it passed in the runs the README reports.
+@pytest.mark.extended
 @pytest.mark.affected
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     """Qwen3-Next (MoE), where vLLM's CPU MoE kernels exist; skipped with the reason
@@ -205,6 +212,9 @@ def _alive_in_session(sid: int) -> list[int]:
     return alive
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
+# minutes cold; it passed in the runs the README reports.
+@pytest.mark.extended
 @pytest.mark.parametrize("patched", [False, True])
 def test_dense_control_is_right(patched: bool, workdir: Path) -> None:
     r = result("dense-mp", patched, workdir)
@@ -317,6 +327,9 @@ def _first_tokens(files: list[str]) -> dict[str, int]:
     return {f: int(load_file(f)["token_ids"][0]) for f in files}
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
+# minutes cold; it passed in the runs the README reports.
+@pytest.mark.extended
 @pytest.mark.affected
 def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Path) -> None:
     good = result("chat-mp", True, workdir)
