@@ -15,6 +15,7 @@ import ast
 import contextlib
 import fcntl
 import importlib
+import importlib.util
 import inspect
 import os
 import threading
@@ -270,6 +271,8 @@ def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: 
 
 
 def _sampler_module() -> Any:
+    if importlib.util.find_spec(SAMPLER_MODULE) is None:
+        pytest.skip(f"vLLM {INSTALL.release} has no {SAMPLER_MODULE}: an older release")
     return importlib.import_module(SAMPLER_MODULE)
 
 
