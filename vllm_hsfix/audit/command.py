@@ -5,11 +5,12 @@ all zero or copied from other memory: the draft model trains "fine" on them and 
 accepts ~0% of tokens. Patching vLLM stops new damage; this auditor finds the damage
 already on disk, so only the bad files are regenerated.
 
-Exit codes of ``vllm-hsfix audit``: 0 no corrupt file (suspect files are listed, and are
-in the ``--json`` ``regenerate`` list, but do not fail the run: their checks are
-heuristics, and a training job should not stop on a heuristic); 1 at least one corrupt
-file; 2 usage error (a path that does not exist, ``--workers`` < 1, nothing to audit,
-the ``--csv`` file cannot be written, numpy missing).
+Exit codes of ``vllm-hsfix audit``: 0 no corrupt file (suspect files are listed, under
+their own name, but do not fail the run: their checks are heuristics, and a training
+job should not stop on a heuristic; pending files, still locked by their writer, are
+not judged); 1 at least one corrupt file; 2 usage error (a path that does not exist,
+``--workers`` < 1, nothing to audit, an output that cannot be written, two outputs on
+stdout, numpy or, for ``--ray``, Ray missing).
 
 This module holds the argparse parser (:func:`add_parser`, shared by ``vllm_hsfix.cli``
 and :func:`main`), the subcommand itself (:func:`run`) and its exit codes; it imports
@@ -22,14 +23,25 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .format import SUFFIX
-from .output import ProgressBar, format_human, write_csv
+from .output import DEFAULT_SHOW, LIST_KINDS, Digest, format_human, write_csv, write_list
 from .parallel import default_workers
-from .pipeline import audit_paths, expand_paths
-from .reports import CORRUPT, AuditReport
+from .pipeline import Reference, audit_paths, expand_paths
+from .progress import DEFAULT_INTERVAL, SILENT, for_stream
+from .records import JsonlWriter, Record
+from .reports import CORRUPT
+
+
+def _show(value: str) -> int | None:
+    if value == "all":
+        return None
+    n = int(value)
+    if n < 0:
+        raise ValueError
+    return n
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -41,14 +53,61 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     p.add_argument("paths", nargs="+", help="files or directories (searched for *.safetensors)")
-    out = p.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help="full report as JSON on stdout")
-    out.add_argument("--csv", metavar="FILE", default=None, help="also write one row per file")
+    out = p.add_argument_group("outputs (any combination; at most one of them on stdout)")
+    out.add_argument("--json", action="store_true", help="the whole report as one JSON document")
+    out.add_argument("--csv", metavar="FILE", default=None, help="one row per file")
+    out.add_argument(
+        "--jsonl",
+        metavar="FILE",
+        default=None,
+        help="stream one JSON record per file as it is judged, then updates, then a summary "
+        "(- for stdout)",
+    )
+    out.add_argument(
+        "--list",
+        nargs=2,
+        action="append",
+        metavar=("KIND", "FILE"),
+        default=[],
+        help=f"one path per line of the files of KIND ({', '.join(LIST_KINDS)}; bad = "
+        "corrupt + suspect) into FILE (- for stdout); repeatable",
+    )
+    out.add_argument(
+        "--show",
+        type=_show,
+        default=DEFAULT_SHOW,
+        metavar="N|all",
+        help=f"files shown per check in the text summary (default {DEFAULT_SHOW})",
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    out.add_argument(
+        "--progress-interval",
+        type=float,
+        default=DEFAULT_INTERVAL,
+        metavar="S",
+        help="seconds between progress lines when stderr is not a terminal "
+        f"(default {DEFAULT_INTERVAL:g})",
+    )
     p.add_argument(
         "--workers",
         type=int,
         default=None,
         help=f"worker processes (default min(4, CPUs) = {default_workers()})",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="ADDRESS",
+        help="scan on a Ray cluster (ADDRESS, else RAY_ADDRESS, else the local one); the "
+        "files must be at the same path on every node",
+    )
+    p.add_argument(
+        "--state",
+        metavar="FILE",
+        default=None,
+        help="keep per-file results here; a rerun scans only new or changed files",
     )
     ref = p.add_argument_group(
         "reference check (imports torch and transformers; nothing else does)"
@@ -98,30 +157,17 @@ def _reference_usage(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _reference_pass(report: AuditReport, args: argparse.Namespace) -> None:
-    """``--reference``: recompute a sample; mismatching files become corrupt."""
-    from . import reference
-
-    err = sys.stderr
-    aux = [int(a) for a in args.aux_layers.split(",") if a.strip()]
-    readable = [f.path for f in report.files if f.n_tokens]
-    if not readable:
-        return None
-    results, summary = reference.check(
-        readable, args.reference, aux, args.sample, args.reference_dtype
-    )
-    by_path = {f.path: f for f in report.files}
-    for r in results:
-        if not r.ok:
-            by_path[r.path].add("reference_mismatch", CORRUPT, r.describe(args.reference))
-    report.dataset["reference"] = summary
-    print(
-        f"reference: {summary['files_compared']} files recomputed with {args.reference} "
-        f"({summary['dtype']}), {summary['files_wrong']} wrong; "
-        f"{summary['seconds_per_file']:.3f} s per file after {summary['model_load_s']:.1f} s "
-        "to load the model",
-        file=err,
-    )
+def _output_usage(args: argparse.Namespace) -> str | None:
+    """Outputs that cannot work: two on stdout, an unknown ``--list`` kind."""
+    on_stdout = (["--json"] if args.json else []) + (["--jsonl -"] if args.jsonl == "-" else [])
+    for kind, dest in args.list:
+        if kind not in LIST_KINDS:
+            return f"vllm-hsfix audit: --list {kind}: KIND is one of {', '.join(LIST_KINDS)}"
+        if dest == "-":
+            on_stdout.append(f"--list {kind} -")
+    if len(on_stdout) > 1:
+        return f"vllm-hsfix audit: only one output can go to stdout, got {', '.join(on_stdout)}"
+    return None
 
 
 NEEDS = "numpy"
@@ -137,11 +183,27 @@ def missing_dependency() -> str | None:
     return None
 
 
+def _fanout(sinks: list[Callable[[Record], None]]) -> Callable[[Record], None]:
+    def emit(record: Record) -> None:
+        for sink in sinks:
+            sink(record)
+
+    return emit
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``audit`` subcommand: 0 no corrupt file, 1 corrupt files, 2 usage error (a
     missing dependency included: exit 1 must only ever mean "corrupt files found")."""
     err = sys.stderr
-    problem = missing_dependency() or (_reference_usage(args) if args.reference else None)
+    problem = (
+        missing_dependency()
+        or _output_usage(args)
+        or (_reference_usage(args) if args.reference else None)
+    )
+    if not problem and args.ray is not None:
+        from . import on_ray
+
+        problem = on_ray.missing_dependency()
     if problem:
         print(problem, file=err)
         return 2
@@ -156,28 +218,64 @@ def run(args: argparse.Namespace) -> int:
     if not files:
         print(f"vllm-hsfix audit: no {SUFFIX} files in {' '.join(args.paths)}", file=err)
         return 2
-    bar = ProgressBar(err) if err.isatty() or len(files) > 50 else None
+    digest = Digest(args.show)
+    sinks: list[Callable[[Record], None]] = [digest]
+    jsonl = None
     try:
-        report = audit_paths(files, workers=args.workers, progress=bar)
+        if args.jsonl:
+            jsonl = JsonlWriter(args.jsonl)
+            sinks.append(jsonl)
+        for _, dest in args.list:  # fail before the scan, not after hours of it
+            if dest != "-":
+                open(dest, "a", encoding="utf-8").close()
+        if args.csv:
+            open(args.csv, "a", encoding="utf-8").close()
+    except OSError as exc:
+        print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
+        return 2
+    reference = None
+    if args.reference:
+        aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
+        reference = Reference(args.reference, aux, args.sample, args.reference_dtype)
+    progress = SILENT if args.no_progress else for_stream(err, args.progress_interval)
+    try:
+        report = audit_paths(
+            files,
+            workers=args.workers,
+            progress=progress,
+            ray=args.ray,
+            state=args.state,
+            on_record=_fanout(sinks),
+            keep=bool(args.json or args.csv),
+            reference=reference,
+        )
     except RuntimeError as exc:
         print(f"vllm-hsfix audit: {exc}", file=err)
         return 2
     finally:
-        if bar:
-            bar.close()
-    if args.reference:
-        _reference_pass(report, args)
+        if jsonl:
+            jsonl.close()
+    ref = report.dataset.get("reference")
+    if ref:
+        print(
+            f"reference: {ref['files_compared']} files recomputed with {args.reference} "
+            f"({ref['dtype']}), {ref['files_wrong']} wrong; {ref['seconds_per_file']:.3f} s "
+            f"per file after {ref['model_load_s']:.1f} s to load the model",
+            file=err,
+        )
+    if report.dataset.get("state_note"):
+        print(report.dataset["state_note"], file=err)
+    stdout_taken = args.json or args.jsonl == "-" or any(d == "-" for _, d in args.list)
+    text = format_human(report, digest)
+    # The text summary goes to stdout unless a machine output has it; then to stderr.
+    print(text, file=err if stdout_taken else sys.stdout)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(format_human(report))
+    for kind, dest in args.list:
+        write_list(report, kind, dest)
     if args.csv:
-        try:
-            write_csv(report, args.csv)
-        except OSError as exc:
-            print(f"vllm-hsfix audit: cannot write {args.csv}: {exc.strerror or exc}", file=err)
-            return 2
-        print(f"wrote {args.csv}")
+        write_csv(report, args.csv)
+        print(f"wrote {args.csv}", file=err if stdout_taken else sys.stdout)
     return 1 if report.count(CORRUPT) else 0
 
 

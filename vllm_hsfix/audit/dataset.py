@@ -2,8 +2,9 @@
 
 Run after every file has been scanned: the ``[n_aux, hidden]`` majority, per aux layer
 the files whose median row norm is a robust outlier, and the shared-prefix consistency
-check (:mod:`.prefix`). They add findings to the per-file reports and return what they
-compared against, for the report's ``dataset`` section.
+check (:mod:`.prefix`). They read only each file's :class:`.reports.Sketch` (the
+reports themselves may already be written out and gone) and return their findings by
+file index, plus what they compared against, for the report's ``dataset`` section.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ from collections import Counter
 from typing import Any
 
 from . import prefix
-from .reports import CORRUPT, SUSPECT, FileReport
+from .reports import CORRUPT, SUSPECT, Problem, Sketch
+
+Findings = dict[int, list[Problem]]
+
+
+def add_finding(findings: Findings, files: list[Sketch], i: int, problem: Problem) -> None:
+    """Record a dataset-level finding for file ``i`` and update its sketch's verdict."""
+    findings.setdefault(i, []).append(problem)
+    files[i].add(problem)
+
 
 # Dataset pass: flag a file whose per-layer median row norm is more than OUTLIER_MADS
 # scaled MADs (1.4826 x MAD estimates one standard deviation for normal data) away from
@@ -28,9 +38,10 @@ REL_FLOOR = 0.05
 MIN_FILES_FOR_OUTLIERS = 3
 
 
-def dataset_pass(files: list[FileReport]) -> dict[str, Any]:
+def dataset_pass(files: list[Sketch], findings: Findings) -> dict[str, Any]:
     """Cross-file checks, which no single file can answer: the ``[n_aux, hidden]``
-    majority, and per aux layer, files whose median row norm is a robust outlier."""
+    majority, and per aux layer, files whose median row norm is a robust outlier.
+    Findings go into ``findings`` (by index into ``files``)."""
     import numpy as np
 
     info: dict[str, Any] = {"majority_shape": None, "norm_reference": []}
@@ -40,21 +51,20 @@ def dataset_pass(files: list[FileReport]) -> dict[str, Any]:
         (shape, n), *_ = shapes.most_common(1)
         if n * 2 > n_shaped:
             info["majority_shape"] = list(shape)
-            for f in files:
+            for i, f in enumerate(files):
                 if f.n_aux and f.hidden and (f.n_aux, f.hidden) != shape:
-                    f.add(
-                        "shape_outlier",
-                        SUSPECT,
+                    detail = (
                         f"[n_aux, hidden] = [{f.n_aux}, {f.hidden}] but {n} of {n_shaped} "
-                        f"files have {list(shape)}",
+                        f"files have {list(shape)}"
                     )
+                    add_finding(findings, files, i, Problem("shape_outlier", SUSPECT, detail))
     for n_aux, hidden in sorted(shapes):
-        group = [f for f in files if (f.n_aux, f.hidden) == (n_aux, hidden)]
+        group = [i for i, f in enumerate(files) if (f.n_aux, f.hidden) == (n_aux, hidden)]
         for a in range(n_aux):
             members = [
-                (f, f.layers[a].median_norm)
-                for f in group
-                if len(f.layers) > a and f.layers[a].median_norm is not None
+                (i, files[i].medians[a])
+                for i in group
+                if len(files[i].medians) > a and files[i].medians[a] is not None
             ]
             if len(members) < MIN_FILES_FOR_OUTLIERS:
                 continue
@@ -74,24 +84,25 @@ def dataset_pass(files: list[FileReport]) -> dict[str, Any]:
             info["norm_reference"].append(ref)
             if scale <= 0:
                 continue
-            for f, v in members:
-                z = abs(v - med) / scale
+            for i, v in members:
+                z = abs(v - med) / scale  # type: ignore[operator]
                 if z > OUTLIER_MADS:
-                    ratio = v / med if med else math.inf
-                    f.add(
-                        "norm_outlier",
-                        SUSPECT,
+                    ratio = v / med if med else math.inf  # type: ignore[operator]
+                    detail = (
                         f"aux layer {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
-                        f"median {med:.4g} (robust z {z:.1f} > {OUTLIER_MADS:g})",
+                        f"median {med:.4g} (robust z {z:.1f} > {OUTLIER_MADS:g})"
                     )
+                    add_finding(findings, files, i, Problem("norm_outlier", SUSPECT, detail))
     return info
 
 
-def prefix_pass(reports: list[FileReport]) -> dict[str, Any]:
-    """Cross-file shared-prefix consistency (:mod:`.prefix`); findings are corrupt."""
-    result = prefix.check([r.prefix for r in reports])
-    for index, finding in result.findings.items():
-        reports[index].add("prefix_mismatch", CORRUPT, prefix.describe(finding))
-    for r in reports:
-        r.prefix = None
-    return result.summary(len(reports))
+def prefix_pass(
+    files: list[Sketch], findings: Findings, tick: prefix.Tick | None = None
+) -> dict[str, Any]:
+    """Cross-file shared-prefix consistency (:mod:`.prefix`); findings are corrupt.
+    ``tick(n)`` reports progress in files."""
+    result = prefix.check([f.prefix for f in files], tick)
+    for index, finding in sorted(result.findings.items()):
+        problem = Problem("prefix_mismatch", CORRUPT, prefix.describe(finding))
+        add_finding(findings, files, index, problem)
+    return result.summary(len(files))

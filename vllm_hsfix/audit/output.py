@@ -1,61 +1,111 @@
-"""How a report is shown: the progress bar, the human summary and the CSV file.
+"""How a run is shown to people and pipelines: the text summary, ``--list``, the CSV.
 
-``--json`` needs nothing here: it is :meth:`.reports.AuditReport.to_dict` as is.
+Text is a summary plus, per check, the first ``--show`` files it flagged (sorted by
+path, so the same dataset gives the same text whatever the worker count): on a dataset
+a broken vLLM wrote, every file is bad, and one line per file would bury the summary.
+It is built from the records (:class:`Digest`), so a streaming run prints the same
+text without keeping the reports. ``--json`` is :meth:`.reports.AuditReport.to_dict`.
 """
 
 from __future__ import annotations
 
 import csv
+import heapq
 import os
 import sys
-import time
+from collections import Counter
 from typing import IO
 
-from .reports import CORRUPT, OK, SUSPECT, AuditReport
+from .records import FILE, UPDATE, Record, file_record
+from .reports import CORRUPT, OK, PENDING, SUSPECT, AuditReport
+
+DEFAULT_SHOW = 5
+LIST_KINDS = {
+    CORRUPT: (CORRUPT,),
+    SUSPECT: (SUSPECT,),
+    "bad": (CORRUPT, SUSPECT),
+    PENDING: (PENDING,),
+}
+_RANK = {CORRUPT: 0, SUSPECT: 1, PENDING: 2}
 
 
-class ProgressBar:
-    """``\\r[#####     ] 123/456 files`` on a stream, redrawn at most 10 times a second."""
+class Digest:
+    """Per check (code, severity): how many files it flagged and the first ``show`` of
+    them by path (``None``: all); and the provenance stamps seen. Fed the records."""
 
-    def __init__(self, stream: IO[str] | None = None, width: int = 30) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self._last = 0.0
-        self._drawn = False
+    def __init__(self, show: int | None = DEFAULT_SHOW) -> None:
+        self.show = show
+        self.files: Counter[tuple[str, str]] = Counter()
+        # Per check: (path, detail) candidates, trimmed to the `show` smallest paths.
+        self.examples: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        self.stamps: Counter[str] = Counter()
+        self.stamped = 0
 
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
+    def __call__(self, record: Record) -> None:
+        if record["type"] not in (FILE, UPDATE):
             return
-        self._last = now
-        filled = self.width * done // max(total, 1)
-        bar = "#" * filled + " " * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {done}/{total} files")
-        self._drawn = True
-        if done >= total:
-            self.close()
-        self.stream.flush()
+        seen: set[tuple[str, str]] = set()
+        for p in record["problems"]:
+            key = (p["code"], p["severity"])
+            if key in seen:  # one file, several findings of one check: one example
+                continue
+            seen.add(key)
+            self.files[key] += 1
+            self._example(key, record["path"], p["detail"])
+        prov = record.get("provenance")
+        if record["type"] == FILE and prov:
+            self.stamped += 1
+            self.stamps[
+                f"vllm-hsfix {prov.get('vllm_hsfix.version', '?')} on vLLM "
+                f"{prov.get('vllm_hsfix.vllm', '?')} [{prov.get('vllm_hsfix.patches', '?')}]"
+            ] += 1
 
-    def close(self) -> None:
-        """End the bar's line so what follows starts clean."""
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+    def _example(self, key: tuple[str, str], path: str, detail: str) -> None:
+        heap = self.examples.setdefault(key, [])
+        if self.show is None:
+            heap.append((path, detail))
+            return
+        # Amortised: let the list grow to about twice `show`, then keep the smallest.
+        heap.append((path, detail))
+        if len(heap) > 2 * self.show + 16:
+            heap[:] = heapq.nsmallest(self.show, heap)
+
+    @classmethod
+    def of(cls, report: AuditReport, show: int | None = DEFAULT_SHOW) -> Digest:
+        """The digest of a finished run whose reports were kept."""
+        digest = cls(show)
+        for f in report.files:
+            digest(file_record(f))
+        return digest
+
+    def first(self, key: tuple[str, str]) -> list[tuple[str, str]]:
+        ex = sorted(self.examples.get(key, []))
+        return ex if self.show is None else ex[: self.show]
 
 
-def format_human(report: AuditReport) -> str:
-    """Summary first, then one line per file that is not ok, with its reasons."""
+def format_human(report: AuditReport, digest: Digest | None = None) -> str:
+    """The summary, then per check its count and first files, then the result line.
+    Without ``digest``, it is made from the report's kept files."""
+    digest = digest if digest is not None else Digest.of(report)
     t = report.totals()
+    where = f"{t['workers']} CPUs on Ray" if report.backend == "ray" else f"{t['workers']} workers"
     lines = [
         f"audited {t['files']} files, {t['bytes'] / 1e9:.3f} GB in {t['wall_s']:.2f} s "
-        f"({t['gb_per_s']:.3f} GB/s, {t['files_per_s']:.1f} files/s, {t['workers']} workers)",
-        f"  ok {t[OK]}   suspect {t[SUSPECT]}   corrupt {t[CORRUPT]}",
+        f"({t['gb_per_s']:.3f} GB/s, {t['files_per_s']:.1f} files/s, {where})",
+        f"  ok {t[OK]}   suspect {t[SUSPECT]}   corrupt {t[CORRUPT]}"
+        + (f"   pending {t[PENDING]}" if t[PENDING] else ""),
     ]
-    bad = [f for f in report.files if f.verdict != OK]
-    for f in sorted(bad, key=lambda f: (f.verdict != CORRUPT, f.path)):
-        lines.append(f"{f.verdict.upper():<8} {f.path}")
-        lines += [f"         {p.code}: {p.detail}" for p in f.problems]
+    if report.reused:
+        lines.append(f"  {report.reused} files unchanged since --state was written: not rescanned")
+    keys = sorted(digest.files, key=lambda k: (_RANK.get(k[1], 3), -digest.files[k], k[0]))
+    for code, severity in keys:
+        n = digest.files[(code, severity)]
+        lines.append(f"{code} ({severity}): {n} file{'s' if n != 1 else ''}")
+        shown = digest.first((code, severity))
+        lines += [f"  {path}: {detail}" for path, detail in shown]
+        if len(shown) < n:
+            kind = severity if severity in LIST_KINDS else "bad"
+            lines.append(f"  ... {n - len(shown)} more (--show all, or --list {kind} FILE)")
     pre = report.dataset.get("prefix")
     if pre:
         lines.append(
@@ -64,30 +114,36 @@ def format_human(report: AuditReport) -> str:
             f"rows; {pre['files_flagged']} disagree ({pre['groups_without_consensus']} groups "
             "without a consensus)"
         )
-    stamped = [f for f in report.files if f.provenance]
-    if stamped:
-        kinds = sorted(
-            {
-                f"vllm-hsfix {f.provenance.get('vllm_hsfix.version', '?')} on vLLM "
-                f"{f.provenance.get('vllm_hsfix.vllm', '?')} "
-                f"[{f.provenance.get('vllm_hsfix.patches', '?')}]"
-                for f in stamped
-            }
-        )
-        lines.append(
-            f"  provenance: {len(stamped)} of {t['files']} files made with " + "; ".join(kinds)
-        )
+    if digest.stamped:
+        kinds = "; ".join(sorted(digest.stamps))
+        lines.append(f"  provenance: {digest.stamped} of {t['files']} files made with {kinds}")
     else:
         lines.append(f"  provenance: none of {t['files']} files carry vllm-hsfix metadata")
-    if bad:
-        lines.append(f"regenerate: {len(bad)} files (corrupt or suspect; --json lists them)")
+    if t[CORRUPT]:
+        lines.append(f"regenerate: {t[CORRUPT]} corrupt files (--list corrupt FILE lists them)")
+    if t[SUSPECT]:
+        lines.append(f"look at: {t[SUSPECT]} suspect files (--list suspect FILE lists them)")
     if t[CORRUPT]:
         lines.append("result: CORRUPT files found (exit 1)")
     elif t[SUSPECT]:
         lines.append("result: no corrupt files; suspect files listed above (exit 0)")
+    elif t[PENDING]:
+        lines.append("result: no bad files; pending files not judged yet (exit 0)")
     else:
         lines.append("result: all files ok")
     return "\n".join(lines)
+
+
+def write_list(report: AuditReport, kind: str, dest: str) -> None:
+    """``--list KIND DEST``: one path per line, nothing else (``-``: stdout)."""
+    wanted = LIST_KINDS[kind]
+    text = "".join(f"{p}\n" for p, v in report.verdicts if v in wanted)
+    if dest == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 CSV_FIELDS = [

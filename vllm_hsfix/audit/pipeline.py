@@ -1,20 +1,43 @@
-"""A whole audit: paths -> files -> per-file pass in parallel -> dataset pass -> report.
+"""A whole audit: paths -> files -> per-file pass (local pool or Ray) -> dataset pass.
 
-:func:`audit_paths` is the library entry point (the command, the tests, the benchmark
-and the end-to-end harness call it); :func:`expand_paths` is its first step, also used
-by the command to answer "nothing to audit" before any work starts.
+:func:`audit_paths` is the library entry point (the command, the tests, the benchmark,
+the end-to-end harness and ``repair`` call it); :func:`expand_paths` is its first step,
+also used by the command to answer "nothing to audit" before any work starts.
+
+The run is a stream (:mod:`.records`): each file's record goes to ``on_record`` as soon
+as the per-file checks judge it, then one update per file a dataset-level check
+changed, then the summary. Only the small :class:`.reports.Sketch` of each file stays
+in memory for the dataset pass, unless ``keep`` asks for the full reports too (what
+``--json`` and ``--csv`` print).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from .dataset import dataset_pass, prefix_pass
+from . import records
+from .dataset import Findings, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
-from .parallel import ProgressFn, default_workers, run_pool
-from .reports import AuditReport
+from .incremental import State
+from .parallel import default_workers, run_pool
+from .progress import SILENT, Factory
+from .reports import CORRUPT, PENDING, AuditReport, FileReport, Sketch
+
+RecordFn = Callable[[records.Record], None]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """``--reference``: recompute a sample with a transformers forward of the verifier."""
+
+    model_dir: str
+    aux_layers: tuple[int, ...]
+    sample: str = "0.05"
+    dtype: str = "float32"
 
 
 def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
@@ -48,23 +71,198 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
+def locked(path: str) -> FileReport | None:
+    """A ``pending`` report when the writer's ``.lock`` sits beside ``path``, else None.
+    The connector holds the lock while it writes: judging the file now would call a
+    half-written file truncated."""
+    if not os.path.exists(path + LOCK_SUFFIX):
+        return None
+    rep = FileReport(path=path)
+    with contextlib.suppress(OSError):
+        rep.bytes = os.path.getsize(path)
+    rep.add(
+        "locked",
+        PENDING,
+        f"{os.path.basename(path)}{LOCK_SUFFIX} sits beside it: its writer may still be "
+        "writing it; not judged (audit again when the lock is gone)",
+    )
+    return rep
+
+
+def check_file(path: str | os.PathLike[str]) -> FileReport:
+    """The per-file checks on one file, without dataset context: what a generation loop
+    calls on each file it has just written (``pending`` while the file is locked)."""
+    from .scan import audit_file
+
+    p = os.fspath(path)
+    return locked(p) or audit_file(p)
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+    except OSError:
+        return 0, 0
+
+
 def audit_paths(
     paths: Iterable[str | os.PathLike[str]],
     workers: int | None = None,
-    progress: ProgressFn | None = None,
+    progress: Factory = SILENT,
+    *,
+    ray: str | bool | None = None,
+    state: str | os.PathLike[str] | None = None,
+    on_record: RecordFn | None = None,
+    keep: bool = True,
+    reference: Reference | None = None,
 ) -> AuditReport:
     """Audit files and directories: the per-file pass in parallel, then the dataset pass.
 
-    ``progress(done, total)`` is called after each file. Raises ``FileNotFoundError`` for
-    a missing path and ``ValueError`` for ``workers`` < 1."""
+    ``ray``: ``None``/``False`` scan here with ``workers`` processes; ``True`` or an
+    address scan on a Ray cluster (``True``: ``RAY_ADDRESS`` or the local one).
+    ``state``: a ``--state`` file (files unchanged since it was written are not scanned
+    again). ``on_record``: each record as it is made (:mod:`.records`). ``keep``: keep
+    every full report in the result (else only verdicts). Raises ``FileNotFoundError``
+    for a missing path and ``ValueError`` for ``workers`` < 1."""
     t0 = time.perf_counter()
     files = expand_paths(paths)
     n = default_workers() if workers is None else workers
     if n < 1:
         raise ValueError(f"workers must be >= 1, got {n}")
-    n = max(1, min(n, len(files)))
-    reports = run_pool(files, n, progress) if files else []
-    dataset = dataset_pass(reports) if reports else {}
-    if reports:
-        dataset["prefix"] = prefix_pass(reports)
-    return AuditReport(files=reports, wall_s=time.perf_counter() - t0, workers=n, dataset=dataset)
+    emit = on_record or (lambda r: None)
+    store = State(os.fspath(state)) if state is not None else None
+    stats = [_stat(p) for p in files]
+    full: list[FileReport | None] = [None] * len(files)
+    sketches: list[Sketch | None] = [None] * len(files)
+
+    def take(i: int, rep: FileReport, cached: bool = False) -> None:
+        if store is not None and not cached and rep.verdict != PENDING:
+            store.put(rep, *stats[i])
+        emit(records.file_record(rep, cached))
+        if rep.verdict != PENDING:
+            sketches[i] = Sketch.of(rep)
+        rep.prefix = None  # the sketch holds it now
+        if keep or rep.verdict == PENDING:
+            full[i] = rep
+
+    scan_bar = progress("scan", len(files), sum(s for s, _ in stats))
+
+    def scanned(i: int, rep: FileReport, cached: bool = False) -> None:
+        take(i, rep, cached)
+        scan_bar.update(1, rep.bytes)
+
+    todo: list[int] = []
+    reused = 0
+    for i, p in enumerate(files):
+        pending = locked(p)
+        cached = store.lookup(p, *stats[i]) if store is not None and not pending else None
+        if pending is not None:
+            scanned(i, pending)
+        elif cached is not None:
+            reused += 1
+            scanned(i, cached, cached=True)
+        else:
+            todo.append(i)
+    backend = "local"
+    if todo:
+        paths_todo = [files[i] for i in todo]
+        sizes = [stats[i][0] for i in todo]
+
+        def on_result(k: int, rep: FileReport) -> None:
+            scanned(todo[k], rep)
+
+        try:
+            if ray is not None and ray is not False:
+                from . import on_ray
+
+                cluster = on_ray.connect(None if ray is True else str(ray))
+                try:
+                    n = on_ray.run_ray(cluster, paths_todo, sizes, on_result)
+                finally:
+                    cluster.shutdown()
+                backend = "ray"
+            else:
+                n = max(1, min(n, len(todo)))
+                run_pool(paths_todo, sizes, n, on_result)
+        finally:
+            scan_bar.close()
+            if store is not None:
+                store.save()
+    else:
+        scan_bar.close()
+        if store is not None:
+            store.save()
+
+    judged = [i for i, s in enumerate(sketches) if s is not None]
+    group = [sketches[i] for i in judged]
+    findings: Findings = {}
+    dataset: dict = {}
+    if group:
+        bar = progress("norms", len(group))
+        dataset = dataset_pass(group, findings)  # type: ignore[arg-type]
+        bar.update(len(group))
+        bar.close()
+        bar = progress("prefix", len(group))
+        dataset["prefix"] = prefix_pass(group, findings, bar.update)  # type: ignore[arg-type]
+        bar.close()
+        if reference is not None:
+            _reference_pass(group, findings, reference, dataset, progress)  # type: ignore[arg-type]
+    for k, problems in sorted(findings.items()):
+        i = judged[k]
+        sk = sketches[i]
+        assert sk is not None
+        if full[i] is not None:
+            for pr in problems:
+                full[i].add(pr.code, pr.severity, pr.detail)  # type: ignore[union-attr]
+        emit(records.update_record(sk.path, sk.verdict, problems))
+
+    verdicts = []
+    for i, p in enumerate(files):
+        sk, rep = sketches[i], full[i]
+        verdicts.append((p, sk.verdict if sk is not None else rep.verdict))  # type: ignore[union-attr]
+    report = AuditReport(
+        files=[r for r in full if r is not None] if keep else [],
+        wall_s=time.perf_counter() - t0,
+        workers=n,
+        dataset=dataset,
+        backend=backend,
+        reused=reused,
+        verdicts=verdicts,
+        total_bytes=sum(s for s, _ in stats),
+    )
+    if store is not None and store.note:
+        report.dataset["state_note"] = store.note
+    emit(records.summary_record(report))
+    return report
+
+
+def _reference_pass(
+    group: list[Sketch],
+    findings: Findings,
+    ref: Reference,
+    dataset: dict,
+    progress: Factory,
+) -> None:
+    """``--reference``: recompute a sample; mismatching files become corrupt."""
+    from . import reference
+    from .dataset import add_finding
+    from .reports import Problem
+
+    readable = [k for k, s in enumerate(group) if s.n_tokens]
+    if not readable:
+        return
+    paths = [group[k].path for k in readable]
+    bar = progress("reference", len(reference.sample(paths, ref.sample)))
+    try:
+        results, summary = reference.check(
+            paths, ref.model_dir, list(ref.aux_layers), ref.sample, ref.dtype, bar.update
+        )
+    finally:
+        bar.close()
+    index = {group[k].path: k for k in readable}
+    for r in results:
+        if not r.ok:
+            problem = Problem("reference_mismatch", CORRUPT, r.describe(ref.model_dir))
+            add_finding(findings, group, index[r.path], problem)
+    dataset["reference"] = summary

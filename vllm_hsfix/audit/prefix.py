@@ -31,6 +31,7 @@ with; counted as ``unchecked``), and rows past the shared prefix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
@@ -38,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+Tick = Callable[[int], None]  # progress: ``tick(n)`` after n more files are done
 
 PREFIX_ROWS = 16
 SKETCH_DIM = 32
@@ -134,8 +137,9 @@ def _consensus(rows: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
     return sample[members].mean(axis=0), spread
 
 
-def check(prefixes: list[PrefixData | None]) -> PrefixResult:
-    """Compare the shared-prefix rows of every group of files; see the module docstring."""
+def check(prefixes: list[PrefixData | None], tick: Tick | None = None) -> PrefixResult:
+    """Compare the shared-prefix rows of every group of files; see the module docstring.
+    ``tick(n)`` is called as each set of like-shaped files is done (progress)."""
     import numpy as np
 
     result = PrefixResult()
@@ -143,6 +147,8 @@ def check(prefixes: list[PrefixData | None]) -> PrefixResult:
     for i, p in enumerate(prefixes):
         if p is not None and p.token_ids:
             by_shape.setdefault(p.shape_key, []).append(i)
+        elif tick:
+            tick(1)
     for idx in by_shape.values():
         order = sorted(idx, key=lambda i: prefixes[i].token_ids)  # type: ignore[union-attr]
         data = [prefixes[i] for i in order]
@@ -167,6 +173,8 @@ def check(prefixes: list[PrefixData | None]) -> PrefixResult:
                     result, rows[s:e, depth - 1], sound[s:e, depth - 1], order[s:e], depth - 1
                 )
         result.checked += int(checked.sum())
+        if tick:
+            tick(len(idx))
     return result
 
 

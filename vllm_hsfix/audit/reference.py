@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,14 +144,24 @@ def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResul
 
 
 def check(
-    paths: list[str], model_dir: str, aux_layers: list[int], spec: str, dtype: str = "float32"
+    paths: list[str],
+    model_dir: str,
+    aux_layers: list[int],
+    spec: str,
+    dtype: str = "float32",
+    tick: Callable[[int], None] | None = None,
 ) -> tuple[list[ReferenceResult], dict[str, Any]]:
-    """Compare a sample of ``paths`` with the reference; returns results and a summary."""
+    """Compare a sample of ``paths`` with the reference; returns results and a summary.
+    ``tick(1)`` after each file (progress)."""
     t0 = time.perf_counter()
     model = load_model(model_dir, dtype)
     load_s = time.perf_counter() - t0
     chosen = sample(paths, spec)
-    results = [compare_file(model, p, aux_layers) for p in chosen]
+    results = []
+    for p in chosen:
+        results.append(compare_file(model, p, aux_layers))
+        if tick:
+            tick(1)
     per_file = [r.seconds for r in results]
     return results, {
         "model": str(model_dir),

@@ -10,8 +10,14 @@ Verdicts:
   median row norm far off the rest of the dataset (robust z-score over files), or
   ``[n_aux, hidden]`` differing from the dataset majority, or unexpected extra tensors.
 * ``ok``: none of the above.
+* ``pending``: not judged: a ``.lock`` file sits beside it, so the writer may still be
+  writing it (an audit of a dataset still being generated); a rerun judges it.
 
-These are plain dataclasses, picklable for the worker pool and JSON-ready for ``--json``.
+Only ``corrupt`` means "regenerate": ``suspect`` comes from heuristics and means "look"
+(``--list suspect``), never "delete". The two lists are kept apart everywhere.
+
+These are plain dataclasses, picklable for the worker pool and Ray, JSON-ready for the
+records (:mod:`.records`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ if TYPE_CHECKING:
 CORRUPT = "corrupt"
 SUSPECT = "suspect"
 OK = "ok"
+PENDING = "pending"
+VERDICTS = (OK, SUSPECT, CORRUPT, PENDING)
+# Report schema: 2 split ``regenerate`` (corrupt only) from ``suspect`` and added
+# ``pending``; schema 1 listed corrupt and suspect files together under ``regenerate``.
+SCHEMA = 2
 
 
 @dataclass
@@ -88,6 +99,8 @@ class FileReport:
         self.problems.append(Problem(code, severity, detail))
         if severity == CORRUPT or (severity == SUSPECT and self.verdict == OK):
             self.verdict = severity
+        elif severity == PENDING and self.verdict == OK:
+            self.verdict = PENDING
 
     def codes(self) -> list[str]:
         """The problem codes, for tests and filters."""
@@ -103,50 +116,114 @@ class FileReport:
         out.pop("prefix", None)
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileReport:
+        """The inverse of :meth:`to_dict` (``--state`` reads reports back)."""
+        d = dict(d)
+        layers = [LayerStats(**x) for x in d.pop("layers", [])]
+        problems = [Problem(**x) for x in d.pop("problems", [])]
+        return cls(**d, layers=layers, problems=problems)
+
+
+@dataclass
+class Sketch:
+    """What the dataset pass needs of one file, and no more: the per-file report can be
+    written out (``--jsonl``) and dropped, so memory grows with these (about 3 KB a
+    file, the prefix sketches), not with the reports. Also what ``--state`` keeps."""
+
+    path: str
+    verdict: str
+    bytes: int
+    n_tokens: int | None
+    n_aux: int | None
+    hidden: int | None
+    medians: tuple[float | None, ...]
+    prefix: PrefixData | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, rep: FileReport) -> Sketch:
+        return cls(
+            path=rep.path,
+            verdict=rep.verdict,
+            bytes=rep.bytes,
+            n_tokens=rep.n_tokens,
+            n_aux=rep.n_aux,
+            hidden=rep.hidden,
+            medians=tuple(st.median_norm for st in rep.layers),
+            prefix=rep.prefix,
+        )
+
+    def add(self, problem: Problem) -> None:
+        """Keep the verdict in step with a dataset-level finding."""
+        if problem.severity == CORRUPT or (problem.severity == SUSPECT and self.verdict == OK):
+            self.verdict = problem.severity
+
 
 @dataclass
 class AuditReport:
-    """A whole run: per-file reports (input order), dataset references and totals."""
+    """A whole run: every file's final verdict (input order), the full per-file reports
+    when they were kept (``keep=True``: ``--json``, ``--csv``, library calls; a
+    streaming run writes them out instead), dataset references and totals."""
 
     files: list[FileReport]
     wall_s: float
     workers: int
     dataset: dict[str, Any] = field(default_factory=dict)
+    backend: str = "local"  # or "ray": where the per-file scan ran
+    reused: int = 0  # files whose per-file results came from ``--state``, not a scan
+    verdicts: list[tuple[str, str]] = field(default_factory=list)  # (path, verdict)
+    total_bytes: int = -1  # -1: sum of ``files``
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.bytes for f in self.files)
+    def __post_init__(self) -> None:
+        if not self.verdicts:
+            self.verdicts = [(f.path, f.verdict) for f in self.files]
+        if self.total_bytes < 0:
+            self.total_bytes = sum(f.bytes for f in self.files)
 
     def count(self, verdict: str) -> int:
         """Number of files with ``verdict``."""
-        return sum(f.verdict == verdict for f in self.files)
+        return sum(v == verdict for _, v in self.verdicts)
+
+    def paths(self, verdict: str) -> list[str]:
+        """The files with ``verdict``, in input order."""
+        return [p for p, v in self.verdicts if v == verdict]
 
     @property
     def regenerate(self) -> list[str]:
-        """Files to produce again with a fixed vLLM: the corrupt and the suspect ones."""
-        return [f.path for f in self.files if f.verdict != OK]
+        """Files to produce again with a fixed vLLM: the corrupt ones only (suspect
+        files come from heuristics: look at them, do not delete them unseen)."""
+        return self.paths(CORRUPT)
+
+    @property
+    def suspect(self) -> list[str]:
+        return self.paths(SUSPECT)
 
     def totals(self) -> dict[str, Any]:
         """Counts and throughput (GB = 1e9 bytes)."""
         wall = max(self.wall_s, 1e-9)
         return {
-            "files": len(self.files),
+            "files": len(self.verdicts),
             "bytes": self.total_bytes,
             OK: self.count(OK),
             SUSPECT: self.count(SUSPECT),
             CORRUPT: self.count(CORRUPT),
+            PENDING: self.count(PENDING),
             "wall_s": round(self.wall_s, 4),
             "gb_per_s": round(self.total_bytes / 1e9 / wall, 4),
-            "files_per_s": round(len(self.files) / wall, 2),
+            "files_per_s": round(len(self.verdicts) / wall, 2),
             "workers": self.workers,
+            "backend": self.backend,
+            "reused": self.reused,
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` document."""
+        """The ``--json`` document (needs the kept reports)."""
         return {
-            "schema": 1,
+            "schema": SCHEMA,
             "totals": self.totals(),
             "regenerate": self.regenerate,
+            SUSPECT: self.suspect,
+            PENDING: self.paths(PENDING),
             "dataset": self.dataset,
             "files": [f.to_dict() for f in self.files],
         }

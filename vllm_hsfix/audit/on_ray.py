@@ -1,0 +1,92 @@
+"""``audit --ray [ADDRESS]``: the per-file scan as Ray tasks across a cluster's machines.
+
+vLLM's own multi-node backend is Ray, so the clusters that write hidden-states datasets
+already run it. Only the per-file pass is spread: tasks over batches of files (the
+same :func:`.parallel.batches` as the local pool), each returning its files' reports
+with the small per-file sketches; the dataset-level checks (shape majority, norms,
+shared prefixes) stay one reduce on the driver, so the verdicts are the local run's.
+
+The files must be readable at the same path on every node (a shared filesystem). The
+package itself is shipped with the tasks (``runtime_env`` ``py_modules``): the
+workers need numpy, not vllm-hsfix installed, and always run the driver's version.
+
+A worker that dies mid-task (a node lost, OOM, a process killed) makes Ray run the
+task again elsewhere (``max_retries``); a result is only taken from a task that
+finished, so a file is never counted twice nor lost. A task that keeps dying is split
+into one task per file, and a file that still kills its worker is reported
+``unreadable`` like the local pool does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .parallel import ResultFn, batches, crashed_report, run_batch
+
+INSTALL_HINT = "pip install 'vllm-hsfix[ray]'"
+# Ray re-runs a task whose worker died this many times before giving up on it.
+MAX_RETRIES = 3
+
+
+def missing_dependency() -> str | None:
+    """The one-line message when Ray is not installed, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return f"vllm-hsfix audit --ray needs Ray, which is not installed here: {INSTALL_HINT}"
+    return None
+
+
+def _package_dir() -> str:
+    """The ``vllm_hsfix`` directory this module belongs to (shipped to the workers)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def connect(address: str | None) -> Any:
+    """Join the cluster at ``address`` (``None``: ``RAY_ADDRESS``, else the cluster
+    last started on this machine, else a new local one), shipping this package."""
+    import ray
+
+    ray.init(
+        address=address or None,
+        runtime_env={"py_modules": [_package_dir()]},
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+    return ray
+
+
+def cluster_cpus(ray: Any) -> int:
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def run_ray(ray: Any, files: list[str], sizes: Sequence[int], on_result: ResultFn) -> int:
+    """Scan ``files`` as Ray tasks; ``on_result(index, report)`` per file as each task
+    finishes. Returns the number of CPUs the cluster offered (the "workers")."""
+    cpus = cluster_cpus(ray)
+    task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES)(run_batch)
+    pending: dict[Any, list[int]] = {}
+    for batch in batches(sizes, cpus):
+        pending[task.remote([files[i] for i in batch])] = batch
+    singles: list[int] = []
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            batch = pending.pop(ref)
+            try:
+                reps = ray.get(ref)
+            except Exception:
+                singles += batch  # retries spent: find the file, one task per file
+                continue
+            for i, rep in zip(batch, reps, strict=True):
+                on_result(i, rep)
+    alone = ray.remote(num_cpus=1, max_retries=1)(run_batch)
+    refs = {alone.remote([files[i]]): i for i in singles}
+    for ref, i in refs.items():
+        try:
+            on_result(i, ray.get(ref)[0])
+        except Exception as exc:
+            on_result(i, crashed_report(files[i], exc))
+    return cpus
