@@ -26,6 +26,9 @@
      ``hybrid-mp`` case on 0.24.0; 0.25.0's e2e tests stay on the main Python, where
      they compare plain and plugin runs byte for byte); two pytest
      invocations, one row.
+   - ``ray``: ``vllm-hsfix audit --ray`` on a real local Ray cluster of two nodes
+     (``RAY_TESTS``), in ``envs/ray-py3.11`` (Ray, numpy, tqdm, pytest from
+     ``scripts/locks/ray.txt``; no torch, no vLLM).
    - ``gpu-image 0.24.0`` / ``gpu-image 0.25.0``: a GPU image's vLLM on this CPU
      machine: the whole CUDA ``vllm`` wheel of the release (downloaded once, 250-280
      MB, unpacked into ``cuda-overlays/``) over the release's torch venv, running
@@ -44,7 +47,7 @@ Options: ``--matrix`` (release-sensitive tests on every release of
 ``scripts/matrix.py``), ``--releases A,B`` (whole suite on just these), ``--fast``
 (leave out the ``e2e`` tests, the py3.12 rows' one included), ``--no-extra-pythons``
 (no static, py3.12 and gpu-image rows: only the main runs, for quick local runs), ``--only
-GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, ``gpu-image``,
+GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, ``gpu-image``, ``ray``,
 comma-separated; e.g.
 ``--only static`` takes seconds warm); anything after ``--`` goes to every pytest
 run (a run it leaves with nothing to collect then counts as empty, not failed). The
@@ -98,7 +101,7 @@ STATIC_RELEASE = "0.24.0"  # the overlay on the static runs' PYTHONPATH
 # The real-vLLM suite on the Python of vLLM's own images.
 PY312 = "3.12"
 PY312_RELEASES = ["0.24.0", "0.25.0"]
-PY312_MARKERS = "not e2e and not image and not gpu_image"
+PY312_MARKERS = "not e2e and not image and not gpu_image and not ray"
 # What the py3.12 rows run (besides their one e2e test): the product's code paths on the
 # Python of vLLM's images: every patch's release-sensitive tests except the fork/reload
 # hardening ones, the start-up line, the CLI, detection, provenance. Left out to keep
@@ -126,7 +129,10 @@ PY312_E2E = {
 # static rows' fingerprints of the same files, and it costs two more vLLM imports.
 GPU_IMAGE_RELEASES = ["0.24.0", "0.25.0"]
 GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
-GROUPS = ("main", "static", "py3.12", "gpu-image")
+GROUPS = ("main", "static", "py3.12", "gpu-image", "ray")
+# The ray row: `audit --ray` on a real local two-node Ray cluster, in a venv with Ray,
+# numpy, tqdm and pytest only (scripts/locks/ray.txt).
+RAY_TESTS = ["tests/test_audit_ray.py"]
 NO_TESTS_COLLECTED = 5  # pytest's exit status
 
 
@@ -273,6 +279,22 @@ def gpu_image_rows(envs: list[tuple[str, Path, Path]] | str, user: list[str]) ->
     return rows
 
 
+def ray_row(user: list[str]) -> Row:
+    """``RAY_TESTS`` in the Ray venv (no torch, no vLLM), vllm-hsfix on PYTHONPATH."""
+    row = Row("ray", vllm_env.RAY_PYTHON, "-", "audit --ray, 2-node cluster")
+    try:
+        py = vllm_env.ensure_ray_venv()
+    except vllm_env.StepFailed as exc:
+        row.fail(str(exc))
+        return row
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.pop("VIRTUAL_ENV", None)
+    pytest_into(row, py, ["-m", "ray", *RAY_TESTS], env, user)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -301,7 +323,7 @@ def main() -> int:
         "--no-extra-pythons",
         action="store_true",
         help="only the main runs: no static rows (Python 3.10-3.13), no py3.12 rows, "
-        "no gpu-image rows",
+        "no gpu-image rows, no ray row",
     )
     ap.add_argument(
         "--only",
@@ -368,7 +390,7 @@ def main() -> int:
         if "main" not in groups or release not in releases:
             continue
         marker = "not affected" if is_fixed(release) else "not fixed"
-        marker += " and not gpu_image"
+        marker += " and not gpu_image and not ray"
         if args.fast:
             marker += " and not e2e"
         if not args.extended:
@@ -406,6 +428,8 @@ def main() -> int:
                 pytest_into(row, py, [PY312_E2E[release]], env, user, part="-e2e")
     if "gpu-image" in groups:
         rows += gpu_image_rows(gpu_envs, user)
+    if "ray" in groups:
+        rows.append(ray_row(user))
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print(flush=True)
     say("per run:")

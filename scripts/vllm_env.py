@@ -126,6 +126,9 @@ SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
 TOOLS = ["pytest>=8", "pytest-timeout", "ruff", "wrapt", "packaging", "build", "twine", "uv"]
 # The static-test venvs: exactly these (and their dependencies), from STATIC_LOCK.
 STATIC_LOCK = LOCKS / "static.txt"
+# The Ray venv (``audit --ray`` on a real local cluster): Ray, numpy, tqdm, pytest.
+RAY_LOCK = LOCKS / "ray.txt"
+RAY_PYTHON = "3.11"
 # Where to look for interpreters of other Python versions besides PATH (pyenv's).
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 THIS_PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -411,6 +414,30 @@ def ensure_static_venv(python: str) -> Path:
             f"install pytest, pytest-timeout, wrapt, packaging into {env} from "
             f"{STATIC_LOCK.relative_to(ROOT)} (exact versions)",
             pip(py, "install", "-q", "--no-deps", "--only-binary=:all:", "-r", str(STATIC_LOCK)),
+            env,
+        )
+        stamp.write_text(key)
+    return py
+
+
+def ensure_ray_venv() -> Path:
+    """A venv with Ray, numpy, tqdm and pytest (RAY_LOCK), nothing else: no torch, no
+    vLLM, not vllm-hsfix itself (the tests find it on PYTHONPATH; Ray ships it to its
+    workers)."""
+    env = CACHE / "envs" / f"ray-py{RAY_PYTHON}"
+    py = env / "bin" / "python"
+    if not py.exists():
+        base = require_python(RAY_PYTHON)
+        run_step(
+            f"create venv {env} (Python {RAY_PYTHON})", [str(base), "-m", "venv", str(env)], env
+        )
+    stamp = env / ".vllm-hsfix-deps"
+    key = json.dumps({"lock": lock_key(RAY_LOCK)})
+    if not stamp_ok(stamp, key):
+        run_step(
+            f"install ray, numpy, tqdm, pytest into {env} from "
+            f"{RAY_LOCK.relative_to(ROOT)} (exact versions)",
+            pip(py, "install", "-q", "--no-deps", "--only-binary=:all:", "-r", str(RAY_LOCK)),
             env,
         )
         stamp.write_text(key)
