@@ -201,21 +201,29 @@ def test_a_terminal_gets_tqdm(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- pending
 
 
-def test_a_locked_file_is_pending_not_judged(
+def test_a_file_whose_writer_holds_the_lock_is_pending_not_judged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The writer's protocol (the connector's): ``LOCK_EX`` on ``NAME.lock`` while it
+    writes; the ``.lock`` file stays after the write, unlocked. Only a held lock makes
+    a file pending; a leftover ``.lock`` does not."""
     for i in range(3):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+        write_raw(tmp_path / f"g{i}.safetensors.lock", b"")  # leftovers of finished writes
     half = write_raw(tmp_path / "writing.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{")
-    write_raw(tmp_path / "writing.safetensors.lock", b"")
-    assert command.main([str(tmp_path), "--json"]) == 0  # not corrupt: not judged yet
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["pending"] == [str(half)] and doc["regenerate"] == []
-    by = {f["path"]: f for f in doc["files"]}
-    assert by[str(half)]["verdict"] == "pending"
-    assert [p["code"] for p in by[str(half)]["problems"]] == ["locked"]
-    assert audit_api.check_file(half).verdict == "pending"
-    (tmp_path / "writing.safetensors.lock").unlink()
+    lock_fd = os.open(f"{half}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # the writer, mid-write
+    try:
+        assert command.main([str(tmp_path), "--json"]) == 0  # not corrupt: not judged yet
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["pending"] == [str(half)] and doc["regenerate"] == []
+        assert doc["totals"]["ok"] == 3 and doc["totals"]["pending"] == 1
+        by = {f["path"]: f for f in doc["files"]}
+        assert by[str(half)]["verdict"] == "pending"
+        assert [p["code"] for p in by[str(half)]["problems"]] == ["locked"]
+        assert audit_api.check_file(half).verdict == "pending"
+    finally:
+        os.close(lock_fd)  # the writer finishes (or dies: the kernel drops the lock)
     assert audit_api.check_file(half).verdict == "corrupt"
     assert command.main([str(tmp_path)]) == 1
 

@@ -71,11 +71,37 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
+def writer_holds_lock(path: str) -> bool:
+    """Whether the connector's writer still holds ``path.lock`` (its exclusive flock).
+
+    The ``.lock`` file itself stays behind after the write (the reader that consumes
+    the file removes it), so its existence says nothing; the lock does: the writer
+    holds ``LOCK_EX`` from before the first byte until the file is complete, and the
+    kernel drops it when the writer exits or dies. A non-blocking shared lock is
+    refused exactly while the writer holds it (and is released at once otherwise)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: nothing can be known
+        return False
+    try:
+        fd = os.open(path + LOCK_SUFFIX, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a filesystem without flock: judge the file
+    finally:
+        os.close(fd)  # also releases our shared lock, if we got it
+    return False
+
+
 def locked(path: str) -> FileReport | None:
-    """A ``pending`` report when the writer's ``.lock`` sits beside ``path``, else None.
-    The connector holds the lock while it writes: judging the file now would call a
-    half-written file truncated."""
-    if not os.path.exists(path + LOCK_SUFFIX):
+    """A ``pending`` report while the writer still holds the file's lock, else None:
+    judging a half-written file would call it truncated."""
+    if not writer_holds_lock(path):
         return None
     rep = FileReport(path=path)
     with contextlib.suppress(OSError):
@@ -83,8 +109,8 @@ def locked(path: str) -> FileReport | None:
     rep.add(
         "locked",
         PENDING,
-        f"{os.path.basename(path)}{LOCK_SUFFIX} sits beside it: its writer may still be "
-        "writing it; not judged (audit again when the lock is gone)",
+        f"its writer holds {os.path.basename(path)}{LOCK_SUFFIX}: still being written; "
+        "not judged (audit again when the writer is done)",
     )
     return rep
 
