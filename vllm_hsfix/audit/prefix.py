@@ -63,7 +63,11 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
 
 
 def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
-    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM]."""
+    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM].
+
+    Stacked on purpose: one small product per token stays single-threaded in BLAS. A
+    single 2-D product is twice as fast alone, but large enough for OpenBLAS to start
+    its threads, which spin: two workers on two cores then ran 10x slower (measured)."""
     return rows @ sketch_matrix(rows.shape[-1])
 
 
