@@ -157,6 +157,7 @@ def audit_paths(
     if n < 1:
         raise ValueError(f"workers must be >= 1, got {n}")
     emit = on_record or (lambda r: None)
+    streaming = on_record is not None  # build records only for someone who reads them
     store = State(os.fspath(state)) if state is not None else None
     stats = [_stat(p) for p in files]
     full: list[FileReport | None] = [None] * len(files)
@@ -165,7 +166,8 @@ def audit_paths(
     def take(i: int, rep: FileReport, cached: bool = False) -> None:
         if store is not None and not cached and rep.verdict != PENDING:
             store.put(rep, *stats[i])
-        emit(records.file_record(rep, cached))
+        if streaming:
+            emit(records.file_record(rep, cached))
         if rep.verdict != PENDING:
             sketches[i] = Sketch.of(rep)
         rep.prefix = None  # the sketch holds it now
