@@ -35,14 +35,23 @@ class Factory(Protocol):
     def __call__(self, label: str, total: int, total_bytes: int = 0) -> Progress: ...
 
 
-def rate_line(label: str, done: int, total: int, nbytes: int, seconds: float) -> str:
-    """``audit scan: 12/20 files, 0.10 GB, 1.0 s, 12.0 files/s, 0.100 GB/s``."""
+def rate_line(
+    label: str, done: int, total: int, nbytes: int, seconds: float, second: str = "bytes"
+) -> str:
+    """``audit scan: 12/20 files, 0.10 GB, 1.0 s, 12.0 files/s, 0.100 GB/s``; with
+    ``second="tokens"`` the second count is tokens (``repair``: tokens/s)."""
     s = max(seconds, 1e-9)
-    line = f"audit {label}: {done}/{total} files"
-    if nbytes:
+    line = f"{label}: {done}/{total} files"
+    if not label.startswith("repair"):
+        line = "audit " + line
+    if nbytes and second == "tokens":
+        line += f", {nbytes} tokens"
+    elif nbytes:
         line += f", {nbytes / 1e9:.2f} GB"
     line += f", {seconds:.1f} s, {done / s:.1f} files/s"
-    if nbytes:
+    if nbytes and second == "tokens":
+        line += f", {nbytes / s:.0f} tokens/s"
+    elif nbytes:
         line += f", {nbytes / 1e9 / s:.3f} GB/s"
     return line
 
@@ -73,8 +82,10 @@ class LogLines:
         stream: IO[str],
         interval: float,
         clock: Any = time.monotonic,
+        second: str = "bytes",
     ) -> None:
         self.label, self.total, self.stream = label, total, stream
+        self.second = second
         self.interval, self.clock = interval, clock
         self.done = self.nbytes = 0
         self.t0 = self._last = clock()
@@ -89,7 +100,7 @@ class LogLines:
             self._write(now)
 
     def _write(self, now: float) -> None:
-        line = rate_line(self.label, self.done, self.total, self.nbytes, now - self.t0)
+        line = rate_line(self.label, self.done, self.total, self.nbytes, now - self.t0, self.second)
         self.stream.write(line + "\n")
         self.stream.flush()
 
@@ -102,28 +113,36 @@ class LogLines:
 class TqdmBar:
     """tqdm's bar on a terminal, with GB/s beside files/s when bytes are known."""
 
-    def __init__(self, label: str, total: int, total_bytes: int, stream: IO[str]) -> None:
+    def __init__(
+        self, label: str, total: int, total_bytes: int, stream: IO[str], second: str = "bytes"
+    ) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=f"audit {label}", unit="file", file=stream, leave=True)
+        desc = label if label.startswith("repair") else f"audit {label}"
+        self.bar = tqdm(total=total, desc=desc, unit="file", file=stream, leave=True)
         self.total_bytes = total_bytes
+        self.second = second
         self.nbytes = 0
         self.t0 = time.monotonic()
 
     def update(self, n: int = 1, nbytes: int = 0) -> None:
         self.nbytes += nbytes
         if self.total_bytes:
-            gbps = self.nbytes / 1e9 / max(time.monotonic() - self.t0, 1e-9)
-            self.bar.set_postfix_str(f"{gbps:.3f} GB/s", refresh=False)
+            rate = self.nbytes / max(time.monotonic() - self.t0, 1e-9)
+            text = f"{rate:.0f} tokens/s" if self.second == "tokens" else f"{rate / 1e9:.3f} GB/s"
+            self.bar.set_postfix_str(text, refresh=False)
         self.bar.update(n)
 
     def close(self) -> None:
         self.bar.close()
 
 
-def for_stream(stream: IO[str] | None = None, interval: float = DEFAULT_INTERVAL) -> Factory:
+def for_stream(
+    stream: IO[str] | None = None, interval: float = DEFAULT_INTERVAL, second: str = "bytes"
+) -> Factory:
     """The factory fitting ``stream`` (stderr by default): tqdm on a terminal when it
-    is installed, else log lines every ``interval`` seconds."""
+    is installed, else log lines every ``interval`` seconds. ``second``: what the
+    second count is, ``bytes`` (audit) or ``tokens`` (repair)."""
     out = stream if stream is not None else sys.stderr
     tty = bool(getattr(out, "isatty", lambda: False)())
     use_tqdm = False
@@ -137,7 +156,7 @@ def for_stream(stream: IO[str] | None = None, interval: float = DEFAULT_INTERVAL
 
     def make(label: str, total: int, total_bytes: int = 0) -> Progress:
         if use_tqdm:
-            return TqdmBar(label, total, total_bytes, out)
-        return LogLines(label, total, out, interval)
+            return TqdmBar(label, total, total_bytes, out, second)
+        return LogLines(label, total, out, interval, second=second)
 
     return make

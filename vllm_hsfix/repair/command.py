@@ -1,0 +1,390 @@
+"""``vllm-hsfix repair PATHS --model MODEL_DIR``: regenerate exactly the bad files.
+
+Flow: targets (an audit here, or ``--from-audit``) -> what each file must keep (its
+token ids, tensor names, dtype, ``[n_aux, hidden]``) -> the guard before vLLM starts
+-> one vLLM engine for all targets (its own process), the guard again inside it before
+the first request -> per regenerated file: checked, put in place atomically, journaled
+-> the dataset audited again -> counts.
+
+Exit codes: 0 every targeted file is now ``ok`` (or there was nothing to repair); 1 a
+targeted file is still bad or was skipped, or the fix is not active where vLLM runs
+(then nothing is written); 2 usage (no such path, no model, no aux layers known, a bad
+``--shard``, ...). ``--dry-run`` lists what would be regenerated and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..audit import format as fmt
+from ..audit.pipeline import audit_paths, expand_paths
+from ..audit.progress import SILENT, Factory, for_stream
+from ..audit.reports import CORRUPT, OK, SUSPECT
+from . import guard, replace
+from ._run import FILE, GUARD
+from .journal import Journal
+from .targets import Target, from_audit_output, read_target, shard
+
+DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "repair",
+        help="regenerate the files an audit found corrupt, with the fixed vLLM",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("paths", nargs="+", help="the dataset: files or directories")
+    p.add_argument("--model", help="the verifier the dataset was made with (a local dir)")
+    p.add_argument(
+        "--aux-layers",
+        default=None,
+        help="eagle_aux_hidden_state_layer_ids, e.g. 1,2,3 (else from the files' "
+        "provenance metadata)",
+    )
+    p.add_argument("--from-audit", metavar="FILE", help="an audit's --jsonl or --list output")
+    p.add_argument("--include-suspect", action="store_true", help="regenerate suspect files too")
+    p.add_argument("--backup", metavar="DIR", help="keep each old file here before replacing it")
+    p.add_argument(
+        "--state",
+        metavar="FILE",
+        default=DEFAULT_STATE,
+        help=f"journal of replaced files, for resuming (default ./{DEFAULT_STATE})",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list what would be regenerated")
+    p.add_argument("--batch-size", type=int, default=256, help="prompts per engine batch")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="more vllm.LLM keyword arguments, e.g. dtype='\"bfloat16\"' (repeatable)",
+    )
+    p.add_argument("--endpoint", metavar="URL", help="use this running vllm serve instead")
+    p.add_argument("--shard", metavar="K/N", help="only every N-th target from the K-th")
+    p.add_argument("--workers", type=int, default=None, help="audit worker processes")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=run)
+    return p
+
+
+def _usage(args: argparse.Namespace) -> str | None:
+    for path in args.paths:
+        if not os.path.exists(path):
+            return f"no such file or directory: {path}"
+    if args.batch_size < 1:
+        return f"--batch-size must be >= 1, got {args.batch_size}"
+    needs_model = not args.dry_run and not args.endpoint
+    if needs_model and not (args.model and os.path.isfile(os.path.join(args.model, "config.json"))):
+        return f"--model {args.model}: no config.json there (missing model)"
+    try:
+        shard([], args.shard)
+        for kv in args.engine_arg:
+            key, _, value = kv.partition("=")
+            if not key or not value:
+                raise ValueError(f"--engine-arg {kv}: expected KEY=JSON")
+            json.loads(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _aux(args: argparse.Namespace, targets: list[Target]) -> tuple[int, ...] | str:
+    if args.aux_layers:
+        try:
+            return tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
+        except ValueError:
+            return f"--aux-layers {args.aux_layers}: expected integers, e.g. 1,2,3"
+    stamped = {t.aux_layers for t in targets if t.aux_layers}
+    if len(stamped) == 1:
+        return stamped.pop()  # type: ignore[return-value]
+    if len(stamped) > 1:
+        return (
+            f"the files' provenance names different aux layers {sorted(stamped)}: pass --aux-layers"
+        )
+    return (
+        "the aux layers are not known: pass --aux-layers (the files carry no "
+        "vllm_hsfix.aux_layers provenance metadata)"
+    )
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.replaced: list[str] = []
+        self.skipped: dict[str, str] = {}  # path -> why
+        self.refused: dict[str, str] = {}  # path -> why the new file was not installed
+
+    def skip(self, path: str, why: str) -> None:
+        self.skipped[path] = why
+
+
+def _start_engine(job: dict[str, Any], workdir: str) -> subprocess.Popen[str]:
+    path = os.path.join(workdir, "job.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(job, f)
+    env = dict(os.environ, VLLM_HSFIX_STATUS_DIR=job["status_dir"])
+    log = open(os.path.join(workdir, "vllm.log"), "w", encoding="utf-8")  # noqa: SIM115
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "vllm_hsfix.repair._run", path],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+    )
+
+
+def _log_tail(workdir: str, n: int = 2000) -> str:
+    try:
+        with open(os.path.join(workdir, "vllm.log"), encoding="utf-8", errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _endpoint_stamp_problem(path: str) -> str | None:
+    """``--endpoint``: the server's files must say vllm-hsfix made them (provenance)."""
+    with open(path, "rb") as f:
+        header, _ = fmt.read_header(f, os.fstat(f.fileno()).st_size)
+    meta = header.get("__metadata__") or {}
+    patches = meta.get("vllm_hsfix.patches")
+    vllm = meta.get("vllm_hsfix.vllm", "")
+    if patches is None:
+        return (
+            "the server's files carry no vllm-hsfix provenance: run vllm serve with "
+            "vllm-hsfix installed and VLLM_HSFIX_PROVENANCE=1"
+        )
+    if patches == "none" and not _fixed_release(vllm):
+        return f"the server (vLLM {vllm}) wrote a file with no vllm-hsfix patch applied"
+    return None
+
+
+def _fixed_release(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release >= (0, 25)
+    except InvalidVersion:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    err = sys.stderr
+    problem = _usage(args)
+    if problem:
+        print(f"vllm-hsfix repair: {problem}", file=err)
+        return 2
+    progress: Factory = SILENT if args.no_progress else for_stream(err, second="tokens")
+    audit_state = args.state + ".audit"
+    if args.from_audit:
+        paths = from_audit_output(args.from_audit, args.include_suspect)
+    else:
+        audit_progress = SILENT if args.no_progress else for_stream(err)
+        report = audit_paths(
+            args.paths, args.workers, audit_progress, state=audit_state, keep=False
+        )
+        wanted = {CORRUPT, SUSPECT} if args.include_suspect else {CORRUPT}
+        paths = [p for p, v in report.verdicts if v in wanted]
+    paths = shard(paths, args.shard)
+    journal = Journal(args.state)
+    done_before = [p for p in paths if journal.is_done(p)]
+    counts = Counts()
+    targets: list[Target] = []
+    for p in paths:
+        if p in done_before:
+            continue
+        t = read_target(p)
+        if t.problem:
+            counts.skip(p, t.problem)
+        else:
+            targets.append(t)
+    aux = _aux(args, targets) if targets else ()
+    if isinstance(aux, str):
+        print(f"vllm-hsfix repair: {aux}", file=err)
+        return 2
+    longest = max((t.tokens for t in targets), default=0)
+    max_len = args.max_model_len or max(16, longest + 2)
+    for t in list(targets):
+        why = None
+        if t.n_aux is not None and t.n_aux != len(aux):
+            why = f"the file has {t.n_aux} aux layers, --aux-layers gives {len(aux)}"
+        elif t.tokens + 1 > max_len:
+            why = f"{t.tokens} tokens do not fit --max-model-len {max_len}"
+        if why:
+            counts.skip(t.path, why)
+            targets.remove(t)
+    n_tokens = sum(t.tokens for t in targets)
+    print(
+        f"repair: {len(paths)} targeted files ({len(done_before)} already repaired by an "
+        f"earlier run, {len(counts.skipped)} skipped), {len(targets)} to regenerate, "
+        f"{n_tokens} tokens",
+        file=err,
+    )
+    if args.dry_run:
+        for t in targets:
+            print(f"{t.path}\t{t.tokens} tokens")
+        for p, why in counts.skipped.items():
+            print(f"# skip {p}: {why}")
+        print(f"would regenerate {len(targets)} files, {n_tokens} tokens")
+        return 0
+    if targets:
+        status = _regenerate(args, targets, tuple(aux), max_len, journal, counts, progress)
+        if status is not None:
+            return status
+    journal.close()
+    return _finish(args, paths, counts, audit_state)
+
+
+def _regenerate(
+    args: argparse.Namespace,
+    targets: list[Target],
+    aux: tuple[int, ...],
+    max_len: int,
+    journal: Journal,
+    counts: Counts,
+    progress: Factory,
+) -> int | None:
+    """Run the engine over ``targets``; None to go on, else the exit code."""
+    err = sys.stderr
+    problems, needed = guard.preflight()
+    if problems and not args.endpoint:
+        print("vllm-hsfix repair: the fix is not active here; nothing written:", file=err)
+        for p in problems:
+            print(f"  {p}", file=err)
+        return 1
+    root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
+    with tempfile.TemporaryDirectory(prefix="vllm-hsfix-repair-") as work:
+        engine_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+        job = {
+            "spec": {
+                "model": args.model,
+                "aux_layers": list(aux),
+                "max_model_len": max_len,
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "data_parallel_size": args.data_parallel_size,
+                "engine_args": engine_args,
+            },
+            "endpoint": args.endpoint,
+            "served": args.model if args.endpoint and args.model else None,
+            "scratch": os.path.join(work, "hs"),
+            "status_dir": os.path.join(work, "status"),
+            "needed": needed,
+            "prompts": [t.token_ids for t in targets],
+            "batch_size": args.batch_size,
+        }
+        t0 = time.monotonic()
+        proc = _start_engine(job, work)
+        bar = None
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(GUARD):
+                    found = json.loads(line[len(GUARD) :])
+                    if found:
+                        print(
+                            "vllm-hsfix repair: the fix is not active where vLLM runs; "
+                            "nothing written:",
+                            file=err,
+                        )
+                        for p in found:
+                            print(f"  {p}", file=err)
+                        return 1
+                    print(f"repair: engine ready in {time.monotonic() - t0:.0f} s", file=err)
+                    bar = progress("repair", len(targets), sum(t.tokens for t in targets))
+                elif line.startswith(FILE):
+                    index, produced = json.loads(line[len(FILE) :])
+                    t = targets[index]
+                    _take(args, t, produced, root, journal, counts)
+                    if bar:
+                        bar.update(1, t.tokens)
+            code = proc.wait()
+        finally:
+            if bar:
+                bar.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if code != 0:
+            print(
+                f"vllm-hsfix repair: the vLLM run failed (exit {code}):\n{_log_tail(work)}",
+                file=err,
+            )
+            return 1
+    return None
+
+
+def _take(
+    args: argparse.Namespace,
+    t: Target,
+    produced: str | None,
+    root: str | None,
+    journal: Journal,
+    counts: Counts,
+) -> None:
+    if produced is None:
+        counts.refused[t.path] = "vLLM wrote no file for it"
+        return
+    if args.endpoint:
+        problem = _endpoint_stamp_problem(produced)
+        if problem:
+            counts.refused[t.path] = problem
+            return
+    try:
+        digest, size = replace.install(produced, t, args.backup, root)
+    except replace.Refused as exc:
+        counts.refused[t.path] = str(exc)
+        return
+    journal.replaced(t.path, digest, size)
+    counts.replaced.append(t.path)
+
+
+def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_state: str) -> int:
+    """Audit again (the replaced files with their prefix neighbours: the whole input,
+    unchanged files from the audit state) and say how every targeted file ended."""
+    err = sys.stderr
+    files = expand_paths(args.paths) if not args.from_audit else None
+    audit_progress = SILENT if args.no_progress else for_stream(err)
+    report = audit_paths(
+        files if files is not None else paths,
+        args.workers,
+        audit_progress,
+        state=audit_state,
+        keep=False,
+    )
+    verdict = dict(report.verdicts)
+    targeted = set(paths)
+    now_ok = sorted(p for p in targeted if verdict.get(p) == OK)
+    still_bad = sorted(p for p in targeted if verdict.get(p) != OK and p not in counts.skipped)
+    print(
+        f"repair: {len(counts.replaced)} regenerated this run; of {len(targeted)} targeted "
+        f"files {len(now_ok)} are ok now, {len(still_bad)} still bad, "
+        f"{len(counts.skipped)} skipped",
+    )
+    for p in still_bad:
+        why = counts.refused.get(p) or f"audit says {verdict.get(p)} after regeneration"
+        print(f"  still bad {p}: {why}")
+    for p, why in sorted(counts.skipped.items()):
+        print(f"  skipped {p}: {why}")
+    ok = not still_bad and not counts.skipped
+    print("result: " + ("every targeted file is ok" if ok else "NOT every targeted file is ok"))
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm-hsfix")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    try:
+        args = ap.parse_args(["repair", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    return int(args.fn(args))
