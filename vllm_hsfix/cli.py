@@ -1,4 +1,4 @@
-"""``vllm-hsfix``: status | verify | run | demo | audit | bootstrap-dir.
+"""``vllm-hsfix``: status | verify | run | demo | audit | repair | bootstrap-dir.
 
 Exit codes are meant for a Dockerfile ``RUN``:
 
@@ -12,8 +12,13 @@ Exit codes are meant for a Dockerfile ``RUN``:
 * ``verify``: 0 every check passed; 1 a check failed or a patch is not in place;
   2 it cannot run here (no vLLM, or ``--device cuda`` without a GPU).
 * ``run``: the exit code of the command.
-* ``audit``: 0 no corrupt file (suspect files are listed, not failed); 1 corrupt files
-  found; 2 usage error (missing path, ``--workers`` < 1, no ``.safetensors`` found).
+* ``audit``: 0 no corrupt file (suspect files are listed, not failed; pending files,
+  still locked by their writer, are not judged); 1 corrupt files found; 2 usage error
+  (missing path, ``--workers`` < 1, no ``.safetensors`` found, two outputs on stdout,
+  numpy or, for ``--ray``, Ray missing).
+* ``repair``: 0 every targeted file is ``ok`` now (or nothing needed repair); 1 a
+  targeted file is still bad or was skipped, or the fix is not active where vLLM runs
+  (nothing written); 2 usage error (missing path or model, aux layers unknown).
 """
 
 from __future__ import annotations
@@ -305,18 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--cases",
         default="hybrid-mp,load-mp",
         help="comma list of: hybrid-mp, hybrid-1aux, dense-mp, chat-mp, moe-mp, load-mp, "
-        "load-moe-mp, user-script (default hybrid-mp,load-mp; the moe cases run only where "
-        "vLLM's CPU MoE kernels exist; user-script runs a plain extraction script with "
-        "vllm-hsfix off and on)",
+        "load-moe-mp, user-script, repair (default hybrid-mp,load-mp; the moe cases run "
+        "only where vLLM's CPU MoE kernels exist; user-script runs a plain extraction "
+        "script with vllm-hsfix off and on; repair writes a dataset without the fix and "
+        "runs vllm-hsfix repair on it)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--workdir", default=None)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bootstrap-dir", help="print the directory to put first on PYTHONPATH")
     p.set_defaults(fn=cmd_bootstrap_dir)
-    from . import audit
+    from . import audit, repair
 
     audit.add_parser(sub)
+    repair.add_parser(sub)
     return ap
 
 

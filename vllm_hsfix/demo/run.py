@@ -11,6 +11,10 @@ The ``user-script`` case is a user's plain script (``user_script.py``, a tiny de
 model) run as it is, without vllm-hsfix (``VLLM_HSFIX_DISABLE=1``) and with it: on
 vLLM's CPU build the first fails and the second writes correct files.
 
+The ``repair`` case (``repair_case.py``) writes a chat-like dataset with the release's
+own behaviour, then runs ``vllm-hsfix repair`` on it with the fix active and compares
+every file with the reference before and after.
+
 The CPU it ran on (model, AVX-512, AMX) is printed and in the ``--json`` record.
 """
 
@@ -25,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import e2e
+from . import e2e, repair_case
 
 
 def _say(msg: str) -> None:
@@ -87,6 +91,7 @@ def verdict(results: list[e2e.Result], fixed_release: bool) -> tuple[int, str]:
 
 
 USER_SCRIPT_CASE = "user-script"
+REPAIR_CASE = "repair"
 
 
 def script_verdict(runs: list[e2e.ScriptRun], cpu_build: bool) -> tuple[int, str]:
@@ -123,9 +128,19 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     _say(f"CPU: {e2e.describe_cpu(cpu)}")
     _say("building the tiny dense hybrid verifier (Qwen3.5 text stack, 4 layers, random weights)")
     results = []
+    repairs: list[repair_case.RepairRun] = []
     scripts: list[e2e.ScriptRun] = []
     skipped: dict[str, str] = {}
     for name in cases:
+        if name == REPAIR_CASE:
+            _say(
+                "repair: the chat prompts written by the release without the fix, then "
+                "`vllm-hsfix repair` on them with the fix active (two vLLM runs, ~3 min)"
+            )
+            rep = repair_case.run(root, models / "models")
+            _say(f"  -> {rep.summary()}")
+            repairs.append(rep)
+            continue
         if name == USER_SCRIPT_CASE:
             for hsfix in (False, True):
                 _say(
@@ -156,7 +171,11 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
                 else f"  -> run failed: {(r.error or '').splitlines()[0]}"
             )
             results.append(r)
-    code, line = verdict(results, fixed) if results or not scripts else (0, "")
+    code, line = verdict(results, fixed) if results or not (scripts or repairs) else (0, "")
+    for rep in repairs:
+        ok = rep.ok and (fixed or rep.before.get("requests_correct", 1) == 0)
+        code = max(code, 0 if ok else 1)
+        line = "\n".join(x for x in (line, rep.summary()) if x)
     if scripts:
         s_code, s_line = script_verdict(scripts, bool(inst.cpu_build))
         code, line = max(code, s_code), "\n".join(x for x in (line, s_line) if x)
@@ -170,6 +189,7 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
                     "verdict": line,
                     "skipped": skipped,
                     "results": [r.as_dict() for r in results],
+                    "repair": [{**asdict(r), "ok": r.ok} for r in repairs],
                     "user_script": [
                         {**asdict(r), "ok": r.ok, "summary": r.summary()} for r in scripts
                     ],
@@ -188,6 +208,8 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             print(table(results))
         for r in scripts:
             print(r.summary())
+        for rep in repairs:
+            print(rep.summary())
         for name, why in skipped.items():
             print(f"{name}: skipped: {why}")
         print(f"\n{line}")
@@ -196,9 +218,10 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
 
 def cli_entry(args: Any) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in e2e.CASES and c != USER_SCRIPT_CASE]
+    extra = (USER_SCRIPT_CASE, REPAIR_CASE)
+    unknown = [c for c in cases if c not in e2e.CASES and c not in extra]
     if unknown:
-        known = [*e2e.CASES, USER_SCRIPT_CASE]
+        known = [*e2e.CASES, *extra]
         print(f"unknown case(s) {unknown}; known: {known}", file=sys.stderr)
         return 2
     return main(cases, args.json, args.workdir)

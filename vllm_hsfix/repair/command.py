@@ -225,9 +225,9 @@ def run(args: argparse.Namespace) -> int:
             targets.remove(t)
     n_tokens = sum(t.tokens for t in targets)
     print(
-        f"repair: {len(paths)} targeted files ({len(done_before)} already repaired by an "
-        f"earlier run, {len(counts.skipped)} skipped), {len(targets)} to regenerate, "
-        f"{n_tokens} tokens",
+        f"repair: {len(paths)} targeted files, {len(targets)} to regenerate ({n_tokens} "
+        f"tokens), {len(counts.skipped)} skipped, {len(done_before)} already repaired by an "
+        f"earlier run (the journal holds {len(journal.done)} replaced files)",
         file=err,
     )
     if args.dry_run:
