@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import clean_env
 from test_audit import H, hs_file, write_raw
 
 from vllm_hsfix.repair import command, journal, replace, targets
@@ -142,14 +142,19 @@ def test_the_journal_says_done_only_for_an_unchanged_replaced_file(tmp_path: Pat
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "repair", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env or clean_env(),
-        timeout=300,
-    )
+    """The command in a fresh interpreter, in a scratch directory of its own (the
+    default journal and audit state are written to the current directory)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(
+            [sys.executable, "-m", "vllm_hsfix", "repair", *args],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env or clean_env(),
+            timeout=300,
+        )
 
 
 def model_dir(tmp_path: Path) -> Path:
