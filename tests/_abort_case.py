@@ -110,17 +110,11 @@ def switch(cls: type, on: dict[str, bool]) -> dict[str, bool]:
     return live
 
 
-def main() -> None:
-    with open(sys.argv[1]) as fh:
-        args = json.load(fh)
-    import vllm_hsfix
-    from vllm_hsfix.patches import abort_unscheduled
+def make_llm(args: dict[str, Any]) -> Any:
+    """The engine of every abort case: ``max_num_seqs=1``, the tiny model, the connector."""
+    from vllm import LLM
 
-    vllm_hsfix.apply()
-    from vllm import LLM, SamplingParams
-
-    t0 = time.monotonic()
-    llm = LLM(
+    return LLM(
         model=args["model"],
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -143,6 +137,19 @@ def main() -> None:
             "kv_connector_extra_config": {"shared_storage_path": args["out"]},
         },
     )
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        args = json.load(fh)
+    import vllm_hsfix
+    from vllm_hsfix.patches import abort_unscheduled
+
+    vllm_hsfix.apply()
+    from vllm import SamplingParams
+
+    t0 = time.monotonic()
+    llm = make_llm(args)
     startup = time.monotonic() - t0
     engine = llm.llm_engine
     sp = SamplingParams(max_tokens=1, temperature=0.0)

@@ -28,11 +28,14 @@ which requests each step had.
 
 vllm-hsfix is active, as in a user's job (on vLLM's CPU build its CPU patches are what
 let the connector save at all); none of its patches touches what is measured here.
+Its ``refuse-config`` check sees these settings at engine start: the WARNINGs it logs
+then are recorded (``hsfix_warnings_at_start``), as the release's register row says.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -60,6 +63,15 @@ def main() -> None:
             wrapt.wrap_function_wrapper(module, "GPUModelRunner._input_fits_in_drafter", observe)
 
     wrapt.register_post_import_hook(record_fits, "vllm.v1.worker.gpu_model_runner")
+    # What vllm-hsfix says at engine start (its refuse-config check of the settings).
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                said.append(record.getMessage())
+
+    logging.getLogger("vllm_hsfix").addHandler(Keep())
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -86,6 +98,7 @@ def main() -> None:
             "kv_connector_extra_config": {"shared_storage_path": args["out"]},
         },
     )
+    warnings_at_start = list(said)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     steps: list[dict[str, Any]] = []
@@ -148,6 +161,8 @@ def main() -> None:
                 "error": error,
                 "block_size": engine.vllm_config.cache_config.block_size,
                 "patches": patches,
+                "hsfix_warnings_at_start": warnings_at_start,
+                "config_checks": vllm_hsfix.status()["config_checks"],
             }
         ),
         flush=True,

@@ -26,16 +26,16 @@ LAYERS: list[set[str]] = [
     {"_version", "errors", "_lazy", "_locks", "config"},
     {"detect", "shapes", "patches", "patches.hooks", "hazards"},
     {"patches._wrap", "tested"},
-    {"patches._probe", "provenance", "checks"},
+    {"patches._probe", "provenance", "checks", "refuse_config"},
     PATCH_MODULES,
     {"plan", "state", "audit"},
     {"report"},
     {"runtime"},
-    {"activation", "verify", "demo"},
+    {"activation", "verify", "demo", "repair"},
     {"plugin", "__init__", "cli"},
     {"__main__", "_bootstrap"},
 ]
-GROUPS = ("audit", "demo", "_bootstrap")
+GROUPS = ("audit", "demo", "repair", "_bootstrap")
 
 
 def module_name(path: Path) -> str:

@@ -151,9 +151,9 @@ def test_assess_a_patched_hazard(release: str | None, codes: dict[str, str], sta
 
 
 def test_assess_a_documented_hazard() -> None:
-    h = hazards.by_id("drafter-skip")
-    assert hazards.assess(h, "0.26.0", {})["state"] == "exposed"
-    assert hazards.assess(h, "0.26.0", {})["reason"] == h.workaround
+    h = hazards.by_id("aux-final-layer-dropped")
+    assert hazards.assess(h, "0.24.0", {})["state"] == "exposed"
+    assert hazards.assess(h, "0.24.0", {})["reason"] == h.workaround
     assert hazards.assess(h, "0.32.0", {})["state"] == "fixed-upstream"
     torn = hazards.by_id("torn-files-in-step")
     assert hazards.assess(torn, "0.20.0", {})["state"] == "exposed"

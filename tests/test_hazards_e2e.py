@@ -259,5 +259,25 @@ def test_padded_prefix_hit_with_a_decode_matches_the_register(prefix_run: dict[s
         assert right(files["P"]) and right(files["Q"]), (files["P"], files["Q"])
 
 
+def test_prefix_engine_start_warns_per_register(prefix_run: dict[str, Any]) -> None:
+    """refuse-config at a real engine start, the same start whose files show the damage:
+    block size 16, max_model_len 66, prefix caching on is drafter-skip's trigger on
+    0.25-0.28 and prefix-cache-slicing's on 0.22-0.23: one WARNING naming the hazard
+    and the setting; every other release (0.24.0 among them) says nothing."""
+    said = prefix_run["hsfix_warnings_at_start"]
+    rows = ("drafter-skip", "prefix-cache-slicing")
+    want = [h for h in rows if hazards.by_id(h).affects(RELEASE)]
+    if not want:
+        assert said == [], said
+        assert prefix_run["config_checks"] == {"checked": [], "triggered": {}}, prefix_run
+        return
+    (warning,) = said
+    assert warning.startswith(f"hazard {want[0]} on vLLM {RELEASE}"), warning
+    assert "--no-enable-prefix-caching" in warning, warning
+    if want == ["drafter-skip"]:
+        assert "--max-model-len 65" in warning, warning
+    assert list(prefix_run["config_checks"]["triggered"]) == want, prefix_run["config_checks"]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-s"]))

@@ -120,6 +120,11 @@ def test_repair_regenerates_every_wrong_file_and_nothing_else(workdir: Path) -> 
         assert {k: (v["dtype"], v["shape"]) for k, v in head.items() if k != "__metadata__"} == {
             k: (v["dtype"], v["shape"]) for k, v in old.items() if k != "__metadata__"
         }
+        # ... and say what made them: the fix, in force, with the aux layers asked for.
+        meta = head["__metadata__"]
+        assert meta["vllm_hsfix.aux_layers"] == "1,2,3", meta
+        assert "hidden-group-block-size" in meta["vllm_hsfix.patches"].split(","), meta
+        assert meta["vllm_hsfix.in_situ_check"] == "passed", meta
     final = pipeline.audit_paths([dataset], workers=2)
     assert final.count("ok") == len(wrong) + len(correct)
     # 3. A second repair finds nothing to do and starts no engine.

@@ -85,8 +85,10 @@ def static_status() -> dict[str, Any]:
         # Known hazards of this release and what is done about each (vllm_hsfix.hazards).
         # An "open" one is a patch above that will not be in place: the exit code already
         # says so through that patch; an "exposed" one is documented, its reason the
-        # workaround.
-        "hazards": hazards.assess_all(inst.release if inst.present else None, codes),
+        # workaround; a "checked-at-start" one is a setting the engine start checks.
+        "hazards": hazards.assess_all(
+            inst.release if inst.present else None, codes, active=not cfg.disabled
+        ),
         "activation": {
             "entry_point": ep,
             "bootstrap_dir": str(BOOTSTRAP_DIR),

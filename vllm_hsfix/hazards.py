@@ -9,14 +9,16 @@ issue or pull request and first fixed release, and the action:
 
 * ``patch``: a backport, gated by release and code shape like every patch; the row
   names the patch id (its range is the patch row's, checked by the tests);
-* ``refuse-config``: the trigger is a setting; at engine start the affected releases
-  log a WARNING naming it (strict mode fails start-up). No row has this action yet;
+* ``refuse-config``: the trigger is a setting; at engine start (when the scheduler's
+  connector is built) the affected releases log one WARNING naming the setting to
+  change (``setting``), and strict mode fails start-up (``refuse_config`` does it);
 * ``documented``: nothing better is possible or built yet; ``why_action`` says which,
   and ``workaround`` what a user can do.
 
 ``measured`` says what was run here and what it showed, or why nothing was.
-:func:`assess` gives one row's state on a release for ``status``; nothing here
-imports vLLM or the rest of the package.
+:func:`assess` gives one row's state on a release for ``status``, :func:`refuse_config`
+the rows whose settings are checked at engine start on a release; nothing here imports
+vLLM or the rest of the package.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ PROCESS, DATA = "process", "data"
 
 # assess() states. Only OPEN is a problem of vllm-hsfix's own making: a patch meant for
 # this release that will not be in place (status already exits 1 for that patch).
-NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, OPEN, EXPOSED, UNKNOWN = (
+NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, CHECKED, OPEN, EXPOSED, UNKNOWN = (
     "not-affected",
     "fixed-upstream",
     "patched",
+    "checked-at-start",
     "open",
     "exposed",
     "unknown",
@@ -157,11 +160,18 @@ HAZARDS: tuple[Hazard, ...] = (
         ),
         loses=DATA,
         upstream="vllm-project/vllm#53962 (a crash fix upstream; first released in 0.29.0)",
-        action=DOCUMENTED,
+        action=REFUSE_CONFIG,
+        setting=(
+            "enable_prefix_caching=False (--no-enable-prefix-caching), or a max_model_len "
+            "(--max-model-len) with max_model_len - 2 not a multiple of the scheduler's KV "
+            "block size (e.g. one less)"
+        ),
         why_action=(
             "the fix is inside Scheduler.schedule's waiting loop (one condition in a 600-line "
-            "method): no wrappable target; a config check is possible (prefix caching on and "
-            "(max_model_len - 2) % block_size == 0) but not built yet"
+            "method): no wrappable target. The trigger is a setting: prefix caching on and "
+            "max_model_len - 2 a multiple of the scheduler's block size (with "
+            "num_speculative_tokens n: a multiple of it in [max_model_len - 2n, "
+            "max_model_len - 1 - n]), checked when the scheduler's connector is built"
         ),
         workaround=(
             "choose max_model_len so that max_model_len - 2 is not a multiple of the block "
@@ -186,7 +196,10 @@ HAZARDS: tuple[Hazard, ...] = (
             "20-token prefill, _input_fits_in_drafter answered False for that step, and "
             "P's file had its last position wrong (3 of 195 rows) and Q's file all 20 "
             "positions (60 of 60 rows) against a transformers forward; W, S, R right. "
-            "The same prompts on 0.24.0: P scheduled with 1 token, every file right"
+            "The same prompts on 0.24.0: P scheduled with 1 token, every file right. "
+            "refuse-config: that 0.25.0 engine start logs one WARNING naming the hazard, "
+            "--no-enable-prefix-caching and --max-model-len 65; 0.24.0 logs none; with "
+            "VLLM_HSFIX_STRICT=1 the start fails with HsfixError (tests/test_refuse_config.py)"
         ),
     ),
     Hazard(
@@ -209,11 +222,13 @@ HAZARDS: tuple[Hazard, ...] = (
             "vllm-project/vllm#44485 (open); the 0.24.0 rewrite saves from the request's "
             "own blocks at finish"
         ),
-        action=DOCUMENTED,
+        action=REFUSE_CONFIG,
+        setting="enable_prefix_caching=False (--no-enable-prefix-caching)",
         why_action=(
             "the fix is a different save design (0.24.0's, at request finish from its block "
-            "ids): a backport would replace the whole connector; a config check for prefix "
-            "caching would not cover the batch-order and chunked-prefill cases"
+            "ids): a backport would replace the whole connector. Prefix caching, vLLM's "
+            "default and the trigger of issue 44485, is checked when the scheduler's "
+            "connector is built; the batch-order and chunked-prefill cases stay documented"
         ),
         workaround=(
             "upgrade to 0.24.0 or later; on 0.22-0.23 run with enable_prefix_caching=False, "
@@ -224,6 +239,8 @@ HAZARDS: tuple[Hazard, ...] = (
             "0.22.0 CONN:344-351 (slot_mapping[offset:offset + num_tokens] over the step's "
             "slot mapping, num_tokens = the full prompt) and CONN:423-432 (only "
             "scheduled_new_reqs, token_ids = prompt_token_ids); 0.23.0's file is identical",
+            "0.22.0 config/vllm.py:738-746: VllmConfig refuses chunked prefill with this "
+            "connector (--no-enable-chunked-prefill is required there)",
             "not this mechanism: 0.17.0-0.21.0 build each request's slot mapping from its own "
             "block ids (0.17.0 CONN:64-72, :265-274); 0.24.0+ save at finish from the "
             "request's block ids (0.24.0 CONN:308-330, :495-500)",
@@ -233,7 +250,9 @@ HAZARDS: tuple[Hazard, ...] = (
             "S (65 tokens, 64 from the prefix cache, alone in its step) saved 1 row for 65 "
             "token ids; in the step with R's decode, P (1 new token) saved 23 rows for 65 "
             "token ids and Q 0 rows for 20; W and R (nothing cached, alone) right. On 0.24.0 "
-            "and 0.25.0 the same S, P (0.24.0) and Q (0.24.0) files are right"
+            "and 0.25.0 the same S, P (0.24.0) and Q (0.24.0) files are right. "
+            "refuse-config: that 0.22.0 engine start logs one WARNING naming the hazard and "
+            "--no-enable-prefix-caching; strict mode fails the start (tests/test_refuse_config.py)"
         ),
     ),
     Hazard(
@@ -368,14 +387,19 @@ def by_id(hazard_id: str) -> Hazard:
     raise KeyError(f"unknown hazard id {hazard_id!r}; known: {list(HAZARD_IDS)}")
 
 
-def assess(hazard: Hazard, version: str | None, patch_codes: dict[str, str]) -> dict[str, str]:
+def assess(
+    hazard: Hazard, version: str | None, patch_codes: dict[str, str], active: bool = True
+) -> dict[str, str]:
     """One hazard's state on release ``version`` (None: unknown), given the decision
-    code of each patch (``patch_codes``, as ``status`` reports them).
+    code of each patch (``patch_codes``, as ``status`` reports them) and whether
+    vllm-hsfix is on at all (``active``: not ``VLLM_HSFIX_DISABLE=1``).
 
     ``not-affected`` (release outside the range), ``fixed-upstream`` (at or above
-    ``fixed_in``), ``patched`` (its patch will be or is in place), ``open`` (its patch
-    will not be: refused, disabled, failed), ``exposed`` (affected and only documented:
-    the ``workaround`` is the user's), ``unknown`` (no readable release)."""
+    ``fixed_in``), ``patched`` (its patch will be or is in place), ``checked-at-start``
+    (a ``refuse-config`` row: its setting is checked when the engine starts),
+    ``open`` (its patch will not be: refused, disabled, failed), ``exposed`` (affected
+    and only documented, or a check that will not run: the ``workaround`` is the
+    user's), ``unknown`` (no readable release)."""
     out = {
         "action": hazard.action,
         "releases": hazard.releases,
@@ -400,8 +424,31 @@ def assess(hazard: Hazard, version: str | None, patch_codes: dict[str, str]) -> 
         if code in PATCH_IN_PLACE:
             return {**out, "state": PATCHED, "reason": f"patch {hazard.patch}: {code}"}
         return {**out, "state": OPEN, "reason": f"patch {hazard.patch} is {code}"}
+    if hazard.action == REFUSE_CONFIG:
+        # The check runs wherever vllm-hsfix is active (VLLM_HSFIX_DISABLE=1 turns it
+        # off with everything else); what it finds is known only at engine start.
+        if not active:
+            return {**out, "state": EXPOSED, "reason": f"vllm-hsfix is off; {hazard.setting}"}
+        return {
+            **out,
+            "state": CHECKED,
+            "reason": f"a WARNING at engine start (strict: start-up fails) unless {hazard.setting}",
+        }
     return {**out, "state": EXPOSED, "reason": hazard.workaround or hazard.why_action}
 
 
-def assess_all(version: str | None, patch_codes: dict[str, str]) -> dict[str, dict[str, str]]:
-    return {h.id: assess(h, version, patch_codes) for h in HAZARDS}
+def assess_all(
+    version: str | None, patch_codes: dict[str, str], active: bool = True
+) -> dict[str, dict[str, str]]:
+    return {h.id: assess(h, version, patch_codes, active) for h in HAZARDS}
+
+
+def refuse_config(version: str | None) -> tuple[Hazard, ...]:
+    """The ``refuse-config`` rows that concern release ``version``: the settings to
+    check at engine start there (none on an unknown or unreadable release)."""
+    if version is None:
+        return ()
+    try:
+        return tuple(h for h in HAZARDS if h.action == REFUSE_CONFIG and h.affects(version))
+    except InvalidVersion:
+        return ()

@@ -106,6 +106,12 @@ def status_dict() -> dict[str, Any]:
         "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
         "verify": STATE.verify,
         "provenance": STATE.provenance,
+        # refuse-config (vllm_hsfix.refuse_config): the hazards whose settings this
+        # process checks when an engine starts, and those an engine start triggered.
+        "config_checks": {
+            "checked": list(STATE.config_checked),
+            "triggered": dict(STATE.config_hazards),
+        },
         "errors": list(STATE.errors) + _lazy.errors(),
     }
 
@@ -186,7 +192,7 @@ def provenance_metadata() -> dict[str, str]:
     inst = STATE.install
     applied = sorted(r.patch.id for r in STATE.records.values() if r.status == APPLIED)
     check = STATE.verify
-    return {
+    out = {
         "version": __version__,
         "vllm": (inst.version or "unknown") if inst else "unknown",
         "patches": ",".join(applied) or "none",
@@ -194,3 +200,6 @@ def provenance_metadata() -> dict[str, str]:
         if check is None
         else ("passed" if check.get("ok") else "FAILED"),
     }
+    if STATE.aux_layers is not None:
+        out["aux_layers"] = ",".join(map(str, STATE.aux_layers))
+    return out

@@ -46,6 +46,7 @@ from .state import (
 )
 
 if TYPE_CHECKING:
+    from .hazards import Hazard
     from .patches.hooks import Hooks
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
                     report.deviation(rec)
         _maybe_observe()
         _maybe_provenance()
+        _maybe_refuse_config(module)
         _report()
         cfg = STATE.config
         if cfg is not None and cfg.strict:
@@ -266,9 +268,20 @@ def _on_failure(patch_id: str, exc: BaseException) -> None:
     log.error("%s failed at run time: %r", patch_id, exc)
 
 
+def _aux_layers(connector: Any) -> tuple[int, ...] | None:
+    """``eagle_aux_hidden_state_layer_ids`` of the connector's speculative config."""
+    try:
+        spec = connector._vllm_config.speculative_config.draft_model_config.hf_config
+        return tuple(int(a) for a in spec.eagle_aux_hidden_state_layer_ids)
+    except Exception:  # another shape of config: no stamp, nothing breaks
+        return None
+
+
 def _after_register(connector: Any) -> None:
     """The in-situ checks, once per process, when a worker registers its KV caches:
-    every applied patch that declares one (``in_situ`` in its module) runs it."""
+    every applied patch that declares one (``in_situ`` in its module) runs it. Also
+    notes the connector's aux layer ids (provenance stamps them)."""
+    STATE.aux_layers = _aux_layers(connector)
     cfg = STATE.config
     if cfg is None or not cfg.verify or STATE.verify is not None:
         return
@@ -372,6 +385,51 @@ def _maybe_provenance() -> None:
         log.warning("provenance metadata not hooked: %r", exc)
 
 
+def _maybe_refuse_config(module: ModuleType) -> None:
+    """Where the release has hazards whose trigger is a setting (the register's
+    ``refuse-config`` rows), wrap the connector's ``__init__`` to check them when the
+    scheduler's connector is built (``refuse_config``)."""
+    from . import hazards, refuse_config
+
+    inst = STATE.install
+    if module.__name__ != refuse_config.MODULE or inst is None or not inst.release:
+        return
+    if STATE.config_check is not None and STATE.config_check.live():
+        return
+    rows = hazards.refuse_config(inst.release)
+    try:
+        rep = refuse_config.install(
+            module, rows, inst.release, _on_config_hazard, _on_config_check_error
+        )
+    except Exception as exc:
+        internal_error(f"refuse-config check not installed: {exc!r}", exc)
+        return
+    STATE.config_check = rep
+    STATE.config_checked = tuple(h.id for h in rows) if rep is not None else ()
+
+
+def _on_config_hazard(hazard: Hazard, message: str) -> None:
+    """A setting at engine start triggers a hazard: one WARNING; strict mode refuses
+    to start (the exception leaves the connector's __init__, so the engine fails)."""
+    from .config import STRICT
+
+    with LOCK:
+        STATE.config_hazards[hazard.id] = message
+        report.write_status_file()
+        cfg = STATE.config
+    if cfg is not None and cfg.strict:
+        log.error("%s", message)
+        raise HsfixError(
+            f"strict mode ({STRICT}=1): refusing to start: {message} "
+            f"(or run without {STRICT}=1 to start with this WARNING)"
+        )
+    log.warning("%s", message)
+
+
+def _on_config_check_error(exc: BaseException) -> None:
+    internal_error(f"refuse-config check failed: {exc!r}", exc)
+
+
 def unapply() -> None:
     """Stop patching in this process, for good unless :func:`start` is called with
     "apply": every wrapper is switched to pass-through and, where it is still the
@@ -397,6 +455,10 @@ def unapply() -> None:
                     "unpatched in this process unless apply() is called",
                 )
         STATE.provenance = False
+        if STATE.config_check is not None:
+            STATE.config_check.restore()
+            STATE.config_check = None
+            STATE.config_checked = ()
         report.write_status_file()
 
 

