@@ -259,6 +259,21 @@ def test_padded_prefix_hit_with_a_decode_matches_the_register(prefix_run: dict[s
         assert right(files["P"]) and right(files["Q"]), (files["P"], files["Q"])
 
 
+def test_audit_names_the_prefix_cache_slicing_signature(prefix_run: dict[str, Any]) -> None:
+    """The file the release wrote for S (64 of 65 tokens from the prefix cache): on
+    0.22-0.23 the audit's finding names the hazard (fewer rows than token ids); on the
+    other releases S's file carries no such finding."""
+    from vllm_hsfix.audit import pipeline
+
+    rep = pipeline.check_file(prefix_run["paths"]["S"])
+    found = {p.code: p.hazard for p in rep.problems}
+    if hazards.by_id("prefix-cache-slicing").affects(RELEASE):
+        assert found.get("token_mismatch") == "prefix-cache-slicing", rep.problems
+        assert rep.verdict == "corrupt"
+    else:
+        assert "prefix-cache-slicing" not in found.values(), rep.problems
+
+
 def test_prefix_engine_start_warns_per_register(prefix_run: dict[str, Any]) -> None:
     """refuse-config at a real engine start, the same start whose files show the damage:
     block size 16, max_model_len 66, prefix caching on is drafter-skip's trigger on

@@ -133,6 +133,16 @@ def status_exit_code(
     return (1 if problems else 0), problems
 
 
+def _print_hazards(found: dict[str, Any]) -> None:
+    """The release's known hazards that concern it, one line each (status, verify)."""
+    print("known hazards (vllm_hsfix.hazards):")
+    for hid, h in found.items():
+        if h["state"] in ("not-affected", "fixed-upstream"):
+            continue
+        models = f" [only {h['models']}]" if h.get("models") else ""
+        print(f"  {hid:<24} {h['state']:<22} {h['reason']}{models}")
+
+
 def _print_status(report: dict[str, Any], problems: list[str]) -> None:
     v = report["vllm"]
     if v["present"]:
@@ -151,12 +161,7 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
     for pid, p in report["patches"].items():
         print(f"  {pid:<24} {p['code']:<22} {p['reason']}")
     if v["present"]:
-        print("known hazards (vllm_hsfix.hazards):")
-        for hid, h in report.get("hazards", {}).items():
-            if h["state"] in ("not-affected", "fixed-upstream"):
-                continue
-            models = f" [only {h['models']}]" if h.get("models") else ""
-            print(f"  {hid:<24} {h['state']:<22} {h['reason']}{models}")
+        _print_hazards(report.get("hazards", {}))
     act = report["activation"]
     ep = act["entry_point"]
     print(
@@ -234,6 +239,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"  [{mark}] {c['check']}" + (f" ({c['skipped']})" if c.get("skipped") else ""))
             for p in c.get("problems", []):
                 print(f"         {p}")
+        _print_hazards(report.get("hazards", {}))
         print("result: " + ("verified" if code == 0 else "NOT verified"))
     return code
 

@@ -5,8 +5,9 @@ checked: its target module is imported (activation patches it on that import) an
 the patch module's own ``verify`` runs on the live target, whatever wrappers are on
 it; for a release carrying upstream's fix that checks upstream's code. A row that is
 not needed here (release, platform) or turned off is listed as skipped with the
-reason. Exit codes: 0 verified, 1 a check failed or a patch is not in place, 2 it
-cannot run here.
+reason. The report also lists the release's known hazards (``hazards``) and what is
+done about each. Exit codes: 0 verified, 1 a check failed or a patch is not in place,
+2 it cannot run here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import checks, runtime
+from . import checks, hazards, runtime
 from .patches import PATCHES
 
 # Decisions under which a patch's target is not checked here.
@@ -66,6 +67,11 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
     }
     report["checks"] = results
+    # The known hazards of this release and what is done about each, judged on the
+    # patches as they now are in this process (a patch meant for it that is not in
+    # place makes its hazard "open", and that patch already fails the run).
+    codes = {k: v["code"] for k, v in st["patches"].items()}
+    report["hazards"] = hazards.assess_all(inst.release, codes, active=st["enabled"])
     bad_patch = [k for k, v in st["patches"].items() if v["status"] in ("refused", "failed")]
     if bad_patch:
         report["error"] = f"patches not in place: {bad_patch}"

@@ -40,11 +40,14 @@ SCHEMA = 2
 
 @dataclass
 class Problem:
-    """One finding. ``code`` is stable for scripts; ``detail`` is for people."""
+    """One finding. ``code`` is stable for scripts; ``detail`` is for people;
+    ``hazard`` names the row of ``vllm_hsfix.hazards`` whose signature it is, if any
+    (:mod:`.signatures`)."""
 
     code: str
     severity: str
     detail: str
+    hazard: str = ""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import prefix
+from . import prefix, signatures
 from .format import (
     HIDDEN_INT,
     HIDDEN_KEY,
@@ -258,6 +258,50 @@ def _duplicates(
     return per_layer
 
 
+def _identical_aux(
+    rep: FileReport,
+    scan: _Scan,
+    path: str,
+    offset: int,
+    shape: tuple[int, int, int],
+    row_bytes: int,
+) -> None:
+    """Two aux layers holding the same row at every token position: one state saved
+    into two slots (two different layers of a real model never agree everywhere).
+    Equal keys at every sound position, confirmed byte for byte on the first and last
+    of them."""
+    import numpy as np
+
+    n_tokens, n_aux, _ = shape
+    if n_aux < 2 or n_tokens < 2:
+        return
+    keys = scan.keys.reshape(n_tokens, n_aux)
+    skip = (scan.zero | scan.bad).reshape(n_tokens, n_aux)
+    for a in range(n_aux):
+        for b in range(a + 1, n_aux):
+            sound = np.flatnonzero(~(skip[:, a] | skip[:, b]))
+            if len(sound) < 2 or not (keys[sound, a] == keys[sound, b]).all():
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                same = all(
+                    os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
+                    == os.pread(fd, row_bytes, offset + (t * n_aux + b) * row_bytes)
+                    for t in (int(sound[0]), int(sound[-1]))
+                )
+            finally:
+                os.close(fd)
+            if same:
+                rep.add(
+                    "aux_layers_identical",
+                    CORRUPT,
+                    f"aux layers {a} and {b} hold identical rows at all {len(sound)} "
+                    "token positions (unless the file was written with one aux layer id "
+                    "twice)",
+                )
+                return
+
+
 def _finite(x: Any) -> float | None:
     """A statistic as a JSON-safe float: ``None`` where F64 norms overflowed."""
     v = float(x)
@@ -321,6 +365,7 @@ def _scan_hidden(
         )
     ids = token_ids if token_ids is not None else np.arange(n_tokens)
     dups = _duplicates(rep, scan, path, offset, shape, row_bytes, ids)
+    _identical_aux(rep, scan, path, offset, shape, row_bytes)
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
     if with_prefix and n_tokens:
@@ -498,5 +543,6 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
         rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
+    signatures.attribute(rep)
     rep.seconds = time.perf_counter() - t0
     return rep
