@@ -154,6 +154,10 @@ def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) 
     assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, _summary(r)
 
 
+# Extended (41 s): the experiment behind cpu-zero-blocks, repeated on the fixed release;
+# 0.24.0's test_load_without_block_zeroing_gets_nan_after_full_attention shows the same
+# in default CI. Moved out to keep CI under 45 minutes cold with this round's additions.
+@pytest.mark.extended
 @pytest.mark.fixed
 def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:
     """The other half of the experiment: vLLM 0.25.0 with its CPU block zeroing made a
