@@ -208,8 +208,6 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             print(table(results))
         for r in scripts:
             print(r.summary())
-        for rep in repairs:
-            print(rep.summary())
         for name, why in skipped.items():
             print(f"{name}: skipped: {why}")
         print(f"\n{line}")
