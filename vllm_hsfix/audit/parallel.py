@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from .reports import CORRUPT, FileReport
-from .scan import audit_file
+from .scan import audit_file, locked
 
 ResultFn = Callable[[int, FileReport], None]
 
@@ -52,8 +52,9 @@ def batches(sizes: Sequence[int], workers: int) -> list[list[int]]:
 
 
 def run_batch(paths: list[str]) -> list[FileReport]:
-    """One task: audit each file (``audit_file`` never raises)."""
-    return [audit_file(p) for p in paths]
+    """One task: judge each file (``pending`` while its writer holds the lock, else
+    ``audit_file``, which never raises)."""
+    return [locked(p) or audit_file(p) for p in paths]
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:

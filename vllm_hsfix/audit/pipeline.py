@@ -13,7 +13,6 @@ in memory for the dataset pass, unless ``keep`` asks for the full reports too (w
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +25,7 @@ from .incremental import State
 from .parallel import default_workers, run_pool
 from .progress import SILENT, Factory
 from .reports import CORRUPT, PENDING, AuditReport, FileReport, Sketch
+from .scan import locked
 
 RecordFn = Callable[[records.Record], None]
 
@@ -47,15 +47,19 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     are dropped. Raises ``FileNotFoundError`` for a path that does not exist."""
     out: list[str] = []
     seen: set[str] = set()
+    roots = [os.fspath(r) for r in paths]
+    # One directory walked without following links yields each file once: resolving
+    # every path (tens of microseconds each, in the driver, before any scan starts)
+    # is only needed when several arguments may name the same file.
+    resolve = len(roots) > 1
 
     def keep(p: str) -> None:
-        real = os.path.realpath(p)
+        real = os.path.realpath(p) if resolve else p
         if real not in seen:
             seen.add(real)
             out.append(p)
 
-    for raw in paths:
-        p = os.fspath(raw)
+    for p in roots:
         if os.path.isdir(p):
             found = []
             for root, dirs, names in os.walk(p):
@@ -71,54 +75,10 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
-def writer_holds_lock(path: str) -> bool:
-    """Whether the connector's writer still holds ``path.lock`` (its exclusive flock).
-
-    The ``.lock`` file itself stays behind after the write (the reader that consumes
-    the file removes it), so its existence says nothing; the lock does: the writer
-    holds ``LOCK_EX`` from before the first byte until the file is complete, and the
-    kernel drops it when the writer exits or dies. A non-blocking shared lock is
-    refused exactly while the writer holds it (and is released at once otherwise)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock on this platform: nothing can be known
-        return False
-    try:
-        fd = os.open(path + LOCK_SUFFIX, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False  # a filesystem without flock: judge the file
-    finally:
-        os.close(fd)  # also releases our shared lock, if we got it
-    return False
-
-
-def locked(path: str) -> FileReport | None:
-    """A ``pending`` report while the writer still holds the file's lock, else None:
-    judging a half-written file would call it truncated."""
-    if not writer_holds_lock(path):
-        return None
-    rep = FileReport(path=path)
-    with contextlib.suppress(OSError):
-        rep.bytes = os.path.getsize(path)
-    rep.add(
-        "locked",
-        PENDING,
-        f"its writer holds {os.path.basename(path)}{LOCK_SUFFIX}: still being written; "
-        "not judged (audit again when the writer is done)",
-    )
-    return rep
-
-
 def check_file(path: str | os.PathLike[str]) -> FileReport:
     """The per-file checks on one file, without dataset context: what a generation loop
     calls on each file it has just written (``pending`` while the file is locked)."""
-    from .scan import audit_file
+    from .scan import audit_file, locked
 
     p = os.fspath(path)
     return locked(p) or audit_file(p)
@@ -183,15 +143,16 @@ def audit_paths(
     todo: list[int] = []
     reused = 0
     for i, p in enumerate(files):
-        pending = locked(p)
-        cached = store.lookup(p, *stats[i]) if store is not None and not pending else None
-        if pending is not None:
+        # A file still being written is found where it is judged: in the workers for
+        # the files they scan, here for the ones the state would supply.
+        cached = store.lookup(p, *stats[i]) if store is not None else None
+        if cached is None:
+            todo.append(i)
+        elif (pending := locked(p)) is not None:
             scanned(i, pending)
-        elif cached is not None:
+        else:
             reused += 1
             scanned(i, cached, cached=True)
-        else:
-            todo.append(i)
     backend = "local"
     if todo:
         paths_todo = [files[i] for i in todo]

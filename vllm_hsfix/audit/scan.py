@@ -12,6 +12,7 @@ also kept as they stream by, as the shared-prefix check's input (:mod:`.prefix`)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -34,7 +35,7 @@ from .format import (
     read_token_ids,
 )
 from .prefix import PrefixData
-from .reports import CORRUPT, SUSPECT, FileReport, LayerStats
+from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -524,6 +525,50 @@ def _audit_into(rep: FileReport, path: str) -> None:
         shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
         offset = data_start + hs["data_offsets"][0]
         _scan_hidden(rep, path, offset, hs["dtype"], shape, token_ids, whole)
+
+
+def writer_holds_lock(path: str) -> bool:
+    """Whether the connector's writer still holds ``path.lock`` (its exclusive flock).
+
+    The ``.lock`` file itself stays behind after the write (the reader that consumes
+    the file removes it), so its existence says nothing; the lock does: the writer
+    holds ``LOCK_EX`` from before the first byte until the file is complete, and the
+    kernel drops it when the writer exits or dies. A non-blocking shared lock is
+    refused exactly while the writer holds it (and is released at once otherwise)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: nothing can be known
+        return False
+    try:
+        fd = os.open(path + LOCK_SUFFIX, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a filesystem without flock: judge the file
+    finally:
+        os.close(fd)  # also releases our shared lock, if we got it
+    return False
+
+
+def locked(path: str) -> FileReport | None:
+    """A ``pending`` report while the writer still holds the file's lock, else None:
+    judging a half-written file would call it truncated."""
+    if not writer_holds_lock(path):
+        return None
+    rep = FileReport(path=path)
+    with contextlib.suppress(OSError):
+        rep.bytes = os.path.getsize(path)
+    rep.add(
+        "locked",
+        PENDING,
+        f"its writer holds {os.path.basename(path)}{LOCK_SUFFIX}: still being written; "
+        "not judged (audit again when the writer is done)",
+    )
+    return rep
 
 
 def audit_file(path: str | os.PathLike[str]) -> FileReport:
