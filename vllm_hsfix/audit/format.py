@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from typing import IO, TYPE_CHECKING, Any
 
@@ -189,6 +190,17 @@ def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
             )
             ti_ok = False
     return hs_ok, ti_ok
+
+
+def read_layout(path: str) -> tuple[int, dict[str, Any], int, dict[str, Any], Problem | None]:
+    """A file's size, header, data start, tensor entries and layout finding (None when
+    the data fits the header), for callers that need no rows. Raises ``BadFile`` or
+    ``OSError``."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, data_start = read_header(f, size)
+    tensors, layout = check_layout(header, size - data_start)
+    return size, header, data_start, tensors, layout
 
 
 def read_token_ids(path: str, offset: int, n: int) -> NDArray[Any]:

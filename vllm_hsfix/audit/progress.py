@@ -36,14 +36,19 @@ class Factory(Protocol):
 
 
 def rate_line(
-    label: str, done: int, total: int, nbytes: int, seconds: float, second: str = "bytes"
+    label: str,
+    done: int,
+    total: int,
+    nbytes: int,
+    seconds: float,
+    second: str = "bytes",
+    prefix: str = "audit ",
 ) -> str:
     """``audit scan: 12/20 files, 0.10 GB, 1.0 s, 12.0 files/s, 0.100 GB/s``; with
-    ``second="tokens"`` the second count is tokens (``repair``: tokens/s)."""
+    ``second="tokens"`` the second count is tokens (``repair``: tokens/s); ``prefix``
+    names the command (``repair`` passes its own label and none)."""
     s = max(seconds, 1e-9)
-    line = f"{label}: {done}/{total} files"
-    if not label.startswith("repair"):
-        line = "audit " + line
+    line = f"{prefix}{label}: {done}/{total} files"
     if nbytes and second == "tokens":
         line += f", {nbytes} tokens"
     elif nbytes:
@@ -83,9 +88,10 @@ class LogLines:
         interval: float,
         clock: Any = time.monotonic,
         second: str = "bytes",
+        prefix: str = "audit ",
     ) -> None:
         self.label, self.total, self.stream = label, total, stream
-        self.second = second
+        self.second, self.prefix = second, prefix
         self.interval, self.clock = interval, clock
         self.done = self.nbytes = 0
         self.t0 = self._last = clock()
@@ -100,7 +106,9 @@ class LogLines:
             self._write(now)
 
     def _write(self, now: float) -> None:
-        line = rate_line(self.label, self.done, self.total, self.nbytes, now - self.t0, self.second)
+        line = rate_line(
+            self.label, self.done, self.total, self.nbytes, now - self.t0, self.second, self.prefix
+        )
         self.stream.write(line + "\n")
         self.stream.flush()
 
@@ -114,11 +122,17 @@ class TqdmBar:
     """tqdm's bar on a terminal, with GB/s beside files/s when bytes are known."""
 
     def __init__(
-        self, label: str, total: int, total_bytes: int, stream: IO[str], second: str = "bytes"
+        self,
+        label: str,
+        total: int,
+        total_bytes: int,
+        stream: IO[str],
+        second: str = "bytes",
+        prefix: str = "audit ",
     ) -> None:
         from tqdm import tqdm
 
-        desc = label if label.startswith("repair") else f"audit {label}"
+        desc = f"{prefix}{label}"
         self.bar = tqdm(total=total, desc=desc, unit="file", file=stream, leave=True)
         self.total_bytes = total_bytes
         self.second = second
@@ -138,11 +152,15 @@ class TqdmBar:
 
 
 def for_stream(
-    stream: IO[str] | None = None, interval: float = DEFAULT_INTERVAL, second: str = "bytes"
+    stream: IO[str] | None = None,
+    interval: float = DEFAULT_INTERVAL,
+    second: str = "bytes",
+    prefix: str = "audit ",
 ) -> Factory:
     """The factory fitting ``stream`` (stderr by default): tqdm on a terminal when it
     is installed, else log lines every ``interval`` seconds. ``second``: what the
-    second count is, ``bytes`` (audit) or ``tokens`` (repair)."""
+    second count is, ``bytes`` (audit) or ``tokens`` (repair); ``prefix``: put before
+    each pass's label (the command's name)."""
     out = stream if stream is not None else sys.stderr
     tty = bool(getattr(out, "isatty", lambda: False)())
     use_tqdm = False
@@ -156,7 +174,7 @@ def for_stream(
 
     def make(label: str, total: int, total_bytes: int = 0) -> Progress:
         if use_tqdm:
-            return TqdmBar(label, total, total_bytes, out, second)
-        return LogLines(label, total, out, interval, second=second)
+            return TqdmBar(label, total, total_bytes, out, second, prefix)
+        return LogLines(label, total, out, interval, second=second, prefix=prefix)
 
     return make

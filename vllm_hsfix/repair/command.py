@@ -21,11 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from ..audit import format as fmt
-from ..audit.pipeline import audit_paths, expand_paths
+from ..audit.pipeline import audit_paths
 from ..audit.progress import SILENT, Factory, for_stream
 from ..audit.reports import CORRUPT, OK, SUSPECT
 from . import guard, replace
@@ -157,8 +156,10 @@ def _log_tail(workdir: str, n: int = 2000) -> str:
 
 def _endpoint_stamp_problem(path: str) -> str | None:
     """``--endpoint``: the server's files must say vllm-hsfix made them (provenance)."""
-    with open(path, "rb") as f:
-        header, _ = fmt.read_header(f, os.fstat(f.fileno()).st_size)
+    try:
+        _, header, _, _, _ = fmt.read_layout(path)
+    except (fmt.BadFile, OSError):
+        return None  # unreadable: the replacement's own check refuses it, with the reason
     meta = header.get("__metadata__") or {}
     patches = meta.get("vllm_hsfix.patches")
     vllm = meta.get("vllm_hsfix.vllm", "")
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"vllm-hsfix repair: {problem}", file=err)
         return 2
-    progress: Factory = SILENT if args.no_progress else for_stream(err, second="tokens")
+    progress: Factory = SILENT if args.no_progress else for_stream(err, second="tokens", prefix="")
     audit_state = args.state + ".audit"
     if args.from_audit:
         paths = from_audit_output(args.from_audit, args.include_suspect)
@@ -355,10 +356,9 @@ def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_st
     """Audit again (the replaced files with their prefix neighbours: the whole input,
     unchanged files from the audit state) and say how every targeted file ended."""
     err = sys.stderr
-    files = expand_paths(args.paths) if not args.from_audit else None
     audit_progress = SILENT if args.no_progress else for_stream(err)
     report = audit_paths(
-        files if files is not None else paths,
+        paths if args.from_audit else args.paths,
         args.workers,
         audit_progress,
         state=audit_state,
@@ -381,13 +381,3 @@ def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_st
     ok = not still_bad and not counts.skipped
     print("result: " + ("every targeted file is ok" if ok else "NOT every targeted file is ok"))
     return 0 if ok else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-hsfix")
-    add_parser(ap.add_subparsers(dest="cmd", required=True))
-    try:
-        args = ap.parse_args(["repair", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
-    return int(args.fn(args))

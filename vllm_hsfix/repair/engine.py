@@ -19,7 +19,6 @@ Either way a file is taken only once its writer has released the connector's
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -27,6 +26,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..audit.scan import writer_holds_lock
 
 WAIT_S = 300.0
 
@@ -42,20 +43,9 @@ class EngineSpec:
 
 
 def writer_done(path: str) -> bool:
-    """The file exists and its writer no longer holds ``path.lock``."""
-    if not os.path.exists(path):
-        return False
-    try:
-        fd = os.open(path + ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return True  # written without the lock protocol (use_synchronization_lock off)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
+    """The file exists and its writer no longer holds ``path.lock`` (no ``.lock``: it
+    was written without the lock protocol, ``use_synchronization_lock`` off)."""
+    return os.path.exists(path) and not writer_holds_lock(path)
 
 
 class LocalEngine:

@@ -26,10 +26,7 @@ class Refused(Exception):
 def check_new(new: str, target: Target) -> None:
     """Raise :class:`Refused` unless ``new`` fits ``target`` (see the module docstring)."""
     try:
-        with open(new, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header, data_start = fmt.read_header(f, size)
-        tensors, layout = fmt.check_layout(header, size - data_start)
+        _, _, data_start, tensors, layout = fmt.read_layout(new)
     except (fmt.BadFile, OSError) as exc:
         raise Refused(f"the regenerated file is unreadable: {exc}") from exc
     if layout is not None:

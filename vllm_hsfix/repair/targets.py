@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass
 
 from ..audit import format as fmt
@@ -42,10 +41,7 @@ def read_target(path: str) -> Target:
     """The old file's token ids and layout; never raises (a problem is recorded)."""
     t = Target(path=path, token_ids=[])
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header, data_start = fmt.read_header(f, size)
-        tensors, layout = fmt.check_layout(header, size - data_start)
+        size, header, data_start, tensors, layout = fmt.read_layout(path)
     except fmt.BadFile as exc:
         t.problem = f"token ids unreadable: {exc.detail}"
         return t
