@@ -399,49 +399,41 @@ def ensure_venv(torch_version: str, resolve: bool = False, python: str | None = 
     return py
 
 
-def ensure_static_venv(python: str) -> Path:
-    """A venv on Python ``python`` with only the static tests' tools (STATIC_LOCK): no
-    torch, no vLLM, not even vllm-hsfix itself (the tests find it on PYTHONPATH)."""
-    env = CACHE / "envs" / f"static-py{python}"
+def _ensure_lock_venv(name: str, python: str, lock: Path, what: str) -> Path:
+    """``envs/<name>`` on Python ``python`` holding exactly ``lock`` (installed with
+    --no-deps from wheels only), rebuilt when the lock changes."""
+    env = CACHE / "envs" / name
     py = env / "bin" / "python"
     if not py.exists():
         base = require_python(python)
         run_step(f"create venv {env} (Python {python})", [str(base), "-m", "venv", str(env)], env)
     stamp = env / ".vllm-hsfix-deps"
-    key = json.dumps({"lock": lock_key(STATIC_LOCK)})
+    key = json.dumps({"lock": lock_key(lock)})
     if not stamp_ok(stamp, key):
         run_step(
-            f"install pytest, pytest-timeout, wrapt, packaging into {env} from "
-            f"{STATIC_LOCK.relative_to(ROOT)} (exact versions)",
-            pip(py, "install", "-q", "--no-deps", "--only-binary=:all:", "-r", str(STATIC_LOCK)),
+            f"install {what} into {env} from {lock.relative_to(ROOT)} (exact versions)",
+            pip(py, "install", "-q", "--no-deps", "--only-binary=:all:", "-r", str(lock)),
             env,
         )
         stamp.write_text(key)
     return py
+
+
+def ensure_static_venv(python: str) -> Path:
+    """A venv on Python ``python`` with only the static tests' tools (STATIC_LOCK): no
+    torch, no vLLM, not even vllm-hsfix itself (the tests find it on PYTHONPATH)."""
+    return _ensure_lock_venv(
+        f"static-py{python}", python, STATIC_LOCK, "pytest, pytest-timeout, wrapt, packaging"
+    )
 
 
 def ensure_ray_venv() -> Path:
     """A venv with Ray, numpy, tqdm and pytest (RAY_LOCK), nothing else: no torch, no
     vLLM, not vllm-hsfix itself (the tests find it on PYTHONPATH; Ray ships it to its
     workers)."""
-    env = CACHE / "envs" / f"ray-py{RAY_PYTHON}"
-    py = env / "bin" / "python"
-    if not py.exists():
-        base = require_python(RAY_PYTHON)
-        run_step(
-            f"create venv {env} (Python {RAY_PYTHON})", [str(base), "-m", "venv", str(env)], env
-        )
-    stamp = env / ".vllm-hsfix-deps"
-    key = json.dumps({"lock": lock_key(RAY_LOCK)})
-    if not stamp_ok(stamp, key):
-        run_step(
-            f"install ray, numpy, tqdm, pytest into {env} from "
-            f"{RAY_LOCK.relative_to(ROOT)} (exact versions)",
-            pip(py, "install", "-q", "--no-deps", "--only-binary=:all:", "-r", str(RAY_LOCK)),
-            env,
-        )
-        stamp.write_text(key)
-    return py
+    return _ensure_lock_venv(
+        f"ray-py{RAY_PYTHON}", RAY_PYTHON, RAY_LOCK, "ray, numpy, tqdm, pytest"
+    )
 
 
 def _overlay_dists(overlay: Path) -> list[str]:
