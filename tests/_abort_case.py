@@ -58,8 +58,11 @@ def written(path: str) -> bool:
     return True
 
 
-def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
-    ids = [f"{tag}-r{i}" for i in range(len(prompts))]
+def submit_and_abort(
+    engine: Any, ids: list[str], prompts: list[list[int]], sp: Any
+) -> dict[str, Any]:
+    """Queue every prompt, then abort the last while it still waits (``max_num_seqs=1``:
+    before any step, so it was never scheduled). The round's result so far."""
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     result: dict[str, Any] = {"aborted": ids[-1], "abort_error": None, "step_error": None}
@@ -67,6 +70,12 @@ def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[
         engine.abort_request([ids[-1]])
     except Exception as exc:
         result["abort_error"] = describe(exc)
+    return result
+
+
+def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
+    ids = [f"{tag}-r{i}" for i in range(len(prompts))]
+    result = submit_and_abort(engine, ids, prompts, sp)
     paths: dict[str, str | None] = {}
     steps = 0
     deadline = time.monotonic() + 240

