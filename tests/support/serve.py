@@ -1,0 +1,91 @@
+"""A real ``vllm serve`` for a test: started as a user starts it, always shut down.
+
+The server runs in a session of its own (killed whole afterwards: API server, engine
+core, workers). Waiting for it fails at once, with vLLM's own words, when the process
+exits or its log says the engine died, so a broken start fails its test in about a
+minute, not at a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+DEATH = re.compile(
+    r"EngineDeadError|Engine core initialization failed|EngineCore encountered a fatal error"
+    r"|WorkerProc hit an exception|WorkerProc failed|died unexpectedly"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tail(log: Path, limit: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-limit:]
+    except OSError:
+        return "(no log)"
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def running(
+    cmd: list[str], env: dict[str, str], log: Path, port: int, start_timeout: float = 300
+) -> Iterator[str]:
+    """Start ``cmd`` (a ``vllm serve`` on ``port``), wait until ``/health`` answers,
+    yield its base URL; always kill its whole session afterwards."""
+    out = open(log, "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited ({proc.returncode}):\n{tail(log)}")
+            text = tail(log, 1 << 20)
+            if DEATH.search(text):
+                time.sleep(2)  # let the traceback finish
+                raise AssertionError(f"vllm serve died while starting:\n{tail(log)}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"vllm serve not healthy in {start_timeout:.0f} s:\n{tail(log)}"
+                )
+            time.sleep(1)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        out.close()

@@ -1,0 +1,112 @@
+"""speculators' pipeline, driven as its users drive it (speculators + hs-connectors 0.9.0).
+
+The packages come from the layers ``scripts/vllm_env.py layer`` builds from
+``scripts/locks/{hs-connectors,speculators}-0.9.0.txt`` (``--no-deps --target``, so the
+release venv's vLLM, torch and transformers do not move); ``scripts/run_tests.py``'s
+``speculators`` row names them in ``VLLM_HSFIX_LAYER_HS_CONNECTORS`` and
+``VLLM_HSFIX_LAYER_SPECULATORS`` and puts the speculators layer on the tests'
+``PYTHONPATH``. The server gets the vLLM overlay and the hs-connectors layer only (what
+a user's vLLM image has); the speculators client gets both layers.
+
+speculators starts vLLM with ``scripts/launch_vllm.py``, which is in its repository but
+not in its wheel or sdist: :func:`launcher_command` builds the same command line (the
+launcher's rules, restated: the target layers plus ``num_hidden_layers`` appended, the
+speculative config, the backend's own ``build_kv_transfer_config``, then
+``python -m vllm.entrypoints.cli.main serve MODEL --speculative_config ...
+--kv_transfer_config ... <vLLM args>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+HS_LAYER = "VLLM_HSFIX_LAYER_HS_CONNECTORS"
+SPEC_LAYER = "VLLM_HSFIX_LAYER_SPECULATORS"
+
+
+def layer(var: str) -> str:
+    path = os.environ.get(var)
+    if not path or not Path(path).is_dir():
+        raise AssertionError(
+            f"{var} is not set to a layer directory: run this test through "
+            "`python3 scripts/run_tests.py --only speculators` (it builds the layers)"
+        )
+    return path
+
+
+def num_hidden_layers(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
+def launcher_command(
+    model: Path, backend: str, target_layers: list[int], hidden_states_path: Path, *vllm_args: str
+) -> tuple[list[str], list[int]]:
+    """The command speculators' launcher execs, and the aux layer ids it asked for."""
+    from hs_connectors import HiddenStatesBackend
+
+    layers = list(target_layers)
+    n = num_hidden_layers(model)
+    if n not in layers:
+        layers.append(n)  # --include-last-layer, on by default
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+    }
+    args = argparse.Namespace(hidden_states_path=str(hidden_states_path))
+    kv_transfer = HiddenStatesBackend.registry[backend].build_kv_transfer_config(args)
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        "--speculative_config", json.dumps(speculative),
+        "--kv_transfer_config", json.dumps(kv_transfer),
+        *vllm_args,
+    ]  # fmt: skip
+    return cmd, layers
+
+
+def write_dataset(where: Path, prompts: list[list[int]]) -> Path:
+    """A preprocessed dataset as ``speculators prepare-data`` leaves it (the columns
+    ``generate-offline-data`` and ``ArrowDataset`` read), saved with ``datasets``."""
+    import datasets
+    import pyarrow as pa
+
+    table = pa.table(
+        {
+            "input_ids": prompts,
+            "loss_mask": [[1] * len(p) for p in prompts],
+            "seq_len": [len(p) for p in prompts],
+        }
+    )
+    # A fingerprint of our own: datasets 5.1.0 hashes a new table with dill, which fails
+    # in the release venv (PicklingError on pyarrow's MonthDayNano; a fresh venv with
+    # datasets alone does not): not vLLM's business, and not what is tested here.
+    ds = datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint="hsfix-speculators")
+    ds = ds.with_format("torch")
+    ds.save_to_disk(str(where))
+    return where
+
+
+def online(
+    endpoint: str, dataset: Path, backend: str, scratch: Path, concurrency: int
+) -> list[dict[str, Any]]:
+    """Every sample through ``ArrowDataset(on_missing="generate")``, ``concurrency`` at a
+    time, as training reads it (no cached file, so each item asks vLLM)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hs_connectors.transfer import FileTransfer, FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    transfer = FP8Transfer(scratch) if backend == "fp8" else FileTransfer(scratch)
+    ds = ArrowDataset(
+        max_len=4096, datapath=dataset, transfer=transfer, vllm_endpoint=endpoint,
+        on_missing="generate",
+    )  # fmt: skip
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(ds.__getitem__, range(len(ds))))

@@ -1,0 +1,209 @@
+"""speculators' real pipeline on a release vllm-hsfix patches (``speculators`` row).
+
+``vllm serve`` started with the command speculators' launcher builds (the backend's own
+``build_kv_transfer_config``, aux layers with ``num_hidden_layers`` appended), vLLM's
+defaults otherwise (prefix caching and chunked prefill as the release sets them), the
+worker in a process of its own (``--distributed-executor-backend mp``: what TP>1, PP>1
+and Ray give every GPU user; with TP=1 in-process, 0.24.0 happens to hide the bug).
+Then ``speculators generate-offline-data --validate-outputs`` (one file per sample,
+moved to ``hs_<i>.safetensors``) and the online path (``ArrowDataset(on_missing=
+"generate")``), 32 samples of mixed lengths at concurrency 8, on the tiny Qwen3.5
+dense hybrid. Every row of every file is compared with a transformers forward
+(``tests/support/hsrows.py``: aux id ``num_hidden_layers`` is the last decoder layer's
+output before the final norm).
+
+Failing first: with PR 46301's patches off (``VLLM_HSFIX_DISABLED_PATCHES``) the same
+run writes wrong files that speculators' validation passes and ``vllm-hsfix audit``
+flags, every one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import CACHE, INSTALL, clean_env
+from support import hsrows, serve
+from support import speculators as spec
+
+from vllm_hsfix.demo import tiny_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.speculators]
+
+SAMPLES = 32
+CONCURRENCY = 8
+TARGET_LAYERS = [1, 2, 3]  # speculators appends 4 (= num_hidden_layers of the tiny hybrid)
+THRESHOLD = 0.1  # relative L2 per row: right rows 0.01-0.06 (bf16, fp8), wrong ones >= 1
+PATCHES_46301 = "scatter-clamp,hidden-group-block-size"
+
+
+def prompts() -> list[list[int]]:
+    """Mixed lengths (9-300 tokens); half start with one 40-token template, as chat data
+    does, so the prefix cache (on by default) serves part of their prompts."""
+    g = torch.Generator().manual_seed(28)
+    template = torch.randint(4, tiny_model.TEXT_VOCAB, (40,), generator=g).tolist()
+    out = []
+    for i in range(SAMPLES):
+        n = 9 + (i * 97) % 260
+        tail = torch.randint(4, tiny_model.TEXT_VOCAB, (n,), generator=g).tolist()
+        out.append(template + tail if i % 2 else tail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return tiny_model.build(CACHE / "models" / "hybrid", "hybrid")
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path) -> list[torch.Tensor]:
+    """The right rows of every sample, [tokens, 4, hidden], from transformers."""
+    ref = hsrows.load(model)
+    return [hsrows.rows(ref, ids, [*TARGET_LAYERS, 4]) for ids in prompts()]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return spec.write_dataset(tmp_path_factory.mktemp("spec") / "preprocessed", prompts())
+
+
+def errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    if got.shape != want.shape:
+        return torch.full(want.shape[:2], float("inf"))
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    return err.nan_to_num(nan=float("inf"))
+
+
+def pipeline(
+    work: Path, model: Path, dataset: Path, backend: str, *, off: str = "", online: bool = True
+) -> dict[str, Any]:
+    """Serve, generate offline (and online), shut down: what happened, where."""
+    overlay = str(Path(INSTALL.location or "").parent.parent)
+    port = serve.free_port()
+    cmd, aux = spec.launcher_command(
+        model, backend, TARGET_LAYERS, work / "vllm-out",
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+        "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--language-model-only",
+        "--max-model-len", "512", "--enforce-eager", "--distributed-executor-backend", "mp",
+    )  # fmt: skip
+    server_env = clean_env(
+        PYTHONPATH=os.pathsep.join([overlay, spec.layer(spec.HS_LAYER)]),
+        VLLM_HSFIX_STATUS_DIR=str(work / "status"),
+        VLLM_HSFIX_DISABLED_PATCHES=off or None,
+    )
+    client_env = clean_env(
+        PYTHONPATH=os.pathsep.join([overlay, spec.layer(spec.SPEC_LAYER)]),
+        VLLM_HSFIX_DISABLE="1",  # the client is not vLLM: nothing to patch there
+    )
+    out = work / "hidden_states"
+    result: dict[str, Any] = {"aux": aux, "out": out, "online": None}
+    with serve.running(cmd, server_env, work / "server.log", port) as base:
+        gen = subprocess.run(
+            [
+                sys.executable, "-m", "speculators", "generate-offline-data",
+                "--endpoint", f"{base}/v1", "--preprocessed-data", str(dataset),
+                "--output", str(out), "--concurrency", str(CONCURRENCY), "--validate-outputs",
+            ],
+            env=client_env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        result["generate"] = gen
+        if online:
+            result["online"] = spec.online(
+                f"{base}/v1", dataset, backend, work / "online", CONCURRENCY
+            )
+    return result
+
+
+def offline_rows(out: Path, backend: str) -> list[torch.Tensor]:
+    """Every sample's file as the trainer reads it (the backend's own transfer class)."""
+    from hs_connectors.transfer import FileTransfer, FP8Transfer
+
+    reader = FP8Transfer(out, torch.float32) if backend == "fp8" else FileTransfer(out)
+    got = []
+    for i, ids in enumerate(prompts()):
+        data = reader.get_cached(i)
+        assert data is not None, f"hs_{i}.safetensors missing"
+        assert data["token_ids"].tolist() == ids, f"hs_{i}: token ids differ"
+        got.append(data["hidden_states"])
+    return got
+
+
+def audit(out: Path, model: Path, aux: list[int]) -> tuple[int, dict[str, Any]]:
+    cmd = [
+        sys.executable, "-m", "vllm_hsfix", "audit", str(out), "--json", "--no-progress",
+        "--reference", str(model), "--aux-layers", ",".join(map(str, aux)), "--sample", "1.0",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=900)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def verdicts(report: dict[str, Any]) -> dict[str, str]:
+    files = report.get("files") or report.get("records") or []
+    return {Path(f["path"]).name: f["verdict"] for f in files}
+
+
+@pytest.mark.parametrize("backend", ["file", "fp8"])
+def test_pipeline_writes_right_hidden_states(
+    backend: str, model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
+) -> None:
+    run = pipeline(tmp_path, model, dataset, backend)
+    gen = run["generate"]
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert run["aux"] == [1, 2, 3, 4]
+    for i, got in enumerate(offline_rows(run["out"], backend)):
+        err = errors(got, expected[i])
+        assert bool((err < THRESHOLD).all()), f"offline hs_{i}: worst row {float(err.max()):.2f}"
+    for i, item in enumerate(run["online"]):
+        assert isinstance(item, dict), f"online sample {i}: {item!r}"
+        want = expected[i]
+        assert item["input_ids"].tolist() == prompts()[i]
+        got = torch.cat(
+            [item["hidden_states"].float().unflatten(1, (3, -1)),
+             item["verifier_last_hidden_states"].float()[:, None]],
+            dim=1,
+        )  # fmt: skip
+        err = errors(got, want)
+        assert bool((err < THRESHOLD).all()), f"online sample {i}: worst {float(err.max()):.2f}"
+    rc, report = audit(run["out"], model, run["aux"])
+    assert rc == 0, report.get("totals", report)
+    assert set(verdicts(report).values()) == {"ok"}, verdicts(report)
+    statuses = [json.loads(f.read_text()) for f in (tmp_path / "status").glob("*.json")]
+    workers = [s for s in statuses if s["role"].startswith("worker")]
+    assert workers and all(
+        w["patches"][p]["status"] == "applied" for w in workers for p in PATCHES_46301.split(",")
+    )
+
+
+def _wrong_run(
+    backend: str, model: Path, dataset: Path, expected: list[torch.Tensor], tmp: Path
+) -> None:
+    run = pipeline(tmp, model, dataset, backend, off=PATCHES_46301, online=False)
+    gen = run["generate"]
+    # speculators' own validation passes every wrong file: exit 0, every file kept.
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    got = offline_rows(run["out"], backend)
+    wrong = [i for i, g in enumerate(got) if not bool((errors(g, expected[i]) < THRESHOLD).all())]
+    assert wrong == list(range(SAMPLES)), f"only {len(wrong)} of {SAMPLES} files wrong: {wrong}"
+    rc, report = audit(run["out"], model, run["aux"])
+    assert rc == 1, report.get("totals", report)
+    v = verdicts(report)
+    assert len(v) == SAMPLES and set(v.values()) == {"corrupt"}, v
+
+
+def test_without_46301_files_are_wrong_validation_passes_audit_flags_every_one(
+    model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
+) -> None:
+    _wrong_run("file", model, dataset, expected, tmp_path)
+
+
+@pytest.mark.extended
+def test_without_46301_fp8_files_are_wrong_and_flagged(
+    model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
+) -> None:
+    _wrong_run("fp8", model, dataset, expected, tmp_path)

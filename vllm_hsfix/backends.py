@@ -1,0 +1,82 @@
+"""Which patches reach the connector classes speculators' backends run (``status``).
+
+speculators extracts through hs-connectors' backends: ``file`` is vLLM's own
+``ExampleHiddenStatesConnector``; ``fp8`` is hs-connectors' ``FP8HiddenStatesConnector``,
+a subclass that overrides only the writer (``_write_tensors``); ``mooncake`` is a
+connector class of its own (``MooncakeHiddenStatesConnector``, not a subclass), which
+finds the hidden-states group and its block size itself (PR 46301's fix, in its own
+code) and writes to a Mooncake store, not to files. Read from package metadata only:
+nothing is imported. What reaches a backend is derived from the patch table: a patch
+whose target is the model module reaches every connector; one on vLLM's connector class
+reaches it and its subclasses, except where a subclass overrides the method wrapped.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+from .patches import PATCHES, PatchSpec
+
+DISTRIBUTION = "hs-connectors"
+MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
+CONNECTOR = "ExampleHiddenStatesConnector"
+
+# backend -> (connector class, its relation to vLLM's, methods it overrides, note)
+BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    "file": (f"vllm ... {CONNECTOR}", "vLLM's own class", (), ""),
+    "fp8": (
+        "hs_connectors.fp8_hidden_states_connector.FP8HiddenStatesConnector",
+        "subclass",
+        ("_write_tensors",),
+        "its own _write_tensors is wrapped by atomic-writes when the class is defined "
+        "(vllm-hsfix verify checks it)",
+    ),
+    "mooncake": (
+        "hs_connectors.mooncake_hidden_states_connector.MooncakeHiddenStatesConnector",
+        "own class",
+        (),
+        "finds the hidden-states group by HiddenStateCacheSpec and uses its block size "
+        "itself (PR 46301's fix in its own code); request_finished pops with a default (no "
+        "KeyError on an abort before scheduling); writes to a Mooncake store, no files",
+    ),
+}
+
+
+def installed() -> str | None:
+    """hs-connectors' version, or None when it is not installed."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _reaches(patch: PatchSpec, relation: str, overrides: tuple[str, ...]) -> str:
+    if patch.module == MODEL_MODULE:
+        return "yes"  # the model's scatter runs whatever connector saves
+    if not patch.attribute.startswith(CONNECTOR):
+        return "yes"  # engine-wide (worker, sampler, CLI): every backend runs through it
+    if relation == "own class":
+        return "no (not vLLM's class)"
+    method = patch.attribute.partition(".")[2]
+    if method and method in overrides:
+        return "yes (subclass's own method wrapped)" if patch.id == "atomic-writes" else "no"
+    return "yes" if relation == "vLLM's own class" else "yes (inherited)"
+
+
+def describe(codes: dict[str, str]) -> dict[str, Any] | None:
+    """Per installed backend, each patch that would apply here and whether it reaches
+    that backend's connector; None when hs-connectors is not installed."""
+    version = installed()
+    if version is None:
+        return None
+    out: dict[str, Any] = {"version": version, "backends": {}}
+    applying = [p for p in PATCHES if codes.get(p.id) == "would-apply"]
+    for name, (cls, relation, overrides, note) in BACKENDS.items():
+        out["backends"][name] = {
+            "connector": cls,
+            "relation": relation,
+            "patches": {p.id: _reaches(p, relation, overrides) for p in applying},
+            "note": note,
+        }
+    return out
