@@ -18,6 +18,8 @@ paid many times over. Measured here:
     with the plugin has loaded. Other plugins (vLLM 0.24's own LoRA resolvers take
     ~100 ms) are left out of both: they would only add their own noise to the delta.
 (c) the in-situ scatter check a worker runs once when it registers its KV caches.
+(d) ``vllm_hsfix_dist.pth`` (``cpu-dist-name``), run by ``site`` in every Python process
+    of the environment: ``-X importtime`` of ``_vllm_hsfix_dist`` and the wall delta.
 
 Bytecode: an installed wheel has its ``.pyc`` files; a checkout run with
 ``PYTHONDONTWRITEBYTECODE`` (as some CI images set) would compile the package's source
@@ -141,6 +143,34 @@ def import_cost(n: int, env: dict[str, str]) -> dict[str, float]:
     return cumulative
 
 
+def pth_cost(n: int, env: dict[str, str]) -> float:
+    """(d) ``vllm_hsfix_dist.pth`` (``cpu-dist-name``): every Python process of the
+    environment imports ``_vllm_hsfix_dist`` at start-up. Its ``-X importtime`` figure in
+    a normal start (the .pth itself), and the wall time of ``-S`` processes importing it
+    against ones that do not, interleaved (median)."""
+    err = run(["-X", "importtime", "-c", "pass"], env).stderr
+    if "_vllm_hsfix_dist" not in err:
+        print("(d) vllm_hsfix_dist.pth: not installed in this environment (skipped)")
+        return float("nan")
+    bare_args, pth_args = ["-S", "-c", "import os"], ["-S", "-c", "import os, _vllm_hsfix_dist"]
+    wall(bare_args, env)
+    wall(pth_args, env)
+    bare, pth, it = [], [], []
+    for _ in range(n):
+        bare.append(wall(bare_args, env))
+        pth.append(wall(pth_args, env))
+        lines = run(["-X", "importtime", "-c", "pass"], env).stderr.splitlines()
+        it += [int(ln.split("|")[1]) for ln in lines if ln.rstrip().endswith("_vllm_hsfix_dist")]
+    b, p = med_ms(bare), med_ms(pth)
+    print(f"(d) vllm_hsfix_dist.pth (cpu-dist-name), {n} fresh processes per variant (median):")
+    print(
+        f"    -X importtime _vllm_hsfix_dist at start-up: {statistics.median(it):.0f} us; "
+        f"-S + import os {b:.1f} ms | + _vllm_hsfix_dist {p:.1f} ms | delta {p - b:+.2f} ms, "
+        f"ratio {p / b:.3f}"
+    )
+    return statistics.median(it) / 1e3
+
+
 PLUGINS = """
 import json, sys, time
 import vllm, vllm.plugins as p
@@ -231,13 +261,14 @@ def main() -> None:
     print(f"vllm_hsfix from {spec.origin if spec else None}")
     cumulative = import_cost(n, child_env())
     delta = plugin_cost(max(7, n // 2))
+    pth = pth_cost(n, child_env())
     if os.environ.get("BENCH_SKIP_CHECK") != "1":
         check_cost()
     # The targets of issue 18 (start-up cost in every process), next to what was measured.
     print(
         f"summary: import vllm_hsfix {cumulative['no-site']:.2f} ms cumulative without site, "
         f"{cumulative['site']:.2f} ms with (target <= 1 ms); plugin {delta:+.1f} ms per vLLM "
-        "process (target <= 10 ms)"
+        f"process (target <= 10 ms); .pth {pth:.2f} ms in every Python process"
     )
 
 

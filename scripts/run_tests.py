@@ -33,6 +33,11 @@
      machine: the whole CUDA ``vllm`` wheel of the release (downloaded once, 250-280
      MB, unpacked into ``cuda-overlays/``) over the release's torch venv, running
      ``GPU_IMAGE_TESTS`` (``tests/test_gpu_image.py``, marker ``gpu_image``).
+   - ``upstream``: vLLM's own tests of each backported fix (PRs 46301, 56841, 46202),
+     unchanged, from the sdist of the release that ships the fix (downloaded once into
+     ``~/.cache/vllm-hsfix/sdists``), on each release the patch covers, with vllm-hsfix
+     active and with ``VLLM_HSFIX_DISABLE=1`` (where they must fail), and on the fixed
+     release (``scripts/upstream_tests.py``; list: ``tests/upstream/upstream_tests.toml``).
 3. Prints one total line ``total: N passed, N failed, N skipped`` (every row counted)
    and exits non-zero if any run failed (an interpreter or build step missing for a
    row fails that row).
@@ -48,7 +53,7 @@ Options: ``--matrix`` (release-sensitive tests on every release of
 (leave out the ``e2e`` tests, the py3.12 rows' one included), ``--no-extra-pythons``
 (no static, py3.12 and gpu-image rows: only the main runs, for quick local runs), ``--only
 GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, ``gpu-image``, ``ray``,
-comma-separated; e.g.
+``speculators``, ``upstream``, comma-separated; e.g.
 ``--only static`` takes seconds warm); anything after ``--`` goes to every pytest
 run (a run it leaves with nothing to collect then counts as empty, not failed). The
 load case runs once per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` in the environment
@@ -58,6 +63,7 @@ repeats it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -101,7 +107,7 @@ STATIC_RELEASE = "0.24.0"  # the overlay on the static runs' PYTHONPATH
 # The real-vLLM suite on the Python of vLLM's own images.
 PY312 = "3.12"
 PY312_RELEASES = ["0.24.0", "0.25.0"]
-PY312_MARKERS = "not e2e and not image and not gpu_image and not ray"
+PY312_MARKERS = "not e2e and not image and not gpu_image and not ray and not speculators"
 # What the py3.12 rows run (besides their one e2e test): the product's code paths on the
 # Python of vLLM's images: every patch's release-sensitive tests except the fork/reload
 # hardening ones, the start-up line, the CLI, detection, provenance. Left out to keep
@@ -129,7 +135,19 @@ PY312_E2E = {
 # static rows' fingerprints of the same files, and it costs two more vLLM imports.
 GPU_IMAGE_RELEASES = ["0.24.0", "0.25.0"]
 GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
-GROUPS = ("main", "static", "py3.12", "gpu-image", "ray")
+# speculators' real pipeline (tests/test_speculators.py): `vllm serve` as its launcher
+# starts it, `speculators generate-offline-data` and the online ArrowDataset path, from
+# the layers of scripts/locks/{hs-connectors,speculators}-0.9.0.txt over the release venv
+# (nothing in the venv moves). CI: 0.24.0 (the release 46301 is for); --extended adds
+# 0.25.0 and the fp8 failing-first case.
+SPECULATORS_RELEASES = ["0.24.0"]
+SPECULATORS_EXTENDED = ["0.25.0"]
+SPECULATORS_TESTS = ["tests/test_speculators.py"]
+GROUPS = ("main", "static", "py3.12", "gpu-image", "ray", "speculators", "upstream")
+# The upstream row: vLLM's own tests of each backported fix, unchanged, from the sdist of
+# the release that ships it (scripts/upstream_tests.py; the list and the reasons for
+# anything not run: tests/upstream/upstream_tests.toml). Arguments after -- do not apply.
+UPSTREAM_DRIVER = "scripts/upstream_tests.py"
 # The ray row: `audit --ray` on a real local two-node Ray cluster, in a venv with Ray,
 # numpy, tqdm and pytest only (scripts/locks/ray.txt).
 RAY_TESTS = ["tests/test_audit_ray.py"]
@@ -279,6 +297,59 @@ def gpu_image_rows(envs: list[tuple[str, Path, Path]] | str, user: list[str]) ->
     return rows
 
 
+def layer_env(env: dict[str, str], layers: dict[str, Path], *on_path: str) -> dict[str, str]:
+    """``env`` with the layers named (``VLLM_HSFIX_LAYER_<NAME>``) and those of
+    ``on_path`` appended to ``PYTHONPATH`` (after the release's overlay)."""
+    env = dict(env)
+    for name, path in layers.items():
+        env["VLLM_HSFIX_LAYER_" + name.upper().replace("-", "_")] = str(path)
+    parts = [env.get("PYTHONPATH", ""), *(str(layers[n]) for n in on_path)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    return env
+
+
+def speculators_rows(
+    envs: list[tuple[str, Path, Path]], layers: dict[str, Path] | str, args: argparse.Namespace
+) -> list[Row]:
+    """speculators' pipeline on each release of SPECULATORS_RELEASES (+ extended)."""
+    rows = []
+    releases = SPECULATORS_RELEASES + (SPECULATORS_EXTENDED if args.extended else [])
+    for release, py, overlay in envs:
+        if release not in releases:
+            continue
+        torch = vllm_env.TORCH_FOR_RELEASE[release]
+        row = Row(f"speculators {release}", vllm_env.THIS_PYTHON, torch, "speculators 0.9.0 e2e")
+        rows.append(row)
+        if isinstance(layers, str):
+            row.fail(layers)
+            continue
+        env = layer_env(vllm_env.env_for(overlay), layers, "speculators")
+        env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+        env["VLLM_HSFIX_EXPECT_RELEASE"] = release
+        marker = "speculators" + ("" if args.extended else " and not extended")
+        pytest_into(row, py, ["-m", marker, *SPECULATORS_TESTS], env, args.pytest_args)
+    return rows
+
+
+def upstream_row() -> Row:
+    """``UPSTREAM_DRIVER``: its counts are tests as expected (passed), not as expected
+    (failed) and listed as not runnable or unavailable (skipped)."""
+    row = Row("upstream", vllm_env.THIS_PYTHON, "2.11.0", "vLLM's tests of the fixes")
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-hsfix-upstream.json"
+    out.unlink(missing_ok=True)
+    print(flush=True)
+    say(f"upstream: {UPSTREAM_DRIVER}")
+    t1 = time.monotonic()
+    rc = subprocess.call([sys.executable, str(ROOT / UPSTREAM_DRIVER), "--json", str(out)])
+    row.took = time.monotonic() - t1
+    if out.exists():
+        row.counts.update(json.loads(out.read_text())["counts"])
+    if rc != 0 and row.counts["failed"] == 0:
+        row.counts["failed"] = 1  # the driver itself failed
+    row.ok = rc == 0
+    return row
+
+
 def ray_row(user: list[str]) -> Row:
     """``RAY_TESTS`` in the Ray venv (no torch, no vLLM), vllm-hsfix on PYTHONPATH."""
     row = Row("ray", vllm_env.RAY_PYTHON, "-", "audit --ray, 2-node cluster")
@@ -357,6 +428,8 @@ def main() -> int:
     # run: the releases' (the static tests iterate them), 0.24.0's (on the static runs'
     # PYTHONPATH) and the py3.12 releases'.
     needed = list(releases) if groups & {"main", "static"} else []
+    if "speculators" in groups:
+        needed += SPECULATORS_RELEASES + (SPECULATORS_EXTENDED if args.extended else [])
     needed += [STATIC_RELEASE] if "static" in groups else []
     needed += PY312_RELEASES if "py3.12" in groups else []
     envs = vllm_env.ensure(list(dict.fromkeys(needed)))
@@ -379,6 +452,13 @@ def main() -> int:
             py312_envs = vllm_env.ensure(PY312_RELEASES, python=PY312)
         except vllm_env.StepFailed as exc:
             py312_error = str(exc)
+    layers: dict[str, Path] | str = {}
+    if groups & {"main", "py3.12", "speculators"} and envs:
+        try:
+            names = ["hs-connectors"] + (["speculators"] if "speculators" in groups else [])
+            layers = {n: vllm_env.ensure_layer(n, envs[0][1]) for n in names}
+        except vllm_env.StepFailed as exc:
+            layers = str(exc)
     say(f"environments ready in {time.monotonic() - t0:.0f} s")
     user = args.pytest_args
     if static_tests:
@@ -390,7 +470,7 @@ def main() -> int:
         if "main" not in groups or release not in releases:
             continue
         marker = "not affected" if is_fixed(release) else "not fixed"
-        marker += " and not gpu_image and not ray"
+        marker += " and not gpu_image and not ray and not speculators"
         if args.fast:
             marker += " and not e2e"
         if not args.extended:
@@ -398,6 +478,8 @@ def main() -> int:
         if is_fixed(release) and not args.image_on_fixed:
             marker += " and not image"
         env = vllm_env.env_for(overlay)
+        if not isinstance(layers, str):  # hs-connectors: its fp8 connector is tested here
+            env = layer_env(env, {"hs-connectors": layers["hs-connectors"]}, "hs-connectors")
         env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
         env["VLLM_HSFIX_EXPECT_RELEASE"] = release
         files: list[str] = []
@@ -419,6 +501,8 @@ def main() -> int:
                 continue
             ((_, py, overlay),) = [e for e in py312_envs if e[0] == release]
             env = vllm_env.env_for(overlay)
+            if not isinstance(layers, str):
+                env = layer_env(env, {"hs-connectors": layers["hs-connectors"]}, "hs-connectors")
             env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
             env["VLLM_HSFIX_EXPECT_RELEASE"] = release
             marker = ("not affected" if is_fixed(release) else "not fixed") + " and "
@@ -426,10 +510,14 @@ def main() -> int:
             pytest_into(row, py, ["-m", marker + PY312_MARKERS, *files], env, user)
             if not args.fast and release in PY312_E2E:
                 pytest_into(row, py, [PY312_E2E[release]], env, user, part="-e2e")
+    if "speculators" in groups:
+        rows += speculators_rows(envs, layers, args)
     if "gpu-image" in groups:
         rows += gpu_image_rows(gpu_envs, user)
     if "ray" in groups:
         rows.append(ray_row(user))
+    if "upstream" in groups:
+        rows.append(upstream_row())
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print(flush=True)
     say("per run:")

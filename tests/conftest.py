@@ -1,5 +1,5 @@
 """Shared fixtures. The suite runs inside an environment built by scripts/vllm_env.py,
-with one real vLLM release first on PYTHONPATH; ``scripts/test.sh`` runs it per release."""
+with one real vLLM release first on PYTHONPATH; ``scripts/run_tests.py`` runs it per release."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/test.sh deselects by marker; these skips only guard a hand-run pytest.
+    # scripts/run_tests.py deselects by marker; these skips only guard a hand-run pytest.
     for item in items:
         if "affected" in item.keywords and not AFFECTED:
             item.add_marker(pytest.mark.skip(reason=f"needs vLLM 0.17-0.24, have {RELEASE}"))

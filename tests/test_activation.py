@@ -18,6 +18,7 @@ MODEL = importlib.import_module("{MODEL_MODULE}")
 CONN = importlib.import_module(
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
 RUNNER = importlib.import_module("vllm.v1.worker.cpu_model_runner")
+CLI = importlib.import_module("vllm.entrypoints.cli.main")
 """
 
 WRAP_REPORT = """

@@ -2,18 +2,24 @@
 
 Files are written from a bf16 forward of the tiny dense verifier (what a correct vLLM
 writes, up to kernel noise); one gets another file's rows, as vLLM 0.24.0's reads
-from other blocks do. The measurement on real vLLM output is in ``tests/test_e2e.py``.
+from other blocks do. Aux id num_hidden_layers (speculators always appends it) is
+vLLM's last decoder layer output before the final norm: the files of those tests come
+from the tiny hybrid through vLLM's own writer (``tests/support/hsrows.py``). The
+measurement on real vLLM output is in ``tests/test_e2e.py``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from support import hsrows
 
+from vllm_hsfix.audit import reference
 from vllm_hsfix.cli import main
 
 AUX = [1, 3]
@@ -100,3 +106,90 @@ def test_reference_without_a_model_dir_is_a_usage_error(
         ["audit", str(tmp_path), "--reference", str(tmp_path / "nope"), "--aux-layers", "1"]
     )
     assert code == 2 and "holds no config.json" in capsys.readouterr().err
+
+
+def last_layer_files(model_dir: Path, out: Path, last: str) -> list[tuple[list[int], Path]]:
+    """Files speculators' ``file`` backend writes with aux ids 1-4 on the 4-layer hybrid
+    (4 = num_hidden_layers, which speculators always appends), by vLLM's own writer,
+    from rows computed here with ``last`` "pre" (what vLLM saves for id 4) or "post"."""
+    model = hsrows.load(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        (
+            ids,
+            hsrows.write_bf16(out / f"hs_{i}.safetensors", hsrows.rows(model, ids, last=last), ids),
+        )
+        for i, ids in enumerate(hsrows.prompts(3, seed=11))
+    ]
+
+
+def audit_last_layer(model_dir: Path, root: Path, capsys: pytest.CaptureFixture[str]) -> Any:
+    aux = ",".join(map(str, hsrows.AUX))
+    capsys.readouterr()  # what importing vLLM's writer printed is not the report
+    code = main(
+        [
+            "audit",
+            str(root),
+            "--json",
+            "--reference",
+            str(model_dir),
+            "--aux-layers",
+            aux,
+            "--sample",
+            "3",
+        ]
+    )
+    out = capsys.readouterr()
+    return code, json.loads(out.out), out.err
+
+
+def test_reference_aux_id_num_hidden_layers_is_the_pre_norm_last_layer(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Right files (vLLM's convention for aux id 4) are ok, and the report says which
+    convention it compared with. Before issue 28 the audit compared aux id 4 with
+    transformers' ``hidden_states[4]`` (after the final norm) and called them corrupt:
+    those states differ from the right rows by far more than the threshold."""
+    model_dir = tiny_models["hybrid"]
+    files = last_layer_files(model_dir, tmp_path, "pre")
+    code, doc, err = audit_last_layer(model_dir, tmp_path, capsys)
+    assert code == 0 and {f["verdict"] for f in doc["files"]} == {"ok"}, doc["files"]
+    assert "reference: aux id 4 = last decoder layer output before the final norm (vLLM's " in err
+    assert "reference: aux id 1 = input of decoder layer 1 (transformers' hidden_states[1])" in err
+    conv = doc["dataset"]["reference"]["conventions"]
+    assert conv["4"] == "last decoder layer output before the final norm (vLLM's convention)"
+
+    # The old comparison: every right row of aux id 4 against the post-norm state.
+    model = hsrows.load(model_dir)
+    for ids, path in files:
+        saved = load_file(str(path))["hidden_states"].float()
+        post = hsrows.rows(model, ids, last="post")
+        err4 = (saved[:, 3] - post[:, 3]).norm(dim=-1) / post[:, 3].norm(dim=-1)
+        assert bool((err4 >= reference.THRESHOLD).all()), err4
+        assert torch.allclose(saved[:, :3], post[:, :3], rtol=0.02, atol=0.02)
+
+
+def test_reference_post_norm_last_layer_rows_are_corrupt(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same files with transformers' post-norm state in aux id 4's slot: exactly
+    that slot's rows are wrong, in every file."""
+    files = last_layer_files(tiny_models["hybrid"], tmp_path, "post")
+    code, doc, _ = audit_last_layer(tiny_models["hybrid"], tmp_path, capsys)
+    assert code == 1 and {f["verdict"] for f in doc["files"]} == {"corrupt"}
+    for ids, path in files:
+        f = next(f for f in doc["files"] if f["path"] == str(path))
+        assert [p["code"] for p in f["problems"]] == ["reference_mismatch"]
+        n = len(ids)
+        detail = f["problems"][0]["detail"]
+        assert detail.startswith(f"{n} of {4 * n} rows differ"), detail
+        assert "first at token position 0, aux layer 3" in detail
+
+
+def test_reference_aux_id_past_the_last_layer_is_a_usage_error(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    written(tiny_models["dense"], tmp_path, n=1)
+    args = ["--reference", str(tiny_models["hybrid"]), "--aux-layers", "1,5"]
+    code = main(["audit", str(tmp_path), *args])
+    assert code == 2 and "--aux-layers [5]" in capsys.readouterr().err

@@ -109,7 +109,7 @@ def test_jsonl_streams_files_then_updates_then_summary_and_matches_json(
     summary = recs[-1]
     assert summary["regenerate"] == doc["regenerate"] == [str(zero)]
     assert summary["suspect"] == doc["suspect"] == [str(off)]
-    assert summary["totals"]["files"] == 10 and summary["schema"] == 2
+    assert summary["totals"]["files"] == 10 and summary["schema"] == 3
     assert len(cs.read_text().splitlines()) == 11
 
 

@@ -44,8 +44,8 @@ from typing import Any
 import pytest
 from _abort_case import written
 from conftest import RELEASE, clean_env, run_py
+from support.serve import free_port, serve_command
 from test_hazards_e2e import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
-from test_serve import free_port, serve_command, vllm_name_standin
 
 from vllm_hsfix.demo import e2e
 from vllm_hsfix.patches import by_id
@@ -80,9 +80,6 @@ def serving(work: Path, **extra_env: str) -> Iterator[dict[str, Any]]:
     """A ``vllm serve`` of the tiny dense model, ``--max-num-seqs 1``; killed after."""
     port = free_port()
     env = clean_env(**extra_env)
-    standin = work / "standin"
-    vllm_name_standin(standin)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(standin), env.get("PYTHONPATH")) if p)
     cmd = serve_command(
         model_dir(), port, work / "hs", AUX_IDS, MAX_MODEL_LEN, "--max-num-seqs", "1"
     )

@@ -37,6 +37,7 @@ TARGETS = (
     "vllm.model_executor.models.extract_hidden_states",
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
     "vllm.v1.worker.cpu_model_runner",
+    "vllm.entrypoints.cli.main",
 )
 # Floors declared in pyproject.toml, tested here (wrapt 1.14.0 has no wheel for
 # Python 3.11+, so the floor is 1.14.1).
@@ -144,6 +145,12 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     img.base = img.snapshot()
     img.base_mtimes = {m: img.mtime(m) for m in ("torch", "vllm")}
     assert "vllm-hsfix" not in img.base
+    if INSTALL.cpu_build:  # fails first: without vllm-hsfix, `vllm` dies on its metadata
+        bare = subprocess.run(
+            [str(img.bin / "vllm"), "--version"], capture_output=True, text=True,
+            env=image_env(), cwd=img.root, timeout=300,
+        )  # fmt: skip
+        assert bare.returncode != 0 and "PackageNotFoundError" in bare.stderr, bare.stderr[-2000:]
     yield img
     shutil.rmtree(root, ignore_errors=True)
 
@@ -181,6 +188,10 @@ def _check_installed(img: Image, how: str) -> None:
     else:
         assert "will patch every vLLM process when it starts" in status.stdout, status.stdout
     _check_process_patched(img, how)
+    # `vllm` as the user types it: on vLLM's CPU build it starts through cpu-dist-name.
+    if INSTALL.cpu_build:
+        version = sh(img.bin / "vllm", "--version", env=image_env(), cwd=img.root)
+        assert version.strip().splitlines()[-1] == f"{INSTALL.release}+cpu", (how, version)
 
 
 def _check_process_patched(img: Image, how: str) -> None:
@@ -209,6 +220,10 @@ def _uninstall(img: Image) -> None:
     img.pip("uninstall", "-y", "-q", "vllm-hsfix")
     after = img.snapshot()
     assert "vllm-hsfix" not in after
+    site = Path(img.run("-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+    assert (
+        not (site / "vllm_hsfix_dist.pth").exists() and not (site / "_vllm_hsfix_dist.py").exists()
+    )
     for name in PINNED:
         if name in img.base:
             assert after[name] == img.base[name]

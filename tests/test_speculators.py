@@ -171,8 +171,11 @@ def test_pipeline_writes_right_hidden_states(
         err = errors(got, want)
         assert bool((err < THRESHOLD).all()), f"online sample {i}: worst {float(err.max()):.2f}"
     rc, report = audit(run["out"], model, run["aux"])
+    # No file corrupt (a short sample may be "suspect" by the norm heuristic: look-at,
+    # exit 0), none unsupported: the audit knows both formats.
     assert rc == 0, report.get("totals", report)
-    assert set(verdicts(report).values()) == {"ok"}, verdicts(report)
+    v = verdicts(report)
+    assert len(v) == SAMPLES and not {"corrupt", "unsupported"} & set(v.values()), v
     statuses = [json.loads(f.read_text()) for f in (tmp_path / "status").glob("*.json")]
     workers = [s for s in statuses if s["role"].startswith("worker")]
     assert workers and all(

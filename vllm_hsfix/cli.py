@@ -232,14 +232,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from . import verify
+    from . import enginelog, verify
 
     # vLLM logs to stdout; while it loads, stdout is stderr so --json output stays parseable.
     real_stdout, sys.stdout = sys.stdout, sys.stderr
     try:
         code, report = verify.run(args.device)
     except Exception as exc:  # the report must come out whatever happens
-        code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r}"}
+        where = enginelog.origin(exc)
+        code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r} (raised at {where})"}
     finally:
         sys.stdout = real_stdout
     if args.json:
@@ -303,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(
         prog="vllm-hsfix",
-        description="Hidden-state extraction fixes for pinned vLLM releases (backports of "
-        "vLLM PRs 46301 and 46202 for 0.17.0-0.24.x)",
+        description="Right hidden states from extract_hidden_states on pinned vLLM releases "
+        "0.17-0.33: upstream's fixes backported, gated by release, platform and code shape "
+        "(`vllm-hsfix status` lists what is patched here and why)",
     )
     ap.add_argument("--version", action="version", version=f"vllm-hsfix {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)

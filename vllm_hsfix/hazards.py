@@ -15,6 +15,8 @@ issue or pull request and first fixed release, and the action:
 * ``documented``: nothing better is possible or built yet; ``why_action`` says which,
   and ``workaround`` what a user can do.
 
+``evidence`` cites files of the release's wheel by line; ``CONN`` there stands for
+``vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py``.
 ``measured`` says what was run here and what it showed, or why nothing was.
 :func:`assess` gives one row's state on a release for ``status``, :func:`refuse_config`
 the rows whose settings are checked at engine start on a release; nothing here imports

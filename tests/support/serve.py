@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +31,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def console_script() -> str:
+    """The ``vllm`` console script of the vLLM under test, as a user types ``vllm``: the
+    one installed beside the release (``bin/`` of its site, or of this interpreter)."""
+    import vllm_hsfix.detect as detect
+
+    location = detect.detect().location or ""
+    for cand in (
+        Path(location).parent.parent / "bin" / "vllm",
+        Path(sys.executable).parent / "vllm",
+    ):
+        if cand.is_file():
+            return str(cand)
+    raise AssertionError(f"no vllm console script beside {location} or {sys.executable}")
+
+
+def serve_command(
+    model: Path, port: int, storage: Path, aux: list[int], max_model_len: int, *extra: str
+) -> list[str]:
+    """``vllm serve`` (the console script) of ``model`` on 127.0.0.1 extracting hidden
+    states of ``aux`` into ``storage`` (prefix caching and chunked prefill off), plus
+    ``extra`` arguments."""
+    return [
+        console_script(), "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+        "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+        "--speculative-config",
+        json.dumps(
+            {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
+            }
+        ),
+        "--kv-transfer-config",
+        json.dumps(
+            {
+                "kv_connector": "ExampleHiddenStatesConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+            }
+        ),
+        *extra,
+    ]  # fmt: skip
 
 
 def tail(log: Path, limit: int = 4000) -> str:

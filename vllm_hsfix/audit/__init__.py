@@ -4,8 +4,9 @@ The Python API, for generation pipelines (both need numpy; nothing here imports 
 or torch):
 
 * :func:`check_file` ``(path) -> FileReport``: the per-file checks on one file, no
-  dataset context (``verdict``: ``ok``, ``suspect``, ``corrupt``, or ``pending`` while
-  the writer's ``.lock`` is there): check each file as it is written, requeue bad ones;
+  dataset context (``verdict``: ``ok``, ``suspect``, ``corrupt``, ``unsupported`` for a
+  format it does not know, or ``pending`` while the writer's ``.lock`` is there): check
+  each file as it is written, requeue bad ones;
 * :func:`audit_paths` ``(paths, workers=None, *, ray=None, state=None, on_record=None,
   keep=True, reference=None) -> AuditReport``: the whole audit, dataset checks included
   (``report.regenerate``: the corrupt files; ``report.suspect``; ``on_record`` receives
@@ -18,8 +19,10 @@ Modules, lowest first (each imports only modules above it in this list):
 * ``reports``: findings, the verdicts, per-file reports, sketches, per-run reports.
 * ``progress``: each pass's progress, tqdm on a terminal, plain lines in a log.
 * ``records``: the run as a stream of JSON records (``--jsonl``).
-* ``format``: the safetensors layout the connector writes: header, keys, dtypes, token ids.
+* ``format``: the layouts the connectors write (plain, fp8): header, keys, dtypes, token ids.
+* ``decode``: rows as values, in one place (fp8 de-quantized with its per-token scales).
 * ``incremental``: ``--state``: per-file results kept between runs.
+* ``repeats``: rows repeated across token ids or aux layers (keys confirmed on the rows).
 * ``scan``: one file: header and keys, then every row streamed (``audit_file``).
 * ``parallel``: ``audit_file`` over many files in batches in worker processes.
 * ``on_ray``: the same batches as Ray tasks across a cluster (``--ray``).

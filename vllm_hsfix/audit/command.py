@@ -7,8 +7,9 @@ already on disk, so only the bad files are regenerated.
 
 Exit codes of ``vllm-hsfix audit``: 0 no corrupt file (suspect files are listed, under
 their own name, but do not fail the run: their checks are heuristics, and a training
-job should not stop on a heuristic; pending files, still locked by their writer, are
-not judged); 1 at least one corrupt file; 2 usage error (a path that does not exist,
+job should not stop on a heuristic; pending files, still locked by their writer, and
+unsupported files, of a format the audit does not know, are not judged and listed
+under their own name); 1 at least one corrupt file; 2 usage error (a path that does not exist,
 ``--workers`` < 1, nothing to audit, an output that cannot be written, two outputs on
 stdout, numpy or, for ``--ray``, Ray missing).
 
@@ -154,6 +155,18 @@ def _reference_usage(args: argparse.Namespace) -> str | None:
         reference.sample(["x"], args.sample)
     except ValueError as exc:
         return f"vllm-hsfix audit: {exc}"
+    try:
+        with open(os.path.join(args.reference, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        n = config.get("text_config", config).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        n = None  # the model's loader will say what is wrong with it
+    bad = [k for k in aux if isinstance(n, int) and not 0 <= k <= n]
+    if bad:
+        return (
+            f"vllm-hsfix audit: --aux-layers {bad}: {args.reference} has {n} decoder layers "
+            f"(aux ids 0-{n}; {n} is the last layer's output before the final norm)"
+        )
     return None
 
 
@@ -263,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
             f"per file after {ref['model_load_s']:.1f} s to load the model",
             file=err,
         )
+        for k, rule in ref.get("conventions", {}).items():
+            print(f"reference: aux id {k} = {rule}", file=err)
     if report.dataset.get("state_note"):
         print(report.dataset["state_note"], file=err)
     stdout_taken = args.json or args.jsonl == "-" or any(d == "-" for _, d in args.list)

@@ -1,8 +1,16 @@
-"""The hidden-states file format: what ``ExampleHiddenStatesConnector`` writes, parsed by hand.
+"""The hidden-states file formats the audit knows, parsed by hand.
 
-Each file is a ``.safetensors`` file with ``hidden_states`` ``[tokens, n_aux, hidden]``
-(BF16/F16/F32/F64) and ``token_ids`` ``[tokens]`` (I64). A "row" is one ``(token, aux
-layer)`` vector of ``hidden`` values.
+Two layouts, both ``.safetensors`` files with ``token_ids`` ``[tokens]`` (I64):
+
+* ``plain``: what vLLM's ``ExampleHiddenStatesConnector`` writes (speculators' ``file``
+  backend): ``hidden_states`` ``[tokens, n_aux, hidden]`` in BF16/F16/F32/F64.
+* ``fp8``: what hs-connectors' ``FP8HiddenStatesConnector`` writes (speculators' ``fp8``
+  backend): ``hidden_states`` ``F8_E4M3`` (float8_e4m3fn) ``[tokens, n_aux, hidden]``
+  and ``hidden_states_scales`` F32 ``[tokens, 1, 1]``; a row's values are the fp8 values
+  times its token's scale (:mod:`.decode` de-quantizes, every check sees the result).
+
+A "row" is one ``(token, aux layer)`` vector of ``hidden`` values. Anything else (a
+dtype or key layout with no rule here) is ``unsupported``, never ``corrupt``.
 
 The header is parsed here without the safetensors library: the auditor must run on a
 bare data box, and must say *why* a file is unreadable instead of raising on it. This
@@ -18,13 +26,14 @@ import os
 import struct
 from typing import IO, TYPE_CHECKING, Any
 
-from .reports import CORRUPT, SUSPECT, FileReport, Problem
+from .reports import CORRUPT, SUSPECT, UNSUPPORTED, FileReport, Problem
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 HIDDEN_KEY = "hidden_states"
 TOKEN_KEY = "token_ids"
+SCALES_KEY = "hidden_states_scales"
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 
@@ -52,15 +61,26 @@ ITEMSIZE: dict[str, int] = {
 HIDDEN_RAW = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}
 HIDDEN_INT = {"BF16": "<u2", "F16": "<u2", "F32": "<u4", "F64": "<u8"}
 TOKEN_DTYPES = ("I64",)
+FP8_DTYPE = "F8_E4M3"
+SCALES_DTYPE = "F32"
+# The layouts (``FileReport.format``) and who writes them.
+PLAIN = "plain"
+FP8 = "fp8"
+FORMATS = {
+    PLAIN: "as vLLM's ExampleHiddenStatesConnector writes them",
+    FP8: "as hs-connectors' FP8HiddenStatesConnector writes them (float8_e4m3fn x "
+    "per-token scales; checked de-quantized)",
+}
 
 
 class BadFile(Exception):
     """A finding that ends the audit of a file (nothing further can be read)."""
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: str, detail: str, severity: str = CORRUPT) -> None:
         super().__init__(detail)
         self.code = code
         self.detail = detail
+        self.severity = severity
 
 
 def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], int]:
@@ -110,7 +130,12 @@ def check_layout(header: dict[str, Any], data_len: int) -> tuple[dict[str, Any],
         if not ok:
             raise BadFile("bad_header", f"tensor {name!r}: malformed header entry {t!r:.120}")
         if t["dtype"] not in ITEMSIZE:
-            raise BadFile("bad_header", f"tensor {name!r}: unknown dtype {t['dtype']!r}")
+            raise BadFile(
+                "unsupported_dtype",
+                f"tensor {name!r}: dtype {t['dtype']!r} is unknown to the audit (its size, "
+                "hence the file's layout, cannot be checked)",
+                UNSUPPORTED,
+            )
         begin, end = t["data_offsets"]
         need = math.prod(t["shape"]) * ITEMSIZE[t["dtype"]]
         if end - begin != need:
@@ -137,39 +162,51 @@ def check_layout(header: dict[str, Any], data_len: int) -> tuple[dict[str, Any],
 
 
 def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
-    """Keys, dtypes and shapes against what the connector writes. Fills the shape
-    fields of ``rep`` and says whether ``hidden_states`` and ``token_ids`` can be read."""
+    """Keys, dtypes and shapes against the layouts the audit knows. Fills the shape
+    fields and ``format`` of ``rep`` and says whether ``hidden_states`` (with its
+    scales, for ``fp8``) and ``token_ids`` can be read. A layout or dtype with no rule
+    is ``unsupported``; a known layout that is damaged is ``corrupt``."""
     hs, ti = tensors.get(HIDDEN_KEY), tensors.get(TOKEN_KEY)
-    missing = [k for k in (HIDDEN_KEY, TOKEN_KEY) if k not in tensors]
-    if missing:
-        rep.add("missing_key", CORRUPT, f"missing tensor(s) {missing}; has {sorted(tensors)}")
-    extra = sorted(set(tensors) - {HIDDEN_KEY, TOKEN_KEY})
-    if extra and not missing:
-        rep.add("extra_keys", SUSPECT, f"unexpected tensor(s) {extra} (the connector writes 2)")
+    unknown = sorted(set(tensors) - {HIDDEN_KEY, TOKEN_KEY, SCALES_KEY})
+    if hs is None or (ti is None and unknown):
+        rep.add(
+            "unsupported_layout",
+            UNSUPPORTED,
+            f"tensors {sorted(tensors)}: not a layout the audit knows ({HIDDEN_KEY} and "
+            f"{TOKEN_KEY}, plus {SCALES_KEY} for fp8)",
+        )
+        return False, False
+    if ti is None:
+        rep.add("missing_key", CORRUPT, f"missing tensor(s) {[TOKEN_KEY]}; has {sorted(tensors)}")
+    elif unknown:
+        rep.add(
+            "extra_keys",
+            SUSPECT,
+            f"unexpected tensor(s) {unknown} (the connectors write {HIDDEN_KEY}, "
+            f"{TOKEN_KEY} and, fp8, {SCALES_KEY})",
+        )
 
-    hs_ok = hs is not None
-    if hs is not None:
-        rep.dtype = hs["dtype"]
-        if hs["dtype"] not in HIDDEN_RAW:
-            rep.add(
-                "wrong_dtype",
-                CORRUPT,
-                f"{HIDDEN_KEY} dtype {hs['dtype']}, expected one of {sorted(HIDDEN_RAW)}",
-            )
+    rep.dtype = hs["dtype"]
+    hs_ok = _check_encoding(rep, hs, tensors.get(SCALES_KEY))
+    if len(hs["shape"]) != 3:
+        rep.add("bad_shape", CORRUPT, f"{HIDDEN_KEY} has shape {hs['shape']}, expected 3-D")
+        hs_ok = False
+    else:
+        rep.n_tokens, rep.n_aux, rep.hidden = hs["shape"]
+        if 0 in hs["shape"]:
+            rep.add("empty", CORRUPT, f"{HIDDEN_KEY} is empty: shape {hs['shape']}")
             hs_ok = False
-        if len(hs["shape"]) != 3:
-            rep.add("bad_shape", CORRUPT, f"{HIDDEN_KEY} has shape {hs['shape']}, expected 3-D")
+        elif rep.format == FP8 and not _check_scales(rep, tensors[SCALES_KEY]):
             hs_ok = False
-        else:
-            rep.n_tokens, rep.n_aux, rep.hidden = hs["shape"]
-            if 0 in hs["shape"]:
-                rep.add("empty", CORRUPT, f"{HIDDEN_KEY} is empty: shape {hs['shape']}")
-                hs_ok = False
 
     ti_ok = ti is not None
     if ti is not None:
         if ti["dtype"] not in TOKEN_DTYPES:
-            rep.add("wrong_dtype", CORRUPT, f"{TOKEN_KEY} dtype {ti['dtype']}, expected I64")
+            rep.add(
+                "unsupported_dtype",
+                UNSUPPORTED,
+                f"{TOKEN_KEY} dtype {ti['dtype']}: the audit knows I64 token ids only",
+            )
             ti_ok = False
         if len(ti["shape"]) != 1:
             rep.add("bad_shape", CORRUPT, f"{TOKEN_KEY} has shape {ti['shape']}, expected 1-D")
@@ -190,6 +227,60 @@ def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
             )
             ti_ok = False
     return hs_ok, ti_ok
+
+
+def _check_encoding(rep: FileReport, hs: dict[str, Any], scales: dict[str, Any] | None) -> bool:
+    """Which layout the dtypes say (``rep.format``), or an ``unsupported`` finding."""
+    dtype = hs["dtype"]
+    if scales is None and dtype in HIDDEN_RAW:
+        rep.format = PLAIN
+        return True
+    if scales is None:
+        known = f"known: {sorted(HIDDEN_RAW)}, or {FP8_DTYPE} with {SCALES_KEY}"
+        why = f"no rule for it ({known})"
+        if dtype == FP8_DTYPE:
+            why = f"without {SCALES_KEY}, fp8 rows cannot be de-quantized"
+        rep.add("unsupported_dtype", UNSUPPORTED, f"{HIDDEN_KEY} dtype {dtype}: {why}")
+        return False
+    if dtype != FP8_DTYPE:
+        rep.add(
+            "unsupported_layout",
+            UNSUPPORTED,
+            f"{SCALES_KEY} beside {dtype} {HIDDEN_KEY}: the audit knows scales for "
+            f"{FP8_DTYPE} (float8_e4m3fn) rows only",
+        )
+        return False
+    if scales["dtype"] != SCALES_DTYPE:
+        rep.add(
+            "unsupported_dtype",
+            UNSUPPORTED,
+            f"{SCALES_KEY} dtype {scales['dtype']}: the fp8 connector writes {SCALES_DTYPE}",
+        )
+        return False
+    rep.format = FP8
+    return True
+
+
+def _check_scales(rep: FileReport, scales: dict[str, Any]) -> bool:
+    """fp8: one scale per token, shaped ``[tokens, 1, 1]`` as the connector writes."""
+    shape = scales["shape"]
+    if len(shape) != 3 or shape[1:] != [1, 1]:
+        rep.format = None
+        rep.add(
+            "unsupported_layout",
+            UNSUPPORTED,
+            f"{SCALES_KEY} shape {shape}: the audit knows one scale per token "
+            "([tokens, 1, 1]) only",
+        )
+        return False
+    if shape[0] != rep.n_tokens:
+        rep.add(
+            "scales_mismatch",
+            CORRUPT,
+            f"{shape[0]} {SCALES_KEY} for {rep.n_tokens} hidden-state tokens",
+        )
+        return False
+    return True
 
 
 def read_layout(path: str) -> tuple[int, dict[str, Any], int, dict[str, Any], Problem | None]:

@@ -29,7 +29,8 @@ from .prefix import PrefixData
 from .reports import FileReport
 
 # Bump when a per-file check changes what it reports: old states are then rescanned.
-CHECKS_REVISION = 1
+# 2: fp8 files de-quantized (were corrupt), unknown formats ``unsupported``.
+CHECKS_REVISION = 2
 _HEADER = {"kind": "vllm-hsfix audit state", "version": __version__, "checks": CHECKS_REVISION}
 # Findings that say nothing lasting about the file.
 TRANSIENT = frozenset({"unreadable"})

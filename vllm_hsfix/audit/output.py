@@ -16,8 +16,9 @@ import sys
 from collections import Counter
 from typing import IO
 
+from .format import FORMATS
 from .records import FILE, UPDATE, Record, file_record
-from .reports import CORRUPT, OK, PENDING, SUSPECT, AuditReport
+from .reports import CORRUPT, OK, PENDING, SUSPECT, UNSUPPORTED, AuditReport
 
 DEFAULT_SHOW = 5
 LIST_KINDS = {
@@ -25,8 +26,9 @@ LIST_KINDS = {
     SUSPECT: (SUSPECT,),
     "bad": (CORRUPT, SUSPECT),
     PENDING: (PENDING,),
+    UNSUPPORTED: (UNSUPPORTED,),
 }
-_RANK = {CORRUPT: 0, SUSPECT: 1, PENDING: 2}
+_RANK = {CORRUPT: 0, UNSUPPORTED: 1, SUSPECT: 2, PENDING: 3}
 
 
 class Digest:
@@ -40,6 +42,7 @@ class Digest:
         self.examples: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self.stamps: Counter[str] = Counter()
         self.stamped = 0
+        self.formats: Counter[str] = Counter()  # files read as each known layout
 
     def __call__(self, record: Record) -> None:
         if record["type"] not in (FILE, UPDATE):
@@ -52,6 +55,8 @@ class Digest:
             seen.add(key)
             self.files[key] += 1
             self._example(key, record["path"], p["detail"])
+        if record["type"] == FILE and record.get("format"):
+            self.formats[record["format"]] += 1
         prov = record.get("provenance")
         if record["type"] == FILE and prov:
             self.stamped += 1
@@ -93,8 +98,11 @@ def format_human(report: AuditReport, digest: Digest | None = None) -> str:
         f"audited {t['files']} files, {t['bytes'] / 1e9:.3f} GB in {t['wall_s']:.2f} s "
         f"({t['gb_per_s']:.3f} GB/s, {t['files_per_s']:.1f} files/s, {where})",
         f"  ok {t[OK]}   suspect {t[SUSPECT]}   corrupt {t[CORRUPT]}"
+        + (f"   unsupported {t[UNSUPPORTED]}" if t[UNSUPPORTED] else "")
         + (f"   pending {t[PENDING]}" if t[PENDING] else ""),
     ]
+    for fmt, n in sorted(digest.formats.items()):
+        lines.append(f"  format {fmt}: {n} file{'s' if n != 1 else ''}, {FORMATS.get(fmt, fmt)}")
     if report.reused:
         lines.append(f"  {report.reused} files unchanged since --state was written: not rescanned")
     keys = sorted(digest.files, key=lambda k: (_RANK.get(k[1], 3), -digest.files[k], k[0]))
@@ -123,8 +131,16 @@ def format_human(report: AuditReport, digest: Digest | None = None) -> str:
         lines.append(f"regenerate: {t[CORRUPT]} corrupt files (--list corrupt FILE lists them)")
     if t[SUSPECT]:
         lines.append(f"look at: {t[SUSPECT]} suspect files (--list suspect FILE lists them)")
+    if t[UNSUPPORTED]:
+        n = t[UNSUPPORTED]
+        lines.append(
+            f"not judged: {n} file{'s' if n != 1 else ''} in a format the audit does not "
+            "know (--list unsupported FILE lists them)"
+        )
     if t[CORRUPT]:
         lines.append("result: CORRUPT files found (exit 1)")
+    elif t[UNSUPPORTED]:
+        lines.append("result: no corrupt files; unsupported files were not judged (exit 0)")
     elif t[SUSPECT]:
         lines.append("result: no corrupt files; suspect files listed above (exit 0)")
     elif t[PENDING]:
@@ -151,6 +167,7 @@ CSV_FIELDS = [
     "verdict",
     "bytes",
     "dtype",
+    "format",
     "n_tokens",
     "n_aux",
     "hidden",

@@ -24,7 +24,7 @@ from .format import LOCK_SUFFIX, SUFFIX
 from .incremental import State
 from .parallel import default_workers, run_pool
 from .progress import SILENT, Factory
-from .reports import CORRUPT, PENDING, AuditReport, FileReport, Sketch
+from .reports import CORRUPT, PENDING, UNSUPPORTED, AuditReport, FileReport, Sketch
 from .scan import locked
 
 RecordFn = Callable[[records.Record], None]
@@ -183,7 +183,9 @@ def audit_paths(
         if store is not None:
             store.save()
 
-    judged = [i for i, s in enumerate(sketches) if s is not None]
+    # Files of a format the audit does not know have no rows read: they take no part
+    # in the cross-file checks (their verdict stays ``unsupported``).
+    judged = [i for i, s in enumerate(sketches) if s is not None and s.verdict != UNSUPPORTED]
     group = [sketches[i] for i in judged]
     findings: Findings = {}
     dataset: dict = {}

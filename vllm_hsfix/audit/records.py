@@ -3,13 +3,14 @@
 One JSON object per line, in this order:
 
 * ``{"type": "file", ...}`` for each file as soon as the per-file checks have judged it
-  (the :class:`.reports.FileReport` fields; ``cached`` when ``--state`` supplied it
-  instead of a scan; ``verdict`` ``pending`` for a file still locked by its writer);
+  (the :class:`.reports.FileReport` fields, ``format`` among them; ``cached`` when
+  ``--state`` supplied it instead of a scan; ``verdict`` ``pending`` for a file still
+  locked by its writer, ``unsupported`` for a format the audit does not know);
 * ``{"type": "update", "path", "verdict", "problems"}`` for each file the dataset-level
   checks (shape majority, norms, shared prefixes, ``--reference``) changed: the new
   findings and the file's final verdict;
 * one ``{"type": "summary", "schema", "totals", "regenerate", "suspect", "pending",
-  "dataset"}`` at the end (the lists name only files, so the summary of 500k files is
+  "unsupported", "dataset"}`` at the end (the lists name only files, so the summary of 500k files is
   tens of MB, not the whole report).
 
 A consumer that keeps the last verdict per path has every file's final verdict.
@@ -22,7 +23,7 @@ import sys
 from dataclasses import asdict
 from typing import IO, Any
 
-from .reports import PENDING, SCHEMA, SUSPECT, AuditReport, FileReport, Problem
+from .reports import PENDING, SCHEMA, SUSPECT, UNSUPPORTED, AuditReport, FileReport, Problem
 
 FILE, UPDATE, SUMMARY = "file", "update", "summary"
 Record = dict[str, Any]
@@ -49,6 +50,7 @@ def summary_record(report: AuditReport) -> Record:
         "regenerate": report.regenerate,
         SUSPECT: report.suspect,
         PENDING: report.paths(PENDING),
+        UNSUPPORTED: report.paths(UNSUPPORTED),
         "dataset": report.dataset,
     }
 

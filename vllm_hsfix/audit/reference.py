@@ -2,10 +2,18 @@
 
 The shared-prefix check needs no model but cannot see a file that shares no prefix
 with another. With the verifier's weights at hand, a ``transformers`` forward of the
-saved token ids gives the true hidden states (``output_hidden_states=True``; aux layer
-id k is ``hidden_states[k]``), and every row of a sampled file is compared with it:
-relative L2 error under ``THRESHOLD`` is a correct row (measured on vLLM's bf16 output
-against an fp32 forward: correct rows 0.01-0.12, wrong rows 1.0-2.1).
+saved token ids gives the true hidden states, and every row of a sampled file is
+compared with it: relative L2 error under ``THRESHOLD`` is a correct row (measured on
+vLLM's bf16 output against an fp32 forward: correct rows 0.01-0.12, wrong rows 1.0-2.1).
+
+Which state an aux layer id names is vLLM's convention, not transformers': aux id
+k < num_hidden_layers is the input of decoder layer k, ``hidden_states[k]`` of
+``output_hidden_states=True``; aux id k == num_hidden_layers (speculators always adds
+it) is the output of the LAST decoder layer BEFORE the final norm, while
+transformers' ``hidden_states[num_hidden_layers]`` is after the norm. That one is
+taken with a forward hook on the last decoder layer (:func:`conventions` says which
+rule each id follows; the report prints it). Files are read through
+:func:`.decode.read_rows`, so fp8 files are compared de-quantized.
 
 Of ``audit``, only this module imports torch and transformers, and only when
 ``--reference`` is given. The end-to-end harness (``demo/e2e.py``) compares vLLM's
@@ -21,8 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .decode import read_rows
+from .format import BadFile
+
 THRESHOLD = 0.2
-NEEDS = ("torch", "transformers", "safetensors")
+NEEDS = ("torch", "transformers")
 
 
 @dataclass
@@ -58,7 +69,7 @@ def missing_dependency() -> str | None:
         return (
             f"vllm-hsfix audit --reference needs {', '.join(absent)}, which "
             f"{'is' if len(absent) == 1 else 'are'} not installed here: "
-            "pip install torch transformers safetensors"
+            "pip install torch transformers"
         )
     return None
 
@@ -89,15 +100,66 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> Any:
     return cls.from_pretrained(model_dir, dtype=torch_dtype).eval()
 
 
-def aux_rows(model: Any, ids: Any, aux_layers: Sequence[int]) -> Any:
-    """The reference hidden states of token ids ``ids`` (1-D tensor), shaped as the
-    connector saves them: [tokens, len(aux_layers), hidden] (aux id k is
-    ``hidden_states[k]``)."""
+def num_layers(model: Any) -> int:
+    """``num_hidden_layers`` of the (text) model."""
+    return int(model.config.get_text_config().num_hidden_layers)
+
+
+def decoder_layers(model: Any) -> Any:
+    """The decoder layer stack (an ``nn.ModuleList`` of ``num_hidden_layers`` layers) of a
+    causal LM, a multimodal checkpoint's text stack included."""
     import torch
 
-    with torch.no_grad():
-        hs = model(ids[None, :].long(), output_hidden_states=True).hidden_states
-    return torch.stack([hs[k][0].float() for k in aux_layers], dim=1)
+    n = num_layers(model)
+    found = [
+        mod
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.ModuleList) and name.endswith("layers") and len(mod) == n
+    ]
+    if len(found) != 1:
+        raise ValueError(f"cannot tell the {n} decoder layers of {type(model).__name__} apart")
+    return found[0]
+
+
+def conventions(num_layers: int, aux_layers: Sequence[int]) -> dict[int, str]:
+    """What each aux layer id is compared with, in words (vLLM's numbering)."""
+    out = {}
+    for k in aux_layers:
+        if k == num_layers:
+            out[k] = "last decoder layer output before the final norm (vLLM's convention)"
+        elif 0 <= k < num_layers:
+            out[k] = f"input of decoder layer {k} (transformers' hidden_states[{k}])"
+        else:
+            out[k] = f"no such layer (the model has {num_layers} decoder layers)"
+    return out
+
+
+def aux_rows(model: Any, ids: Any, aux_layers: Sequence[int]) -> Any:
+    """The reference hidden states of token ids ``ids`` (1-D tensor), shaped as the
+    connector saves them: [tokens, len(aux_layers), hidden], float32. Aux id k <
+    num_hidden_layers is ``hidden_states[k]``; k == num_hidden_layers is the last decoder
+    layer's output before the final norm (a forward hook), as vLLM saves it."""
+    import torch
+
+    n = num_layers(model)
+    bad = [k for k in aux_layers if not 0 <= k <= n]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} out of range: the model has {n} decoder layers")
+    last: list[Any] = []
+
+    def keep(_mod: Any, _args: Any, out: Any) -> None:
+        last.append(out[0] if isinstance(out, tuple) else out)
+
+    hook = decoder_layers(model)[n - 1].register_forward_hook(keep) if n in aux_layers else None
+    try:
+        with torch.no_grad():
+            hs = model(ids[None, :].long(), output_hidden_states=True).hidden_states
+    finally:
+        if hook is not None:
+            hook.remove()
+    if len(hs) != n + 1:
+        raise ValueError(f"{len(hs)} hidden states for {n} decoder layers: cannot number them")
+    return torch.stack([(last[-1] if k == n else hs[k])[0].float() for k in aux_layers], dim=1)
 
 
 def row_errors(got: Any, want: Any) -> Any:
@@ -107,15 +169,16 @@ def row_errors(got: Any, want: Any) -> Any:
 
 
 def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResult:
-    from safetensors.torch import load_file
+    import torch
 
     t0 = time.perf_counter()
     try:
-        data = load_file(path)
-        got = data["hidden_states"].float()
-        ids = data["token_ids"].long()
-    except Exception as exc:
-        return ReferenceResult(path, 0, 0, None, 0.0, time.perf_counter() - t0, repr(exc))
+        values, token_ids, _ = read_rows(path)
+        got = torch.from_numpy(values)
+        ids = torch.from_numpy(token_ids.astype("int64"))
+    except (BadFile, OSError, ValueError) as exc:
+        why = exc.detail if isinstance(exc, BadFile) else repr(exc)
+        return ReferenceResult(path, 0, 0, None, 0.0, time.perf_counter() - t0, why)
     if got.dim() != 3 or got.shape[0] != len(ids) or got.shape[1] != len(aux_layers):
         return ReferenceResult(
             path,
@@ -156,6 +219,14 @@ def check(
     t0 = time.perf_counter()
     model = load_model(model_dir, dtype)
     load_s = time.perf_counter() - t0
+    n_layers = num_layers(model)
+    bad = [k for k in aux_layers if not 0 <= k <= n_layers]
+    if bad:  # the arguments, not the files, are wrong: a usage error (exit 2)
+        raise RuntimeError(
+            f"--aux-layers {bad}: {model_dir} has {n_layers} decoder layers (aux ids 0-"
+            f"{n_layers}; {n_layers} is the last layer's output before the final norm)"
+        )
+    rules = conventions(n_layers, aux_layers)
     chosen = sample(paths, spec)
     results = []
     for p in chosen:
@@ -166,6 +237,8 @@ def check(
     return results, {
         "model": str(model_dir),
         "aux_layers": aux_layers,
+        # What each aux id was compared with: "4": "last decoder layer output before ..."
+        "conventions": {str(k): v for k, v in rules.items()},
         "dtype": dtype,
         "threshold": THRESHOLD,
         "files_compared": len(results),

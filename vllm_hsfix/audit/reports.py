@@ -1,4 +1,4 @@
-"""What the auditor concludes: findings, the three verdicts, per-file and per-run reports.
+"""What the auditor concludes: findings, the verdicts, per-file and per-run reports.
 
 Verdicts:
 
@@ -9,6 +9,12 @@ Verdicts:
   the same aux layer, rows with a norm under 1e-3 x their layer's median, a per-layer
   median row norm far off the rest of the dataset (robust z-score over files), or
   ``[n_aux, hidden]`` differing from the dataset majority, or unexpected extra tensors.
+* ``unsupported``: not judged: a layout or dtype the auditor has no rule for (say, an
+  ``F8_E5M2`` ``hidden_states``, fp8 rows without their scales, ``token_ids`` that are not
+  I64, no ``hidden_states`` tensor at all). The finding says why. A file of a format
+  the audit does not know is never called ``corrupt`` (that would say "regenerate" about
+  a file nobody has looked at); damage the audit can see whatever the format
+  (truncation, a header the data does not fit) still makes it ``corrupt``.
 * ``ok``: none of the above.
 * ``pending``: not judged: a ``.lock`` file sits beside it, so the writer may still be
   writing it (an audit of a dataset still being generated); a rerun judges it.
@@ -32,10 +38,19 @@ CORRUPT = "corrupt"
 SUSPECT = "suspect"
 OK = "ok"
 PENDING = "pending"
-VERDICTS = (OK, SUSPECT, CORRUPT, PENDING)
-# Report schema: 2 split ``regenerate`` (corrupt only) from ``suspect`` and added
+UNSUPPORTED = "unsupported"
+VERDICTS = (OK, SUSPECT, CORRUPT, PENDING, UNSUPPORTED)
+# Which verdict wins when a file gets findings of several severities.
+_RANK = {OK: 0, PENDING: 1, SUSPECT: 2, UNSUPPORTED: 3, CORRUPT: 4}
+# Report schema: 3 added the ``unsupported`` verdict (its count and list) and each
+# file's ``format``; 2 split ``regenerate`` (corrupt only) from ``suspect`` and added
 # ``pending``; schema 1 listed corrupt and suspect files together under ``regenerate``.
-SCHEMA = 2
+SCHEMA = 3
+
+
+def worse(verdict: str, severity: str) -> str:
+    """The verdict after a finding of ``severity``: the worst of the two."""
+    return severity if _RANK.get(severity, 0) > _RANK.get(verdict, 0) else verdict
 
 
 @dataclass
@@ -83,6 +98,9 @@ class FileReport:
     bytes: int = 0
     verdict: str = OK
     dtype: str | None = None
+    # The file layout it was read as (``format.PLAIN``, ``format.FP8``); None when the
+    # audit does not know it (``unsupported``) or could not read the header.
+    format: str | None = None
     n_tokens: int | None = None
     n_aux: int | None = None
     hidden: int | None = None
@@ -103,10 +121,7 @@ class FileReport:
     def add(self, code: str, severity: str, detail: str) -> None:
         """Record a finding and keep the verdict the worst severity seen."""
         self.problems.append(Problem(code, severity, detail))
-        if severity == CORRUPT or (severity == SUSPECT and self.verdict == OK):
-            self.verdict = severity
-        elif severity == PENDING and self.verdict == OK:
-            self.verdict = PENDING
+        self.verdict = worse(self.verdict, severity)
 
     def codes(self) -> list[str]:
         """The problem codes, for tests and filters."""
@@ -165,8 +180,7 @@ class Sketch:
 
     def add(self, problem: Problem) -> None:
         """Keep the verdict in step with a dataset-level finding."""
-        if problem.severity == CORRUPT or (problem.severity == SUSPECT and self.verdict == OK):
-            self.verdict = problem.severity
+        self.verdict = worse(self.verdict, problem.severity)
 
 
 @dataclass
@@ -218,6 +232,7 @@ class AuditReport:
             SUSPECT: self.count(SUSPECT),
             CORRUPT: self.count(CORRUPT),
             PENDING: self.count(PENDING),
+            UNSUPPORTED: self.count(UNSUPPORTED),
             "wall_s": round(self.wall_s, 4),
             "gb_per_s": round(self.total_bytes / 1e9 / wall, 4),
             "files_per_s": round(len(self.verdicts) / wall, 2),
@@ -234,6 +249,7 @@ class AuditReport:
             "regenerate": self.regenerate,
             SUSPECT: self.suspect,
             PENDING: self.paths(PENDING),
+            UNSUPPORTED: self.paths(UNSUPPORTED),
             "dataset": self.dataset,
             "files": [f.to_dict() for f in self.files],
         }

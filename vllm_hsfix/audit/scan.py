@@ -2,10 +2,12 @@
 
 The rows are read window by window through a memory map (``CHUNK_BYTES`` at a time,
 unmapped before the next), so memory stays bounded whatever the file size, and each
-window is converted in small float32 blocks. Per row only a few numbers are kept
-(squared norm, a cheap key, zero / non-finite flags): from them come the zero, NaN/Inf,
-duplicate and near-zero findings and the per-layer norm statistics. The first rows are
-also kept as they stream by, as the shared-prefix check's input (:mod:`.prefix`).
+window is converted in small float32 blocks by :mod:`.decode` (fp8 rows de-quantized
+there: every check below sees values, whatever the format). Per row only a few numbers
+are kept (squared norm, a cheap key, zero / non-finite flags): from them come the zero,
+NaN/Inf, duplicate (:mod:`.repeats`) and near-zero findings and the per-layer norm
+statistics. The first rows are also kept as they stream by, as the shared-prefix
+check's input (:mod:`.prefix`).
 
 :func:`audit_file` never raises: whatever goes wrong becomes a ``corrupt`` finding.
 """
@@ -13,20 +15,19 @@ also kept as they stream by, as the shared-prefix check's input (:mod:`.prefix`)
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import time
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import prefix, signatures
+from . import prefix, repeats, signatures
+from .decode import Rows, Whole, read_scales
 from .format import (
-    HIDDEN_INT,
+    FP8,
     HIDDEN_KEY,
-    HIDDEN_RAW,
-    ITEMSIZE,
     LOCK_SUFFIX,
+    SCALES_KEY,
     TOKEN_KEY,
     BadFile,
     check_keys,
@@ -39,9 +40,6 @@ from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
-
-# A file's data section read at once: (its offset in the file, the bytes).
-Whole = tuple[int, bytes]
 
 # Bytes of the file mapped at once. Each window is unmapped before the next one, so the
 # resident set stays near this size whatever the file size (a single mapping of the
@@ -150,157 +148,40 @@ def _scan_window(
     scan: _Scan,
     path: str,
     offset: int,
-    dtype: str,
+    rows: Rows,
     row0: int,
     n_rows: int,
-    hidden: int,
     cols: NDArray[Any],
     mult: NDArray[Any],
     whole: Whole | None = None,
 ) -> None:
     """Map ``n_rows`` rows at ``offset`` (or view them in ``whole``, the file's data read
-    at once), scan them block by block, unmap on return."""
+    at once), scan their values block by block, unmap on return."""
     import numpy as np
 
+    hidden = rows.hidden
     if whole is not None:
         base, blob = whole
-        raw = np.frombuffer(blob, HIDDEN_RAW[dtype], n_rows * hidden, offset - base)
+        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
         raw = raw.reshape(n_rows, hidden)
         mm = None
     else:
-        mm = np.memmap(
-            path, dtype=HIDDEN_RAW[dtype], mode="r", offset=offset, shape=(n_rows, hidden)
-        )
+        mm = np.memmap(path, dtype=rows.raw_dtype, mode="r", offset=offset, shape=(n_rows, hidden))
         # Plain ndarray views of the mapping: slicing np.memmap itself costs a Python-level
         # __getitem__/__array_finalize__ per slice, a fifth of the scan on small widths.
         raw = np.asarray(mm)
-    ints = raw.view(HIDDEN_INT[dtype])
-    if dtype == "F64":
-        block = max(1, BLOCK_BYTES // (hidden * 8))
-    else:
-        block = max(1, BLOCK_BYTES // (hidden * 4))
-    buf = None
-    if dtype in ("BF16", "F16"):
-        buf = np.empty((block, hidden), dtype=np.uint32 if dtype == "BF16" else np.float32)
+    block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
+    buf = rows.buffer(block)
+    work = ints = None
     for b in range(0, n_rows, block):
         e = min(n_rows, b + block)
-        if buf is not None and dtype == "BF16":
-            # bf16 is the top half of a float32: widen, shift left 16, reinterpret.
-            w = buf[: e - b]
-            np.left_shift(ints[b:e], 16, out=w, dtype=np.uint32)
-            work = w.view(np.float32)
-        elif buf is not None:  # F16
-            work = buf[: e - b]
-            work[...] = raw[b:e]
-        else:
-            work = raw[b:e]
+        work, ints = rows.block(raw[b:e], row0 + b, buf)
         if row0 + b < len(scan.head):
             take = min(len(scan.head), row0 + e) - (row0 + b)
             with np.errstate(all="ignore"):  # F64 beyond float32 becomes inf: not sound
                 scan.head[row0 + b : row0 + b + take] = work[:take]
-        _block_rows(scan, row0 + b, work, ints[b:e], cols, mult)
-    del ints, raw, mm  # the last references: the window is unmapped here
-
-
-def _duplicates(
-    rep: FileReport,
-    scan: _Scan,
-    path: str,
-    offset: int,
-    shape: tuple[int, int, int],
-    row_bytes: int,
-    token_ids: NDArray[Any],
-) -> list[int]:
-    """Count rows identical to a row of a *different token id* in the same aux layer.
-
-    Same-token repeats are left alone: a layer close to the embeddings can legitimately
-    give one token id the same vector at every position. Candidates (equal cheap keys)
-    are re-read with ``pread`` and confirmed by a blake2b digest of the whole row."""
-    import numpy as np
-
-    n_tokens, n_aux, _ = shape
-    per_layer = [0] * n_aux
-    examples: list[str] = []
-    keys = scan.keys.reshape(n_tokens, n_aux)
-    skip = (scan.zero | scan.bad).reshape(n_tokens, n_aux)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for a in range(n_aux):
-            pos = np.flatnonzero(~skip[:, a])
-            k = keys[pos, a]
-            order = np.argsort(k, kind="stable")
-            ks = k[order]
-            same = ks[1:] == ks[:-1]
-            if not same.any():
-                continue
-            cand = np.zeros(len(ks), dtype=bool)
-            cand[1:] |= same
-            cand[:-1] |= same
-            groups: dict[bytes, list[int]] = {}
-            for t in pos[order[cand]].tolist():
-                data = os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
-                digest = hashlib.blake2b(data, digest_size=16).digest()
-                groups.setdefault(digest, []).append(t)
-            for ts in groups.values():
-                if len(ts) > 1 and len({int(token_ids[t]) for t in ts}) > 1:
-                    per_layer[a] += len(ts) - 1
-                    if len(examples) < 3:
-                        examples.append(f"aux {a}: token positions {sorted(ts)[:4]}")
-    finally:
-        os.close(fd)
-    total = sum(per_layer)
-    if total:
-        rep.add(
-            "duplicate_rows",
-            SUSPECT,
-            f"{total} rows repeat a row of a different token in the same aux layer "
-            f"(e.g. {'; '.join(examples)})",
-        )
-    return per_layer
-
-
-def _identical_aux(
-    rep: FileReport,
-    scan: _Scan,
-    path: str,
-    offset: int,
-    shape: tuple[int, int, int],
-    row_bytes: int,
-) -> None:
-    """Two aux layers holding the same row at every token position: one state saved
-    into two slots (two different layers of a real model never agree everywhere).
-    Equal keys at every sound position, confirmed byte for byte on the first and last
-    of them."""
-    import numpy as np
-
-    n_tokens, n_aux, _ = shape
-    if n_aux < 2 or n_tokens < 2:
-        return
-    keys = scan.keys.reshape(n_tokens, n_aux)
-    skip = (scan.zero | scan.bad).reshape(n_tokens, n_aux)
-    for a in range(n_aux):
-        for b in range(a + 1, n_aux):
-            sound = np.flatnonzero(~(skip[:, a] | skip[:, b]))
-            if len(sound) < 2 or not (keys[sound, a] == keys[sound, b]).all():
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                same = all(
-                    os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
-                    == os.pread(fd, row_bytes, offset + (t * n_aux + b) * row_bytes)
-                    for t in (int(sound[0]), int(sound[-1]))
-                )
-            finally:
-                os.close(fd)
-            if same:
-                rep.add(
-                    "aux_layers_identical",
-                    CORRUPT,
-                    f"aux layers {a} and {b} hold identical rows at all {len(sound)} "
-                    "token positions (unless the file was written with one aux layer id "
-                    "twice)",
-                )
-                return
+        _block_rows(scan, row0 + b, work, ints, cols, mult)
+    del ints, work, raw, mm  # the last references: the window is unmapped here
 
 
 def _finite(x: Any) -> float | None:
@@ -313,7 +194,7 @@ def _scan_hidden(
     rep: FileReport,
     path: str,
     offset: int,
-    dtype: str,
+    rows: Rows,
     shape: tuple[int, int, int],
     token_ids: NDArray[Any] | None,
     whole: Whole | None = None,
@@ -323,7 +204,7 @@ def _scan_hidden(
 
     n_tokens, n_aux, hidden = shape
     n_rows = n_tokens * n_aux
-    row_bytes = hidden * ITEMSIZE[dtype]
+    row_bytes = rows.row_bytes
     with_prefix = token_ids is not None and len(token_ids) == n_tokens
     scan = _Scan(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols, mult = _key_columns(hidden)
@@ -335,10 +216,9 @@ def _scan_hidden(
             scan,
             path,
             offset + t0 * n_aux * row_bytes,
-            dtype,
+            rows,
             t0 * n_aux,
             (t1 - t0) * n_aux,
-            hidden,
             cols,
             mult,
             whole,
@@ -365,8 +245,10 @@ def _scan_hidden(
             f"{scan.nan} NaN and {scan.inf} Inf values in {int(bad.sum())} rows",
         )
     ids = token_ids if token_ids is not None else np.arange(n_tokens)
-    dups = _duplicates(rep, scan, path, offset, shape, row_bytes, ids)
-    _identical_aux(rep, scan, path, offset, shape, row_bytes)
+    keys = scan.keys.reshape(n_tokens, n_aux)
+    skip = zero | bad
+    dups = repeats.duplicates(rep, keys, skip, path, offset, rows, ids)
+    repeats.identical_aux(rep, keys, skip, path, offset, row_bytes)
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
     if with_prefix and n_tokens:
@@ -524,7 +406,28 @@ def _audit_into(rep: FileReport, path: str) -> None:
         hs = tensors[HIDDEN_KEY]
         shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
         offset = data_start + hs["data_offsets"][0]
-        _scan_hidden(rep, path, offset, hs["dtype"], shape, token_ids, whole)
+        scales = None
+        if rep.format == FP8:
+            scales = read_scales(path, tensors, data_start, whole)
+            _check_scale_values(rep, scales)
+        rows = Rows(hs["dtype"], shape[2], shape[1], scales)
+        _scan_hidden(rep, path, offset, rows, shape, token_ids, whole)
+
+
+def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
+    """fp8: the connector's scales are finite and positive (amax / 448, at least
+    1e-12); any other is damage (its rows are then judged as de-quantized, too)."""
+    import numpy as np
+
+    bad = ~(np.isfinite(scales) & (scales > 0))
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        rep.add(
+            "bad_scales",
+            CORRUPT,
+            f"{int(bad.sum())} of {len(scales)} {SCALES_KEY} are not finite and positive "
+            f"(first at token position {first}: {float(scales[first])!r})",
+        )
 
 
 def writer_holds_lock(path: str) -> bool:
@@ -572,8 +475,9 @@ def locked(path: str) -> FileReport | None:
 
 
 def audit_file(path: str | os.PathLike[str]) -> FileReport:
-    """Audit one file. Never raises: whatever goes wrong becomes a ``corrupt`` finding,
-    because one bad file must not hide the verdicts of the thousands after it."""
+    """Audit one file. Never raises: whatever goes wrong becomes a ``corrupt`` finding
+    (``unsupported`` for a format the audit does not know), because one bad file must
+    not hide the verdicts of the thousands after it."""
     t0 = time.perf_counter()
     p = os.fspath(path)
     rep = FileReport(path=p)
@@ -583,7 +487,7 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
         detail = exc.detail
         if exc.code == "truncated" and os.path.exists(p + LOCK_SUFFIX):
             detail += " (a .lock file sits beside it: the writer may still be running)"
-        rep.add(exc.code, CORRUPT, detail)
+        rep.add(exc.code, exc.severity, detail)
     except OSError as exc:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...

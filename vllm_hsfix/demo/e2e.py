@@ -5,9 +5,11 @@ decided only by vLLM's plugin loading and the environment, as in a user's job), 
 the harness plugin (``cpu_standins``: the AMX probe, measurements, experiment
 switches) on ``PYTHONPATH`` when there is no GPU. The saved ``hidden_states``
 [tokens, n_aux, hidden] are compared row by row (token x aux layer) with an fp32
-``transformers`` forward (``output_hidden_states=True``; aux id k is
-``hidden_states[k]``): relative L2 error under 0.1 is a correct row (measured: right
-rows 0.01-0.06, wrong rows 1.0 for zeros up to ~2 for other memory).
+``transformers`` forward, through the audit's own reference functions (aux id k is
+``hidden_states[k]``; aux id num_hidden_layers is the last decoder layer's output
+before the final norm, as vLLM saves it): relative L2 error under 0.1 is a correct
+row (measured: right rows 0.01-0.06, wrong rows 1.0 for zeros up to ~2 for other
+memory).
 
 An "unpatched" case run turns off every patch that changes what vLLM computes or
 saves, and keeps the ones that let vLLM's CPU build extract at all
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..audit import reference as audit_reference
+from ..enginelog import one_line
 from ..patches import PATCHES, by_id
 from . import cpu_standins, tiny_model
 from .machine import cpu_info, describe_cpu
@@ -458,7 +461,8 @@ def run_case(
         result.block_sizes.append(json.loads(f.read_text()))
     if killed or rc != 0 or line is None:
         why = killed or f"exit {rc}"
-        result.error = f"vLLM run failed ({why}); log: {log}\n{log_excerpt(log)}"
+        # First line: the root cause and the kept log (the demo prints only that line).
+        result.error = f"vLLM run failed ({why}): {one_line(str(log))}\n{log_excerpt(log)}"
         return result
     result.run = json.loads(line.split(" ", 1)[1])
     result.steps = int(result.run.get("steps", 0))

