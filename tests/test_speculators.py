@@ -103,12 +103,17 @@ def pipeline(
     )
     out = work / "hidden_states"
     result: dict[str, Any] = {"aux": aux, "out": out, "online": None}
+    # speculators 0.9.0's --validate-outputs cannot check an fp8 file: it runs
+    # torch.aminmax on the raw float8_e4m3fn tensor ("aminmax_cpu" not implemented for
+    # 'Float8_e4m3fn'; files load to the CPU, GPU machines included), so every fp8 sample
+    # is skipped, with or without vllm-hsfix. The fp8 offline run goes without it.
+    validate = ["--validate-outputs"] if backend == "file" else []
     with serve.running(cmd, server_env, work / "server.log", port) as base:
         gen = subprocess.run(
             [
                 sys.executable, "-m", "speculators", "generate-offline-data",
                 "--endpoint", f"{base}/v1", "--preprocessed-data", str(dataset),
-                "--output", str(out), "--concurrency", str(CONCURRENCY), "--validate-outputs",
+                "--output", str(out), "--concurrency", str(CONCURRENCY), *validate,
             ],
             env=client_env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
@@ -154,7 +159,7 @@ def test_pipeline_writes_right_hidden_states(
 ) -> None:
     run = pipeline(tmp_path, model, dataset, backend)
     gen = run["generate"]
-    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
     assert run["aux"] == [1, 2, 3, 4]
     for i, got in enumerate(offline_rows(run["out"], backend)):
         err = errors(got, expected[i])
@@ -188,8 +193,8 @@ def _wrong_run(
 ) -> None:
     run = pipeline(tmp, model, dataset, backend, off=PATCHES_46301, online=False)
     gen = run["generate"]
-    # speculators' own validation passes every wrong file: exit 0, every file kept.
-    assert gen.returncode == 0, gen.stderr[-3000:]
+    # speculators' own validation (file backend) passes every wrong file: exit 0, all kept.
+    assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
     got = offline_rows(run["out"], backend)
     wrong = [i for i, g in enumerate(got) if not bool((errors(g, expected[i]) < THRESHOLD).all())]
     assert wrong == list(range(SAMPLES)), f"only {len(wrong)} of {SAMPLES} files wrong: {wrong}"

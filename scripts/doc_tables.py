@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""The README's patch table, generated from the patch table's rows (stdlib only).
+
+``vllm_hsfix/patches/__init__.py`` is the one place that says what is patched, where,
+on which releases and why; the README shows it between the markers
+``<!-- patch-table:start -->`` and ``<!-- patch-table:end -->``. This script writes
+that block from the rows; ``--check`` only compares and exits 1 naming each row whose
+README line drifted (``tests/test_doc_tables.py`` runs it).
+
+    python3 scripts/doc_tables.py           # rewrite the block in README.md
+    python3 scripts/doc_tables.py --check   # exit 1 if it is out of date
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_hsfix.patches import PATCHES, PatchSpec  # noqa: E402  (stdlib-only module)
+
+README = ROOT / "README.md"
+START, END = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
+HEADER = (
+    "| patch id | vLLM releases | platform | target | upstream | why |\n"
+    "|---|---|---|---|---|---|"
+)
+
+
+def _last(release: str) -> str:
+    """The last release line before ``fixed_in`` (0.25.0 -> 0.24.x, 0.34.0 -> 0.33.x)."""
+    major, minor, _ = (int(p) for p in release.split("."))
+    return f"{major}.{minor - 1}.x"
+
+
+def row(p: PatchSpec) -> str:
+    platform = "vLLM's CPU build" if p.platform == "cpu" else "any"
+    target = p.target.replace(
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector.", ""
+    )
+    why = p.why.replace("|", "\\|")
+    return (
+        f"| `{p.id}` | {p.first} - {_last(p.fixed_in)} | {platform} | `{target}` | "
+        f"{p.upstream} | {why} |"
+    )
+
+
+def table() -> str:
+    return "\n".join([HEADER, *(row(p) for p in PATCHES)])
+
+
+def drifted(text: str) -> list[str]:
+    """Ids of the rows whose README line is missing or differs (``[]``: up to date)."""
+    if START not in text or END not in text:
+        return ["(the README has no patch-table markers)"]
+    block = text.split(START, 1)[1].split(END, 1)[0]
+    lines = set(block.strip().splitlines())
+    out = [p.id for p in PATCHES if row(p) not in lines]
+    extra = [ln for ln in lines - {row(p) for p in PATCHES} - set(HEADER.splitlines()) if ln]
+    return out + [f"(a line no row has: {ln[:60]}...)" for ln in extra]
+
+
+def main(argv: list[str]) -> int:
+    text = README.read_text()
+    if "--check" in argv:
+        bad = drifted(text)
+        for pid in bad:
+            print(f"README.md patch table drifted from the row: {pid}")
+        return 1 if bad else 0
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{START}\n{table()}\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
