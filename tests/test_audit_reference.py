@@ -193,3 +193,15 @@ def test_reference_aux_id_past_the_last_layer_is_a_usage_error(
     args = ["--reference", str(tiny_models["hybrid"]), "--aux-layers", "1,5"]
     code = main(["audit", str(tmp_path), *args])
     assert code == 2 and "--aux-layers [5]" in capsys.readouterr().err
+
+
+def test_sample_one_point_zero_is_every_file_and_an_integer_a_count() -> None:
+    """``--sample 1.0`` recomputed one file (read as the count 1) before: a fraction is
+    written with a decimal point, a count as an integer."""
+    paths = [f"f{i:02d}" for i in range(10)]
+    assert reference.sample(paths, "1.0") == paths
+    assert reference.sample(paths, "0.5") == paths[::2]
+    assert reference.sample(paths, "1") == ["f00"]
+    assert reference.sample(paths, "3") == ["f00", "f03", "f06"]
+    with pytest.raises(ValueError, match="at most 1.0"):
+        reference.sample(paths, "2.5")

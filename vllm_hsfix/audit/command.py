@@ -127,7 +127,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     ref.add_argument(
         "--sample",
         default="0.05",
-        help="fraction (0.1) or number (20) of files to recompute (default 0.05)",
+        help="fraction (0.1; 1.0 = every file) or number (20) of files to recompute (default 0.05)",
     )
     ref.add_argument(
         "--reference-dtype",

@@ -75,12 +75,16 @@ def missing_dependency() -> str | None:
 
 
 def sample(paths: list[str], spec: str) -> list[str]:
-    """``spec`` is a fraction (``0.1``) or a count (``20``); files are taken evenly
-    spaced in sorted order, so a rerun checks the same ones."""
+    """``spec`` is a fraction written with a decimal point (``0.1``; ``1.0`` is every
+    file) or a count written as an integer (``20``); files are taken evenly spaced in
+    sorted order, so a rerun checks the same ones."""
     value = float(spec)
     if value <= 0:
         raise ValueError(f"--sample must be positive, got {spec}")
-    n = round(value * len(paths)) if value < 1 else int(value)
+    fraction = any(c in spec for c in ".eE") and value <= 1
+    if any(c in spec for c in ".eE") and not fraction:
+        raise ValueError(f"--sample {spec}: a fraction is at most 1.0, a count is an integer")
+    n = round(value * len(paths)) if fraction else int(value)
     n = max(1, min(len(paths), n))
     ordered = sorted(paths)
     step = len(ordered) / n
