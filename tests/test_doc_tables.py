@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "doc_tables.py"
 
 
-def check(readme_text: str | None = None, tmp: Path | None = None) -> subprocess.CompletedProcess[str]:
+def check(
+    readme_text: str | None = None, tmp: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     code = f"import sys; sys.argv = ['x', '--check']; sys.path.insert(0, {str(SCRIPT.parent)!r})\n"
     code += "import doc_tables\n"
     if readme_text is not None and tmp is not None:
