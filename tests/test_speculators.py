@@ -142,7 +142,7 @@ def offline_rows(out: Path, backend: str) -> list[torch.Tensor]:
 def audit(out: Path, model: Path, aux: list[int]) -> tuple[int, dict[str, Any]]:
     cmd = [
         sys.executable, "-m", "vllm_hsfix", "audit", str(out), "--json", "--no-progress",
-        "--reference", str(model), "--aux-layers", ",".join(map(str, aux)), "--sample", "1.0",
+        "--reference", str(model), "--aux-layers", ",".join(map(str, aux)), "--sample", "8",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=900)
     return proc.returncode, json.loads(proc.stdout)
