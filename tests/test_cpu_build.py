@@ -27,7 +27,7 @@ import pytest
 import torch
 from conftest import CACHE, CONNECTOR_MODULE, INSTALL, declared
 
-from vllm_hsfix import checks
+from vllm_hsfix import checks, releases
 from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_connector_save as save
 from vllm_hsfix.patches import cpu_sampler_kwargs as sampler
@@ -46,10 +46,6 @@ needs_sampler = pytest.mark.skipif(
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for a CPU machine")
 
 
-def _release(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split("+")[0].split(".")[:3])
-
-
 def _connector() -> Any:
     return importlib.import_module(CONNECTOR_MODULE)
 
@@ -58,7 +54,7 @@ def _connector() -> Any:
 # synchronous before 0.22.0; per-layer CUDA-stream copy in save_kv_layer 0.22-0.23; per
 # finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0).
 def expected_save_shape(release: str) -> str | None:
-    r = _release(release)
+    r = releases.key(release)
     if r < (0, 22, 0):
         return None  # "fixed": no CUDA stream at all
     return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
@@ -74,7 +70,7 @@ SKELETONS = CACHE / "cuda-skeletons"
 CONNECTOR_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
 SKELETON_RELEASES = sorted(
     (d.name.split("-", 1)[1] for d in SKELETONS.glob("vllm-*") if (d / CONNECTOR_FILE).exists()),
-    key=_release,
+    key=releases.key,
 )
 
 
@@ -229,7 +225,7 @@ def test_a_buffer_off_the_host_goes_to_the_release_path(patched: Any, tmp_path: 
 @needs_save
 @no_cuda
 @pytest.mark.skipif(
-    _release(INSTALL.release or "0") < (0, 24, 0),
+    releases.key(INSTALL.release or "0") < (0, 24, 0),
     reason="the connector saves from its block size from 0.24.0 (0.22-0.23: the step's slots)",
 )
 def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: Path) -> None:
@@ -282,7 +278,7 @@ def test_the_sampler_probe_reads_the_installed_release() -> None:
     p = sampler.probe(_sampler_module())
     # Read from the files: 0.22.0-0.24.0 ship the same stand-in without the keyword,
     # 0.25.0+ accept it.
-    if _release(INSTALL.release or "0") >= (0, 25, 0):
+    if releases.key(INSTALL.release or "0") >= (0, 25, 0):
         assert p.fixed, p
     else:
         assert p.shape == "keyword-missing", p

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 from conftest import CACHE, INSTALL, RELEASE, ROOT, clean_env, run_py
 
-from vllm_hsfix import hazards
+from vllm_hsfix import hazards, releases
 from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
@@ -46,11 +46,7 @@ PROMPT_LEN = 50
 THRESHOLD = 0.1  # relative L2 per row, as demo/e2e.py (measured: right rows 0.01-0.06)
 
 
-def _key(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split(".")[:3])
-
-
-IN_RANGE = bool(RELEASE) and _key(PATCH.first) <= _key(RELEASE) < _key(PATCH.fixed_in)
+IN_RANGE = bool(RELEASE) and releases.in_range(RELEASE, PATCH.first, PATCH.fixed_in)
 _RESULT: dict[str, Any] = {}
 
 

@@ -47,6 +47,7 @@ from conftest import RELEASE, clean_env, run_py
 from support.serve import free_port, serve_command
 from test_hazards_e2e import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
 
+from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e
 from vllm_hsfix.patches import by_id
 
@@ -60,11 +61,7 @@ MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 A_TOKENS = 450
 
 
-def _key(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split(".")[:3])
-
-
-IN_RANGE = bool(RELEASE) and _key(PATCH.first) <= _key(RELEASE) < _key(PATCH.fixed_in)
+IN_RANGE = bool(RELEASE) and releases.in_range(RELEASE, PATCH.first, PATCH.fixed_in)
 needs_patch_range = pytest.mark.skipif(
     not IN_RANGE, reason=f"vLLM {RELEASE}: the patch applies to {PATCH.releases} only"
 )

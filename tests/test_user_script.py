@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import CACHE, INSTALL, declared_all
 
+from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e
 from vllm_hsfix.patches import by_id
 
@@ -92,7 +93,7 @@ def test_the_in_situ_check_ran_and_passed_in_the_worker(workdir: Path) -> None:
     registered the KV caches, with the CPU save patch on the same connector class.
     Releases before 0.24.0 keep no buffer on the connector (no ``_kv_cache``), so there
     is nothing to check there; from 0.25.0 no applied patch has an in-situ check."""
-    if tuple(int(x) for x in (INSTALL.release or "0.0.0").split(".")) < (0, 24, 0):
+    if releases.key(INSTALL.release or "0.0.0") < (0, 24, 0):
         pytest.skip("the connector keeps no registered buffer before vLLM 0.24.0")
     worker = {s["role"]: s for s in run(True, workdir).statuses}["worker-0"]
     checked = [

@@ -22,6 +22,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from . import releases
+
 if TYPE_CHECKING:
     from .detect import VllmInstall
 
@@ -56,18 +58,14 @@ def kind(inst: VllmInstall) -> str:
     return CPU_BUILD if cpu else CUDA_BUILD
 
 
-def _key(release: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in release.split(".")[:3])
-
-
 def _preference(inst: VllmInstall, want: str) -> Any:
     """Sort key: the same release first, then the same kind of build, then the nearest
     tested release at or below the installed one, then the nearest above it."""
-    mine = _key(inst.release or "0.0.0")
+    mine = releases.key(inst.release or "0.0.0")
 
     def key(item: tuple[str, str, dict[str, Any]]) -> tuple[object, ...]:
         release, dist, _ = item
-        r = _key(release)
+        r = releases.key(release)
         below = r <= mine
         return (
             release != inst.release,
