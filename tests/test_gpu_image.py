@@ -111,6 +111,21 @@ def test_the_cuda_wheel_is_what_is_installed() -> None:
     assert INSTALL.release == os.environ.get("VLLM_HSFIX_EXPECT_RELEASE", INSTALL.release)
 
 
+def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
+    """cpu-dist-name stays out of the way on the CUDA wheel: the lookup vLLM's CLI makes
+    finds the real ``vllm`` distribution, and no alias is offered beside it."""
+    code = (
+        "import importlib.metadata as m, json\n"
+        "found = list(m.distributions(name='vllm'))\n"
+        "print(json.dumps([[d.metadata['Name'], d.version, hasattr(d, 'hsfix_alias_of')]"
+        " for d in found]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert json.loads(proc.stdout) == [["vllm", INSTALL.version, False]], proc.stdout
+
+
 def test_status_on_the_cuda_wheel() -> None:
     want = stated()
     out = cli("status", "--json")
