@@ -50,7 +50,8 @@ temporary file, fsyncs, renames it into place and only then releases the ``.lock
 the same ``cpu_model_runner.py`` but never imports it, so there the patch is
 ``not-needed`` (with ``other_platforms`` as the reason), never ``pending``.
 
-Each row names its implementation module, which provides
+Each row names its implementation module, which keeps the contract
+:class:`PatchModule` (checked when it is loaded):
 
 * ``probe(module) -> Probe`` and ``probe_tree(tree) -> Probe``: the shape gate, on
   the live module and on a parsed file (for ``vllm-hsfix status``);
@@ -73,6 +74,35 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import ast
+
+    from ..checks import Context
+    from ..shapes import Probe
+    from ._wrap import Replacement
+    from .hooks import Hooks
+
+
+@runtime_checkable
+class PatchModule(Protocol):
+    """The contract of a row's implementation module (``impl``), checked when it is
+    first loaded (:meth:`PatchSpec.implementation`): a shape gate on the live module and
+    on a parsed file, the replacement for a recognised shape, and the patch's own
+    checks on the live target. ``adopt(module)`` and ``in_situ(connector)`` are
+    optional (see above)."""
+
+    PATCH_ID: str
+
+    def probe(self, module: object) -> Probe: ...
+
+    def probe_tree(self, tree: ast.Module) -> Probe: ...
+
+    def apply(self, module: object, shape: str, hooks: Hooks) -> list[Replacement]: ...
+
+    def verify(self, module: Any, ctx: Context) -> list[dict[str, Any]]: ...
+
 
 UPSTREAM_46301 = "vllm-project/vllm#46301"
 UPSTREAM_46202 = "vllm-project/vllm#46202"
@@ -103,7 +133,21 @@ class PatchSpec:
     upstream_fixed: bool = True
 
     def implementation(self) -> ModuleType:
-        return importlib.import_module(self.impl)
+        """The implementation module, checked against :class:`PatchModule` (and its
+        ``PATCH_ID`` against the row) the first time it is loaded."""
+        mod = importlib.import_module(self.impl)
+        if getattr(mod, "_hsfix_contract_checked", None) != self.id:
+            missing = [
+                name
+                for name in ("PATCH_ID", "probe", "probe_tree", "apply", "verify")
+                if not hasattr(mod, name)
+            ]
+            if missing or not isinstance(mod, PatchModule):
+                raise TypeError(f"{self.impl} does not implement the patch contract: {missing}")
+            if self.id != mod.PATCH_ID:
+                raise TypeError(f"{self.impl}.PATCH_ID is {mod.PATCH_ID!r}, the row is {self.id!r}")
+            mod._hsfix_contract_checked = self.id  # type: ignore[attr-defined]
+        return mod
 
     @property
     def target(self) -> str:
