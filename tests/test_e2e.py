@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CACHE, declared_all
+from support import experiments
 
 from vllm_hsfix.demo import e2e
 
@@ -163,7 +164,9 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
     """The other half of the experiment: vLLM 0.25.0 with its CPU block zeroing made a
     no-op (what 0.22-0.24 ship; the harness plugin's experiment switch) writes NaN rows again,
     in the same aux layers."""
-    _nan_without_zeroing(workdir, False, {"HSFIX_EXPERIMENT_NO_CPU_ZEROING": "1"})
+    _nan_without_zeroing(
+        workdir, False, experiments.env(workdir, HSFIX_EXPERIMENT_NO_CPU_ZEROING="1")
+    )
 
 
 # Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
@@ -192,13 +195,16 @@ def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
         patched=True,
         workdir=workdir,
         models=CACHE / "models",
-        extra_env={"HSFIX_EXPERIMENT_KILL_WORKER": "1"},
+        extra_env=experiments.env(workdir, HSFIX_EXPERIMENT_KILL_WORKER="1"),
         timeout=300,
     )
     took = time.monotonic() - t0
     assert not r.ok_run and r.error is not None
     assert took < 150, f"a dead engine took {took:.0f} s to be noticed"
     assert "died" in r.error or "Dead" in r.error or "failed" in r.error, r.error
+    # The line the demo prints names vLLM's first error and where the full log is kept.
+    first = r.error.splitlines()[0]
+    assert "full log: " in first and Path(first.split("full log: ")[1]).exists(), first
     assert r.pid and not _alive_in_session(r.pid), "a vLLM process outlived its run"
 
 

