@@ -24,8 +24,7 @@ from vllm_hsfix.patches import PATCHES, PatchSpec  # noqa: E402  (stdlib-only mo
 README = ROOT / "README.md"
 START, END = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
 HEADER = (
-    "| patch id | vLLM releases | platform | target | upstream | why |\n"
-    "|---|---|---|---|---|---|"
+    "| patch id | vLLM releases | platform | target | upstream | why |\n|---|---|---|---|---|---|"
 )
 
 
