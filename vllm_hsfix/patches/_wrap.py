@@ -12,6 +12,22 @@ turns the switch off (every holder of the wrapper now gets the original behaviou
 and puts the original object back only when our wrapper is still the outermost one;
 otherwise the later wrapper stays where it is, ours passes through beneath it, and a
 warning says so. This is how ddtrace and OpenTelemetry keep unpatching safe.
+
+Calling conventions. A wrapper must see what the replaced function would have been
+handed, however it is called: bound (``obj.m(x)``), through the class with an explicit
+instance (``Cls.m(obj, x)``, also when ``obj`` is not an instance of ``Cls``: Python
+passes any first argument as ``self``; wrapt 2.x would hand such a call to the wrapper
+with ``instance=None`` and ``obj`` still in ``args``), through ``super()``, from a
+subclass that overrides and calls the base or that only inherits, and for
+``classmethod`` / ``staticmethod`` targets (the wrapper gets the class / ``None``).
+:class:`_HsfixBound` makes the explicit-instance call behave as Python does.
+
+Adding. Upstream's fix can add methods the release does not have (a helper
+classmethod, an override of a base-class method): :func:`add` defines one on the
+class as our wrapper around our own implementation; reverting deletes it again (the
+class then answers as the release does: inherited, or ``AttributeError``), and a
+switched-off added method that someone else wrapped on top raises
+``AttributeError`` as the release would.
 """
 
 from __future__ import annotations
@@ -28,6 +44,30 @@ log = logging.getLogger(__name__)
 WrapperFn = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
+class _Absent:
+    """The ``original`` of an attribute this package added: there was none."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT: Any = _Absent()
+
+
+class _HsfixBound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
+    """What our wrapper of a plain function turns into when read from a class or an
+    instance. Only the call through the class with an explicit first argument differs
+    from wrapt: that argument is the instance, whatever its type (as in Python)."""
+
+    def __call__(*args: Any, **kwargs: Any) -> Any:
+        self, args = args[0], args[1:]  # a keyword argument named "self" stays a keyword
+        if self._self_binding == "function" and self._self_instance is None and args:
+            instance, rest = args[0], args[1:]
+            bound = wrapt.PartialCallableObjectProxy(self.__wrapped__, instance)
+            return self._self_wrapper(bound, instance, rest, kwargs)
+        return wrapt.BoundFunctionWrapper.__call__(self, *args, **kwargs)
+
+
 class _Switch:
     __slots__ = ("on",)
 
@@ -37,13 +77,24 @@ class _Switch:
 
 class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
     """Our wrapper type. Identified by exact type, because wrapt proxies forward
-    ``isinstance`` checks and attribute reads to what they wrap."""
+    ``isinstance`` checks and attribute reads to what they wrap.
 
-    def __init__(self, wrapped: Any, wrapper: WrapperFn, patch_id: str) -> None:
+    ``added``: the attribute did not exist before (see :func:`add`); switched off, a
+    call raises ``AttributeError`` naming it, as the release would."""
+
+    __bound_function_wrapper__ = _HsfixBound
+
+    def __init__(
+        self, wrapped: Any, wrapper: WrapperFn, patch_id: str, added: str | None = None
+    ) -> None:
         switch = _Switch()
 
         def call(fn: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
             if not switch.on:
+                if added is not None:
+                    raise AttributeError(
+                        f"{added}: added by vllm-hsfix ({patch_id}), which was reverted"
+                    )
                 return fn(*args, **kwargs)
             return wrapper(fn, instance, args, kwargs)
 
@@ -113,7 +164,10 @@ class Replacement:
         self.wrapper.hsfix_set_active(False)
         current = raw_attribute(self.owner, self.name)
         if current is self.wrapper:
-            setattr(self.owner, self.name, self.original)
+            if self.original is ABSENT:
+                delattr(self.owner, self.name)
+            else:
+                setattr(self.owner, self.name, self.original)
             return "restored"
         log.warning(
             "%s.%s was wrapped again (by %s) after vllm-hsfix patched it: leaving that "
@@ -136,3 +190,28 @@ def wrap(owner: object, name: str, wrapper: WrapperFn, patch_id: str) -> Replace
     wrapped = HsfixWrapper(current, wrapper, patch_id)
     setattr(owner, name, wrapped)
     return Replacement(owner, name, current, wrapped)
+
+
+def call_through(fn: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """The wrapper of an added attribute: our implementation is what it wraps."""
+    return fn(*args, **kwargs)
+
+
+def add(owner: type, name: str, implementation: Any, patch_id: str) -> Replacement:
+    """Define ``owner.name`` (absent from the class itself; a base class may have it)
+    as our wrapper around ``implementation`` (a function, ``classmethod`` or
+    ``staticmethod``, bound by Python's rules). Reverting deletes it; where it was left
+    beneath someone else's wrapper, adding again switches the same wrapper back on."""
+    current = owner.__dict__.get(name, ABSENT)
+    ours = ours_in(current, patch_id) if current is not ABSENT else None
+    if ours is not None:
+        ours.hsfix_set_active(True)
+        return Replacement(owner, name, ABSENT, ours)
+    if current is not ABSENT:
+        raise ValueError(
+            f"{getattr(owner, '__name__', owner)}.{name} exists already: not adding ours"
+        )
+    label = f"{getattr(owner, '__name__', owner)}.{name}"
+    added = HsfixWrapper(implementation, call_through, patch_id, added=label)
+    setattr(owner, name, added)
+    return Replacement(owner, name, ABSENT, added)

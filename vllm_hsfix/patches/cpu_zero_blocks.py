@@ -17,6 +17,16 @@ whose block axis is split into kernel blocks is handled by the ratio). It does
 nothing for an empty list, touches no other memory, and keeps the release's method
 reachable as ``__wrapped__``. Only the CPU model runner is patched: GPU builds never
 import this module's target, and already zero these blocks.
+
+Deliberate differences from upstream's method (0.25.0: ``kv[block_id].zero_()`` for
+each id in each distinct ``FullAttentionSpec`` tensor): one ``index_fill_`` per view
+instead of a loop; a view with several kernel blocks per block (first axis a multiple
+of ``num_blocks``) has all of a block's rows zeroed, where upstream would zero the
+wrong rows; block ids may also come as one list per KV-cache group (the form later
+vLLM hands over, exercised by its ``test_cpu_runner_zero_block_ids_accepts_per_group_lists``),
+each zeroed in its own group's layers; a config without ``num_blocks`` (a stand-in
+runner) is indexed on the first axis, as upstream indexes. Called through the class
+with an explicit ``self`` of any type, it works on that object, as a plain method does.
 """
 
 from __future__ import annotations
@@ -37,17 +47,19 @@ ATTRIBUTE = "CPUModelRunner"
 METHOD = "_zero_block_ids"
 
 
-def _views(runner: Any) -> list[Any]:
-    """The distinct KV-cache tensors of the runner's attention (FullAttentionSpec) layers."""
+def _views_by_group(runner: Any) -> list[tuple[int, list[Any]]]:
+    """Each attention (``FullAttentionSpec``) group's index and its layers' distinct
+    KV-cache tensors."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     context = runner.compilation_config.static_forward_context
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     out = []
-    for group in runner.kv_cache_config.kv_cache_groups:
+    for index, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, FullAttentionSpec):
             continue
+        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        views = []
         for name in group.layer_names:
             kv = getattr(context.get(name), "kv_cache", None)
             for t in kv if isinstance(kv, (list, tuple)) else [kv]:
@@ -58,37 +70,71 @@ def _views(runner: Any) -> list[Any]:
                 key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
                 if key not in seen:
                     seen.add(key)
-                    out.append(t)
+                    views.append(t)
+        out.append((index, views))
     return out
 
 
-def zero_blocks(runner: Any, block_ids: list[int]) -> None:
-    """Zero ``block_ids`` in every attention KV-cache view of ``runner``."""
-    if not block_ids:
-        return
+def _views(runner: Any) -> list[Any]:
+    """The distinct KV-cache tensors of the runner's attention layers (all groups)."""
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    out = []
+    for _, views in _views_by_group(runner):
+        for t in views:
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if key not in seen:
+                seen.add(key)
+                out.append(t)
+    return out
+
+
+def _zero_rows(kv: Any, block_ids: list[int], num_blocks: int | None) -> None:
+    """Zero ``block_ids`` of one blocks-first view; a view with ``ratio`` rows per
+    block (kernel blocks) has each block's rows zeroed. Without a known block count
+    (a config without ``num_blocks``) the first axis is taken as the block axis."""
     import torch
 
-    num_blocks = int(runner.kv_cache_config.num_blocks)
-    ids = torch.tensor(block_ids, dtype=torch.long)
+    if not block_ids:
+        return
+    ids = torch.tensor([int(b) for b in block_ids], dtype=torch.long)
+    rows = kv.shape[0]
+    if num_blocks is None or rows == num_blocks:
+        index = ids
+    elif num_blocks and rows % num_blocks == 0:
+        ratio = rows // num_blocks
+        index = (ids[:, None] * ratio + torch.arange(ratio)).reshape(-1)
+    else:
+        raise ValueError(
+            f"vllm-hsfix {PATCH_ID}: a KV-cache view has {rows} rows on its first axis "
+            f"for {num_blocks} blocks; cannot tell which memory block ids address"
+        )
+    kv.index_fill_(0, index.to(kv.device), 0)
+
+
+def zero_blocks(runner: Any, block_ids: list[Any]) -> None:
+    """Zero ``block_ids`` in every attention KV-cache view of ``runner``: a flat list
+    (what 0.22.0-0.24.x's scheduler hands over) in every attention group, or one list
+    per KV-cache group (later vLLM's form) in that group's layers only."""
+    if not block_ids:
+        return
+    raw = getattr(runner.kv_cache_config, "num_blocks", None)
+    num_blocks = None if raw is None else int(raw)
+    if isinstance(block_ids[0], (list, tuple)):
+        for index, views in _views_by_group(runner):
+            ids = list(block_ids[index]) if index < len(block_ids) else []
+            for kv in views:
+                _zero_rows(kv, ids, num_blocks)
+        return
     for kv in _views(runner):
-        rows = kv.shape[0]
-        if rows == num_blocks:
-            index = ids
-        elif num_blocks and rows % num_blocks == 0:
-            ratio = rows // num_blocks
-            index = (ids[:, None] * ratio + torch.arange(ratio)).reshape(-1)
-        else:
-            raise ValueError(
-                f"vllm-hsfix {PATCH_ID}: a KV-cache view has {rows} rows on its first axis "
-                f"for {num_blocks} blocks; cannot tell which memory block ids address"
-            )
-        kv.index_fill_(0, index.to(kv.device), 0)
+        _zero_rows(kv, list(block_ids), num_blocks)
 
 
 def zero_new_blocks(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    """The installed ``CPUModelRunner._zero_block_ids``."""
+    """The installed ``CPUModelRunner._zero_block_ids``. ``instance`` is whatever the
+    caller passed as ``self`` (also through the class with an explicit object that is
+    not a ``CPUModelRunner``: it only needs the attributes the method reads)."""
     block_ids = kwargs["block_ids"] if "block_ids" in kwargs else args[0]
     zero_blocks(instance, block_ids)
 
