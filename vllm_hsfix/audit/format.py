@@ -106,7 +106,7 @@ def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], int]:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return type(x) is int and x >= 0  # JSON gives int, bool or float: not bool
 
 
 def check_layout(header: dict[str, Any], data_len: int) -> tuple[dict[str, Any], Problem | None]:

@@ -4,9 +4,9 @@ The pool is the one part of the audit with process-level concerns: the start met
 (fork where it is safe, else forkserver or spawn), numpy loaded before forking so the
 workers inherit it, batching (one task per file costs a pickle round trip and a queue
 hop per file: on small files that, not the disk, set the pace), and a worker that dies
-(SIGBUS when a file shrinks under its mapping, OOM) pinned on the file that killed it,
-not on the files it took down with it nor, when no worker can run at all, on any file
-(see :func:`run_pool`). :func:`batches` is shared with the Ray backend.
+(OOM, a signal) pinned on the file that killed it, not on the files it took down with
+it nor, when no worker can run at all, on any file (see :func:`run_pool`).
+:func:`batches` is shared with the Ray backend.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def _context() -> object:
 def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: ResultFn) -> None:
     """Audit ``files`` in worker processes (numpy releases little of the GIL for this
     work, so threads would not scale); ``on_result(index, report)`` as each file is
-    judged. A worker killed mid-file (SIGBUS when a file shrinks under its mapping,
-    OOM) breaks the pool: the files it took down are retried one per fresh process,
-    so the crash is pinned on the file that causes it."""
+    judged. A worker killed mid-file (OOM, a signal) breaks the pool: the files it
+    took down are retried one per fresh process, so the crash is pinned on the file
+    that causes it."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     ctx = _context()

@@ -82,6 +82,64 @@ class PrefixData:
     sound: Any  # bool [len(token_ids), n_aux]
     shape_key: tuple[int, int]  # (n_aux, hidden): only like files are compared
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as raw bytes (the worker pool and Ray carry one per file): numpy's
+        own pickling of three small arrays cost more than the rest of a small file's
+        report, in the worker and again in the driver."""
+        import numpy as np
+
+        arrays = (self.sketches, self.norms, self.sound)
+        if not all(isinstance(a, np.ndarray) for a in arrays):
+            return object.__reduce_ex__(self, protocol)
+        packed = tuple((a.dtype.str, a.shape, a.tobytes()) for a in arrays)
+        return (_unpickle, (self.token_ids, packed, self.shape_key))
+
+
+def _unpickle(token_ids: tuple[int, ...], packed: Any, shape_key: tuple[int, int]) -> PrefixData:
+    import numpy as np
+
+    sketches, norms, sound = (
+        np.frombuffer(raw, dtype=dtype).reshape(shape).copy() for dtype, shape, raw in packed
+    )
+    return PrefixData(token_ids, sketches, norms, sound, shape_key)
+
+
+def from_head(
+    head: NDArray[Any],
+    shape: tuple[int, int, int],
+    token_ids: NDArray[Any],
+    zero: NDArray[Any],
+    bad: NDArray[Any],
+) -> PrefixData:
+    """One file's contribution (:mod:`.scan` calls this): the first rows' sketches and
+    token ids; ``head`` holds those rows as the scan saw them ([tokens x n_aux, hidden],
+    float32), ``zero`` / ``bad`` [tokens, n_aux] mark the rows already judged."""
+    import numpy as np
+
+    n_tokens, n_aux, hidden = shape
+    k = min(n_tokens, PREFIX_ROWS)
+    rows = head.reshape(k, n_aux, hidden)
+    sound = ~(zero[:k] | bad[:k])
+    if not sound.all():  # unsound rows must not reach the sketch (NaN would spread)
+        rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
+    # Unit vectors in float16 (half the transfer from the workers) and the norms in
+    # float32: activations of large models overflow float16 themselves.
+    with np.errstate(all="ignore"):  # huge rows overflow: their norm is inf, not sound
+        sketch = sketch_rows(rows)
+        norms = np.sqrt(np.einsum("...i,...i->...", sketch, sketch))
+        finite = np.isfinite(norms)
+        sound &= finite
+        unit = sketch / np.where(norms > 0, norms, 1.0)[..., None]
+    if not finite.all():
+        unit = np.nan_to_num(unit)
+    return PrefixData(
+        token_ids=tuple(token_ids[:k].tolist()),
+        sketches=unit.astype(np.float16),
+        norms=np.where(sound, norms, 0.0).astype(np.float32),
+        sound=sound,
+        shape_key=(n_aux, hidden),
+    )
+
 
 @dataclass
 class PrefixFinding:
@@ -160,7 +218,7 @@ def check(prefixes: list[PrefixData | None], tick: Tick | None = None) -> Prefix
             [_common(a.token_ids, b.token_ids) for a, b in pairwise(data)],  # type: ignore[union-attr]
             dtype=np.int64,
         )
-        rows, sound = _stacked(data)  # type: ignore[arg-type]
+        units, norms, sound = _stacked(data)  # type: ignore[arg-type]
         checked = np.zeros(len(order), dtype=bool)
         for depth in range(1, PREFIX_ROWS + 1):
             if not len(lcp) or lcp.max(initial=0) < depth:
@@ -173,29 +231,33 @@ def check(prefixes: list[PrefixData | None], tick: Tick | None = None) -> Prefix
                     continue
                 checked[s:e] = True
                 result.groups += 1
-                _check_group(
-                    result, rows[s:e, depth - 1], sound[s:e, depth - 1], order[s:e], depth - 1
-                )
+                p = depth - 1
+                rows = units[s:e, p].astype(np.float32) * norms[s:e, p, :, None]
+                _check_group(result, rows, sound[s:e, p], order[s:e], p)
         result.checked += int(checked.sum())
         if tick:
             tick(len(idx))
     return result
 
 
-def _stacked(data: list[PrefixData]) -> tuple[NDArray[Any], NDArray[Any]]:
-    """All files' sketches as one array [files, PREFIX_ROWS, n_aux, SKETCH_DIM] (float32,
-    norms applied) and soundness [files, PREFIX_ROWS, n_aux]; rows past a file's end
-    are unsound. One copy, so a group is a slice, not a Python loop over its files."""
+def _stacked(data: list[PrefixData]) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
+    """All files' sketches as arrays: unit vectors [files, PREFIX_ROWS, n_aux,
+    SKETCH_DIM] (float16, as the files gave them), norms and soundness [files,
+    PREFIX_ROWS, n_aux]; rows past a file's end are unsound. A group is then a slice,
+    not a Python loop over its files; its float32 rows (unit x norm) are made per group,
+    so the driver holds half the bytes a float32 copy of every file's rows would take."""
     import numpy as np
 
     n_aux = data[0].shape_key[0]
-    rows = np.zeros((len(data), PREFIX_ROWS, n_aux, SKETCH_DIM), dtype=np.float32)
+    units = np.zeros((len(data), PREFIX_ROWS, n_aux, SKETCH_DIM), dtype=np.float16)
+    norms = np.zeros((len(data), PREFIX_ROWS, n_aux), dtype=np.float32)
     sound = np.zeros((len(data), PREFIX_ROWS, n_aux), dtype=bool)
     for i, d in enumerate(data):
         k = len(d.token_ids)
-        rows[i, :k] = d.sketches.astype(np.float32) * d.norms[..., None]
+        units[i, :k] = d.sketches
+        norms[i, :k] = d.norms
         sound[i, :k] = d.sound
-    return rows, sound
+    return units, norms, sound
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

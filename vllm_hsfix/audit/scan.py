@@ -1,7 +1,7 @@
 """Auditing one file: its header and keys (:mod:`.format`), then every row streamed.
 
-The rows are read window by window through a memory map (``CHUNK_BYTES`` at a time,
-unmapped before the next), so memory stays bounded whatever the file size, and each
+The rows are read window by window into one reused buffer (``CHUNK_BYTES`` at a time;
+small files in one read), so memory stays bounded whatever the file size, and each
 window is converted in small float32 blocks by :mod:`.decode` (fp8 rows de-quantized
 there: every check below sees values, whatever the format). Per row only a few numbers
 are kept (squared norm, a cheap key, zero / non-finite flags): from them come the zero,
@@ -15,6 +15,7 @@ check's input (:mod:`.prefix`).
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import time
@@ -25,6 +26,7 @@ from . import prefix, repeats, signatures
 from .decode import Rows, Whole, read_scales
 from .format import (
     FP8,
+    HIDDEN_INT,
     HIDDEN_KEY,
     LOCK_SUFFIX,
     SCALES_KEY,
@@ -35,22 +37,25 @@ from .format import (
     read_header,
     read_token_ids,
 )
-from .prefix import PrefixData
 from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-# Bytes of the file mapped at once. Each window is unmapped before the next one, so the
-# resident set stays near this size whatever the file size (a single mapping of the
-# whole tensor would count every page read so far in the RSS until the end).
-CHUNK_BYTES = 32 * 1024 * 1024
+# Bytes of rows read at once into one reused buffer (larger files are read window by
+# window, so the resident set stays near this size whatever the file size). Reads, not
+# a memory map: as fast (measured on 1-30 MB files in the page cache), and a file that
+# shrinks mid-scan is a short read (a finding), not a SIGBUS that kills the worker.
+CHUNK_BYTES = 4 * 1024 * 1024
 # Files up to this size are read whole with one read() (what ``cat`` does) instead of
-# being mapped window by window: on small files the mapping's set-up, not the bytes,
-# set the pace (0.05 ms of about 0.2 ms per file).
+# window by window (fewer system calls).
 WHOLE_FILE_BYTES = 8 * 1024 * 1024
 # float32 working block: conversion and the row sums stay in the CPU caches.
 BLOCK_BYTES = 1024 * 1024
+# Rows up to this width get their squared norm from BLAS's dot (single-threaded up to
+# 10,000 values in OpenBLAS; threads that spin would slow parallel workers 10x, see
+# :func:`.prefix.sketch_rows`); wider rows from einsum.
+DOT_MAX_WIDTH = 8192
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
 # Row samples that make up the cheap per-row key; equal keys are then confirmed with a
@@ -99,26 +104,22 @@ class _Scan:
         self.inf = 0
 
 
-def _block_rows(
-    scan: _Scan,
-    row0: int,
-    work: NDArray[Any],
-    ints: NDArray[Any],
-    cols: NDArray[Any],
-    mult: NDArray[Any],
-) -> None:
-    """Squared norms, keys, zero and non-finite rows of one block of float rows.
+def _block_rows(scan: _Scan, row0: int, work: NDArray[Any]) -> None:
+    """Squared norms, zero and non-finite rows of one block of float rows.
 
-    The fast path is one ``einsum`` per block; only blocks with a zero or non-finite sum
+    The fast path is one dot per row; only blocks with a zero or non-finite sum
     look at values again (to tell an all-zero row from underflow, and NaN/Inf from
     overflow of large finite values)."""
     import numpy as np
 
     n = work.shape[0]
-    s = np.einsum("ij,ij->i", work, work)
+    vecdot = getattr(np, "vecdot", None)  # numpy >= 2.0
+    if vecdot is not None and work.shape[1] <= DOT_MAX_WIDTH:
+        s = vecdot(work, work)  # one BLAS dot per row: 3x einsum's speed
+    else:
+        s = np.einsum("ij,ij->i", work, work)
     out = scan.sumsq[row0 : row0 + n]
     out[:] = s
-    scan.keys[row0 : row0 + n] = _row_keys(ints, cols, mult)
     fin = np.isfinite(s)
     if not fin.all():
         idx = np.flatnonzero(~fin)
@@ -144,44 +145,47 @@ def _block_rows(
             out[idx[tiny]] = np.square(sub[tiny].astype(np.float64)).sum(axis=1)
 
 
-def _scan_window(
+def _scan_rows(
     scan: _Scan,
-    path: str,
-    offset: int,
+    raw: NDArray[Any],
     rows: Rows,
     row0: int,
-    n_rows: int,
     cols: NDArray[Any],
     mult: NDArray[Any],
-    whole: Whole | None = None,
 ) -> None:
-    """Map ``n_rows`` rows at ``offset`` (or view them in ``whole``, the file's data read
-    at once), scan their values block by block, unmap on return."""
+    """Scan stored rows ``raw`` ([n, hidden], rows ``row0``... of the file) block by
+    block: values, then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
-    hidden = rows.hidden
-    if whole is not None:
-        base, blob = whole
-        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
-        raw = raw.reshape(n_rows, hidden)
-        mm = None
-    else:
-        mm = np.memmap(path, dtype=rows.raw_dtype, mode="r", offset=offset, shape=(n_rows, hidden))
-        # Plain ndarray views of the mapping: slicing np.memmap itself costs a Python-level
-        # __getitem__/__array_finalize__ per slice, a fifth of the scan on small widths.
-        raw = np.asarray(mm)
+    n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
-    buf = rows.buffer(block)
-    work = ints = None
-    for b in range(0, n_rows, block):
-        e = min(n_rows, b + block)
-        work, ints = rows.block(raw[b:e], row0 + b, buf)
-        if row0 + b < len(scan.head):
-            take = min(len(scan.head), row0 + e) - (row0 + b)
-            with np.errstate(all="ignore"):  # F64 beyond float32 becomes inf: not sound
+    buf = rows.buffer(min(block, n_rows))
+    stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
+    if stored is not None:  # keys of stored values: the whole window in one go
+        scan.keys[row0 : row0 + n_rows] = _row_keys(stored, cols, mult)
+    # Overflow is expected and handled (squares past float32 are summed again in
+    # float64; F64 values past float32 make an unsound head row): no warnings.
+    with np.errstate(all="ignore"):
+        for b in range(0, n_rows, block):
+            e = min(n_rows, b + block)
+            work, ints = rows.block(raw[b:e], row0 + b, buf)
+            if row0 + b < len(scan.head):
+                take = min(len(scan.head), row0 + e) - (row0 + b)
                 scan.head[row0 + b : row0 + b + take] = work[:take]
-        _block_rows(scan, row0 + b, work, ints, cols, mult)
-    del ints, work, raw, mm  # the last references: the window is unmapped here
+            if stored is None:  # fp8: keys of the de-quantized values
+                scan.keys[row0 + b : row0 + e] = _row_keys(ints, cols, mult)
+            _block_rows(scan, row0 + b, work)
+
+
+def _read_exact(f: Any, view: memoryview) -> None:
+    """Fill ``view`` from ``f`` (the file's length was checked: a short read means the
+    file changed while read)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise BadFile("truncated", f"file changed while read ({got} of {len(view)} bytes)")
+        got += n
 
 
 def _finite(x: Any) -> float | None:
@@ -208,21 +212,25 @@ def _scan_hidden(
     with_prefix = token_ids is not None and len(token_ids) == n_tokens
     scan = _Scan(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols, mult = _key_columns(hidden)
-    # Whole tokens per window, so a window never splits one token's aux rows.
-    tokens_per_window = max(1, CHUNK_BYTES // (n_aux * row_bytes))
-    for t0 in range(0, n_tokens, tokens_per_window):
-        t1 = min(n_tokens, t0 + tokens_per_window)
-        _scan_window(
-            scan,
-            path,
-            offset + t0 * n_aux * row_bytes,
-            rows,
-            t0 * n_aux,
-            (t1 - t0) * n_aux,
-            cols,
-            mult,
-            whole,
-        )
+    if whole is not None:
+        base, blob = whole
+        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
+        _scan_rows(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
+    else:
+        # A window at a time into one reused buffer: the resident set stays at one
+        # window whatever the file size. Whole tokens per window, so a window never
+        # splits a token's rows.
+        tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
+        window = np.empty(tokens_per_window * n_aux * row_bytes, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            for t0 in range(0, n_tokens, tokens_per_window):
+                t1 = min(n_tokens, t0 + tokens_per_window)
+                n = (t1 - t0) * n_aux
+                part = window[: n * row_bytes]
+                _read_exact(f, memoryview(part))
+                raw = part.view(rows.raw_dtype).reshape(n, hidden)
+                _scan_rows(scan, raw, rows, t0 * n_aux, cols, mult)
 
     rep.nan_count, rep.inf_count = scan.nan, scan.inf
     zero = scan.zero.reshape(n_tokens, n_aux)
@@ -252,7 +260,7 @@ def _scan_hidden(
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
     if with_prefix and n_tokens:
-        rep.prefix = _prefix_data(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
+        rep.prefix = prefix.from_head(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
     rep.near_zero_rows = sum(st.near_zero_rows for st in rep.layers)
     if rep.near_zero_rows:
@@ -278,13 +286,22 @@ def _layer_stats(
     n_aux = norms.shape[1]
     skip = zero | bad
     if n_aux and len(norms) and not skip.any():
-        med = np.median(norms, axis=0)
+        # One sort gives the median (as np.median takes it: the middle value, or the
+        # mean of the two middle ones), the minimum and the maximum; the mean and the
+        # standard deviation are the reductions ndarray.mean and .std make, in the same
+        # order (the same values), without their per-call overhead.
+        n = len(norms)
+        srt = np.sort(norms, axis=0)
+        med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+        mean = np.add.reduce(norms, axis=0, keepdims=True) / n
+        dev = norms - mean
+        dev *= dev
         values = zip(
             med.tolist(),
-            norms.mean(axis=0).tolist(),
-            norms.std(axis=0).tolist(),
-            norms.min(axis=0).tolist(),
-            norms.max(axis=0).tolist(),
+            mean[0].tolist(),
+            np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
+            srt[0].tolist(),
+            srt[-1].tolist(),
             (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
             strict=True,
         )
@@ -330,50 +347,19 @@ def _layer_stats(
     return out
 
 
-def _prefix_data(
-    head: NDArray[Any],
-    shape: tuple[int, int, int],
-    token_ids: NDArray[Any],
-    zero: NDArray[Any],
-    bad: NDArray[Any],
-) -> PrefixData:
-    """The first rows' sketches and token ids, for the cross-file prefix check; ``head``
-    holds those rows as the scan saw them ([tokens x n_aux, hidden], float32)."""
-    import numpy as np
-
-    n_tokens, n_aux, hidden = shape
-    k = min(n_tokens, prefix.PREFIX_ROWS)
-    rows = head.reshape(k, n_aux, hidden)
-    sound = ~(zero[:k] | bad[:k])
-    if not sound.all():  # unsound rows must not reach the sketch (NaN would spread)
-        rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
-    with np.errstate(all="ignore"):  # huge rows overflow: their norm is inf, not sound
-        sketch = prefix.sketch_rows(rows)
-        norms = np.sqrt(np.einsum("...i,...i->...", sketch, sketch))
-    finite = np.isfinite(norms)
-    sound &= finite
-    # Unit vectors in float16 (half the transfer from the workers) and the norms in
-    # float32: activations of large models overflow float16 themselves.
-    with np.errstate(all="ignore"):
-        unit = sketch / np.where(norms > 0, norms, 1.0)[..., None]
-    if not finite.all():
-        unit = np.nan_to_num(unit)
-    return PrefixData(
-        token_ids=tuple(token_ids[:k].tolist()),
-        sketches=unit.astype(np.float16),
-        norms=np.where(sound, norms, 0.0).astype(np.float32),
-        sound=sound,
-        shape_key=(n_aux, hidden),
-    )
-
-
 def _audit_into(rep: FileReport, path: str) -> None:
-    with open(path, "rb") as f:
+    blob: Any = None
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
-        header, data_start = read_header(f, size)
-        # One read of the rest (header included, the file is read like ``cat`` does).
-        blob = f.read() if size <= WHOLE_FILE_BYTES else None
+        if size <= WHOLE_FILE_BYTES:
+            # The whole file in one system call (as ``cat`` reads it), header included;
+            # one byte more than its size, so a file that grew is seen to have changed.
+            data = os.read(f.fileno(), size + 1)
+            header, data_start = read_header(io.BytesIO(data), size)
+            blob = memoryview(data)[data_start:]
+        else:
+            header, data_start = read_header(f, size)
         meta = header.get("__metadata__")
         if isinstance(meta, dict):
             rep.provenance = {
