@@ -152,7 +152,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
             capture_output=True,
             text=True,
             cwd=cwd,
-            env=env or clean_env(),
+            env=env or clean_env(VLLM_CPU_KVCACHE_SPACE=None),  # a user's environment
             timeout=300,
         )
 
@@ -234,7 +234,8 @@ def test_a_repair_where_the_fix_is_not_active_refuses_and_changes_nothing(
     state = tmp_path / "s.jsonl"
     out = cli(
         str(tmp_path / "d"), "--model", str(model_dir(tmp_path)), "--aux-layers", "1,2,3",
-        "--no-progress", "--state", str(state), env=clean_env(**switch),
+        "--no-progress", "--state", str(state),
+        env=clean_env(VLLM_CPU_KVCACHE_SPACE=None, **switch),
     )  # fmt: skip
     assert out.returncode == 1, out.stderr
     assert "the fix is not active here; nothing written" in out.stderr

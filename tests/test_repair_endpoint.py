@@ -54,7 +54,7 @@ def repair(data: Path, base: str, state: Path) -> subprocess.CompletedProcess[st
             "--model", str(model_dir()), "--aux-layers", ",".join(map(str, AUX_IDS)),
             "--state", str(state), "--no-progress",
         ],
-        capture_output=True, text=True, env=clean_env(), timeout=600,
+        capture_output=True, text=True, env=clean_env(VLLM_CPU_KVCACHE_SPACE=None), timeout=600,
     )  # fmt: skip
 
 

@@ -202,4 +202,6 @@ def provenance_metadata() -> dict[str, str]:
     }
     if STATE.aux_layers is not None:
         out["aux_layers"] = ",".join(map(str, STATE.aux_layers))
+    if STATE.engine:
+        out["engine"] = json.dumps(STATE.engine, sort_keys=True)
     return out

@@ -277,11 +277,34 @@ def _aux_layers(connector: Any) -> tuple[int, ...] | None:
         return None
 
 
+def _engine_settings(connector: Any) -> dict[str, Any] | None:
+    """The connector's engine settings that change hidden states (provenance)."""
+    try:
+        config = connector._vllm_config
+        model, cache = config.model_config, config.cache_config
+    except Exception:
+        return None
+    out: dict[str, Any] = {}
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    ssm = getattr(cache, "mamba_ssm_cache_dtype", None)
+    if ssm is not None:
+        out["mamba_ssm_cache_dtype"] = str(ssm)
+    mm = getattr(model, "multimodal_config", None)
+    if mm is not None and getattr(mm, "language_model_only", None) is not None:
+        out["language_model_only"] = bool(mm.language_model_only)
+    if getattr(model, "max_model_len", None):
+        out["max_model_len"] = int(model.max_model_len)
+    return out
+
+
 def _after_register(connector: Any) -> None:
     """The in-situ checks, once per process, when a worker registers its KV caches:
     every applied patch that declares one (``in_situ`` in its module) runs it. Also
     notes the connector's aux layer ids (provenance stamps them)."""
     STATE.aux_layers = _aux_layers(connector)
+    STATE.engine = _engine_settings(connector)
     cfg = STATE.config
     if cfg is None or not cfg.verify or STATE.verify is not None:
         return

@@ -91,6 +91,10 @@ class State:
     # The eagle_aux_hidden_state_layer_ids of the connector this process registered:
     # provenance stamps them, so ``repair`` knows which layers a file holds.
     aux_layers: tuple[int, ...] | None = None
+    # The engine settings that change hidden states (dtype, SSM cache dtype, language
+    # model only, max_model_len), as the connector's config has them: provenance stamps
+    # them, so ``repair`` runs its engine the way the extraction ran.
+    engine: dict[str, Any] | None = None
     errors: list[str] = field(default_factory=list)
     # unapply() was called: later activations (plugin, import watcher, bootstrap) keep
     # out; only an explicit apply() patches this process again.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import checks, hazards, runtime
+from . import checks, enginelog, hazards, runtime
 from .patches import PATCHES
 
 # Decisions under which a patch's target is not checked here.
@@ -57,7 +57,10 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         try:
             module = importlib.import_module(patch.module)
         except Exception as exc:
-            report["error"] = f"cannot import vLLM's target {patch.module}: {exc!r}"
+            report["error"] = (
+                f"cannot import vLLM's target {patch.module}: {exc!r} (raised at "
+                f"{enginelog.origin(exc)})"
+            )
             return 2, report
         rec = runtime.status()["patches"][patch.id]  # decided on that import
         ctx = checks.Context(device=device, version=inst.version, shape=rec["shape"])

@@ -27,33 +27,26 @@ from typing import Any
 from . import e2e, tiny_model
 
 AUX = (1, 2, 3)
-# What the demo's other runs pass to vLLM for the tiny hybrid on a CPU (``_case.py``).
-ENGINE_ARGS = (
-    'dtype="bfloat16"',
-    "enforce_eager=true",
-    'mamba_ssm_cache_dtype="float32"',
-    "language_model_only=true",
-)
 
 
 def command(dataset: Path, state: Path, model: Path, batch: int = 16) -> list[str]:
-    """The ``vllm-hsfix repair`` command line a user would type for this dataset."""
-    cmd = [
+    """The ``vllm-hsfix repair`` command line a user would type for this dataset: no
+    engine argument (the repair derives dtype, SSM cache dtype and language-model-only
+    from the checkpoint and the files, as the extraction ran)."""
+    return [
         sys.executable, "-m", "vllm_hsfix", "repair", str(dataset),
         "--model", str(model), "--aux-layers", ",".join(map(str, AUX)),
         "--state", str(state), "--batch-size", str(batch), "--no-progress",
     ]  # fmt: skip
-    for arg in ENGINE_ARGS:
-        cmd += ["--engine-arg", arg]
-    return cmd
 
 
 def environment(workdir: Path) -> dict[str, str]:
-    """The repair's environment: the CPU settings of the other runs, the harness plugin
-    (README: stand-ins; AMX only, nothing touching the connector), no vllm-hsfix switch."""
+    """The repair's environment: a user's (no ``VLLM_CPU_KVCACHE_SPACE``: the repair
+    sizes the KV cache itself), the harness plugin (README: stand-ins; AMX only,
+    nothing touching the connector), no vllm-hsfix switch."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     env.pop("VLLM_PLUGINS", None)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env["TOKENIZERS_PARALLELISM"] = "false"
     env["PYTHONPATH"] = os.pathsep.join(

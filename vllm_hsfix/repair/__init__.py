@@ -11,12 +11,26 @@ Modules, lowest first:
 * ``targets``: which files, and what each must keep (token ids, dtype, shape).
 * ``journal``: ``--state``: what is done, for resuming.
 * ``replace``: checking a regenerated file and putting it in place atomically.
+* ``compare``: the regenerated file against the old one, row by row (right after all?).
+* ``settings``: ``--engine-arg`` values, the engine settings the extraction ran with,
+  the KV cache on vLLM's CPU build.
 * ``guard``: the fix must be active before vLLM starts and where it runs.
 * ``engine``: vLLM's offline engine, or a running ``vllm serve`` (``--endpoint``).
 * ``_run``: the vLLM process of a repair (engine, in-engine guard, batches).
 * ``command``: the subcommand, its flow and exit codes.
 """
 
-from .command import add_parser
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["add_parser"]
+
+
+def add_parser(subparsers: Any) -> Any:
+    """The ``repair`` subcommand (:mod:`.command`), imported only when asked for: the
+    engine process (``python -m vllm_hsfix.repair._run``) then starts without its
+    module imported twice."""
+    from .command import add_parser as add
+
+    return add(subparsers)

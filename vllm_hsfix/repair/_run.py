@@ -9,6 +9,9 @@ one line per regenerated file, as each batch's files are written:
 
     HSFIX_REPAIR_GUARD ["problem", ...]          (empty: go on; else exit 3, no request)
     HSFIX_REPAIR_FILE [index, "/scratch/...safetensors" or null]
+    HSFIX_REPAIR_BADARG ["key", "why"]           (an --engine-arg vLLM has no such
+                                                   argument for, exit 2; or one whose
+                                                   value vLLM rejected, then the error)
 
 It stops between batches when its parent is gone (a killed repair leaves no engine).
 """
@@ -22,7 +25,49 @@ import sys
 from .engine import EndpointEngine, EngineSpec, LocalEngine
 from .guard import in_engine
 
-GUARD, FILE = "HSFIX_REPAIR_GUARD ", "HSFIX_REPAIR_FILE "
+GUARD, FILE, BADARG = "HSFIX_REPAIR_GUARD ", "HSFIX_REPAIR_FILE ", "HSFIX_REPAIR_BADARG "
+# Exceptions of vLLM's argument and config checks: a user's value among them is named.
+REJECTED = ("ValueError", "TypeError", "ValidationError", "AssertionError")
+
+
+def unknown_args(user: dict[str, object]) -> list[tuple[str, str]]:
+    """The user's engine arguments that vLLM's ``LLM`` / ``EngineArgs`` do not take."""
+    import dataclasses
+    import difflib
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    known |= set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"}
+    out = []
+    for key in user:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            out.append((key, f"vLLM {_vllm_version()} has no engine argument {key!r}{hint}"))
+    return out
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def rejected(exc: BaseException, user: dict[str, object]) -> tuple[str, str] | None:
+    """(key, vLLM's message) when ``exc`` is vLLM rejecting one of the user's values."""
+    import re
+
+    text = str(exc)
+    if not any(t in type(exc).__name__ for t in REJECTED):
+        return None
+    for key in user:
+        if re.search(rf"\b{re.escape(key)}\b", text):
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            return key, f"{type(exc).__name__}: " + " / ".join(lines[:4])
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +79,18 @@ def main(argv: list[str]) -> int:
     else:
         spec = EngineSpec(**{**job["spec"], "aux_layers": tuple(job["spec"]["aux_layers"])})
         engine = LocalEngine(spec, job["scratch"])
-    engine.start()
+        bad = unknown_args(job.get("user_args") or {})
+        for key, why in bad:
+            print(BADARG + json.dumps([key, why]), flush=True)
+        if bad:
+            return 2
+    try:
+        engine.start()
+    except Exception as exc:
+        found = None if job.get("endpoint") else rejected(exc, job.get("user_args") or {})
+        if found:
+            print(BADARG + json.dumps(list(found)), flush=True)
+        raise
     problems = [] if job.get("endpoint") else in_engine(job["status_dir"], job["needed"])
     print(GUARD + json.dumps(problems), flush=True)
     if problems:

@@ -1,20 +1,27 @@
 """``vllm-hsfix repair PATHS --model MODEL_DIR``: regenerate exactly the bad files.
 
 Flow: targets (an audit here, or ``--from-audit``) -> what each file must keep (its
-token ids, tensor names, dtype, ``[n_aux, hidden]``) -> the guard before vLLM starts
--> one vLLM engine for all targets (its own process), the guard again inside it before
-the first request -> per regenerated file: checked, put in place atomically, journaled
--> the dataset audited again -> counts.
+token ids, tensor names, dtype, ``[n_aux, hidden]``) -> the engine settings the
+extraction ran with (:mod:`.settings`) -> the guard before vLLM starts -> one vLLM
+engine per file format (its own process), the guard again inside it before the first
+request -> per regenerated file: checked, compared with the old one row by row (all
+rows agree: the old file was right after all and stays byte for byte, :mod:`.compare`),
+else put in place atomically; journaled -> the dataset audited again -> counts. A
+failed vLLM run is reported by its root cause and its kept log (:mod:`..enginelog`).
 
 Exit codes: 0 every targeted file is now ``ok`` (or there was nothing to repair); 1 a
-targeted file is still bad or was skipped, or the fix is not active where vLLM runs
-(then nothing is written); 2 usage (no such path, no model, no aux layers known, a bad
-``--shard``, ...). ``--dry-run`` lists what would be regenerated and exits 0.
+targeted file is still bad or was skipped, the vLLM run failed, or the fix is not
+active where vLLM runs (then nothing is written); 2 usage (no such path, no model, no
+aux layers known, a bad ``--shard`` or ``--engine-arg``, an engine argument vLLM has no
+such name for or rejects, ...). ``--dry-run`` lists what would be regenerated and
+exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,13 +30,14 @@ import tempfile
 import time
 from typing import Any
 
+from .. import detect, enginelog
 from ..audit import format as fmt
 from ..audit.pipeline import audit_paths
 from ..audit.progress import SILENT, Factory, for_stream
 from ..audit.reports import CORRUPT, OK, SUSPECT
-from . import guard, replace
-from ._run import FILE, GUARD
-from .journal import Journal
+from . import compare, guard, replace, settings
+from ._run import BADARG, FILE, GUARD
+from .journal import Journal, sha256
 from .targets import Target, from_audit_output, read_target, shard
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
@@ -67,8 +75,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--engine-arg",
         action="append",
         default=[],
-        metavar="KEY=JSON",
-        help="more vllm.LLM keyword arguments, e.g. dtype='\"bfloat16\"' (repeatable)",
+        metavar="KEY=VALUE",
+        help="more vllm.LLM keyword arguments, e.g. dtype=bfloat16 or enforce_eager=true "
+        "(VALUE is JSON when it parses, else a string; repeatable; overrides the settings "
+        "read from the files' provenance or derived from the checkpoint)",
     )
     p.add_argument("--endpoint", metavar="URL", help="use this running vllm serve instead")
     p.add_argument("--shard", metavar="K/N", help="only every N-th target from the K-th")
@@ -89,11 +99,7 @@ def _usage(args: argparse.Namespace) -> str | None:
         return f"--model {args.model}: no config.json there (missing model)"
     try:
         shard([], args.shard)
-        for kv in args.engine_arg:
-            key, _, value = kv.partition("=")
-            if not key or not value:
-                raise ValueError(f"--engine-arg {kv}: expected KEY=JSON")
-            json.loads(value)
+        settings.parse_engine_args(args.engine_arg)
     except ValueError as exc:
         return str(exc)
     return None
@@ -123,35 +129,38 @@ class Counts:
         self.replaced: list[str] = []
         self.skipped: dict[str, str] = {}  # path -> why
         self.refused: dict[str, str] = {}  # path -> why the new file was not installed
+        self.right: dict[str, float | None] = {}  # path -> distance: old file kept, right
 
     def skip(self, path: str, why: str) -> None:
         self.skipped[path] = why
 
 
-def _start_engine(job: dict[str, Any], workdir: str) -> subprocess.Popen[str]:
+def _start_engine(
+    job: dict[str, Any], workdir: str, log_path: str, extra_env: dict[str, str]
+) -> subprocess.Popen[str]:
     path = os.path.join(workdir, "job.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(job, f)
-    env = dict(os.environ, VLLM_HSFIX_STATUS_DIR=job["status_dir"])
+    env = dict(os.environ, VLLM_HSFIX_STATUS_DIR=job["status_dir"], **extra_env)
     # Regenerated files say what made them (vllm-hsfix, vLLM, patches, aux layers):
     # the proof a training pipeline can check. VLLM_HSFIX_PROVENANCE=0 turns it off.
     env.setdefault("VLLM_HSFIX_PROVENANCE", "1")
-    log = open(os.path.join(workdir, "vllm.log"), "w", encoding="utf-8")  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, "-u", "-m", "vllm_hsfix.repair._run", path],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        env=env,
-    )
-
-
-def _log_tail(workdir: str, n: int = 2000) -> str:
+    log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
     try:
-        with open(os.path.join(workdir, "vllm.log"), encoding="utf-8", errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "vllm_hsfix.repair._run", path],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+    finally:
+        log.close()
+
+
+def log_path(state: str) -> str:
+    """Where vLLM's log of a repair goes: next to the journal (kept if the run fails)."""
+    return os.path.abspath(os.path.splitext(state)[0] + ".vllm.log")
 
 
 def _endpoint_stamp_problem(path: str) -> str | None:
@@ -216,8 +225,22 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(aux, str):
         print(f"vllm-hsfix repair: {aux}", file=err)
         return 2
+    for p in done_before:
+        if journal.done[p].get("status") == "right":
+            counts.right[p] = None  # an earlier run found it right and kept it
     longest = max((t.tokens for t in targets), default=0)
     max_len = args.max_model_len or max(16, longest + 2)
+    engine_args: dict[str, Any] = settings.parse_engine_args(args.engine_arg)
+    said = None
+    if targets and not args.endpoint:
+        engine_args, max_len, said = settings.engine_settings(
+            args.model,
+            targets,
+            bool(detect.detect().cpu_build),
+            engine_args,
+            max_len,
+            args.max_model_len,
+        )
     for t in list(targets):
         why = None
         if t.n_aux is not None and t.n_aux != len(aux):
@@ -231,9 +254,13 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"repair: {len(paths)} targeted files, {len(targets)} to regenerate ({n_tokens} "
         f"tokens), {len(counts.skipped)} skipped, {len(done_before)} already repaired by an "
-        f"earlier run (the journal holds {len(journal.done)} replaced files)",
+        f"earlier run (the journal holds {journal.count('replaced')} replaced files"
+        + (f" and {journal.count('right')} right after all" if journal.count("right") else "")
+        + ")",
         file=err,
     )
+    if said:
+        print(f"repair: {said}", file=err)
     if args.dry_run:
         for t in targets:
             print(f"{t.path}\t{t.tokens} tokens")
@@ -242,9 +269,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"would regenerate {len(targets)} files, {n_tokens} tokens")
         return 0
     if targets:
-        status = _regenerate(args, targets, tuple(aux), max_len, journal, counts, progress)
-        if status is not None:
-            return status
+        for fp8 in sorted({t.fp8 for t in targets}):  # one engine per file format
+            group = [t for t in targets if t.fp8 == fp8]
+            engine = {"aux": tuple(aux), "max_len": max_len, "args": engine_args, "fp8": fp8}
+            status = _regenerate(args, group, engine, journal, counts, progress)
+            if status is not None:
+                return status
     journal.close()
     return _finish(args, paths, counts, audit_state)
 
@@ -252,8 +282,7 @@ def run(args: argparse.Namespace) -> int:
 def _regenerate(
     args: argparse.Namespace,
     targets: list[Target],
-    aux: tuple[int, ...],
-    max_len: int,
+    engine: dict[str, Any],
     journal: Journal,
     counts: Counts,
     progress: Factory,
@@ -266,18 +295,39 @@ def _regenerate(
         for p in problems:
             print(f"  {p}", file=err)
         return 1
+    if engine["fp8"] and not args.endpoint and importlib.util.find_spec("hs_connectors") is None:
+        print(
+            f"vllm-hsfix repair: {len(targets)} files are hs-connectors' fp8 files; they are "
+            "regenerated by its own FP8HiddenStatesConnector: install hs-connectors here",
+            file=err,
+        )
+        return 2
     root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
+    extra_env = {}
+    sized = settings.KV_ENV in os.environ or settings.KV_ARGS & set(engine["args"])
+    if not args.endpoint and not sized and detect.detect().cpu_build:
+        gib, line = settings.kv_cache_space(
+            args.model,
+            engine["args"].get("dtype"),
+            len(engine["aux"]),
+            min(args.batch_size, len(targets)),
+            engine["max_len"],
+        )
+        extra_env[settings.KV_ENV] = str(gib)
+        print(f"repair: {line}", file=err)
+    log = log_path(args.state)
     with tempfile.TemporaryDirectory(prefix="vllm-hsfix-repair-") as work:
-        engine_args = {k: json.loads(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
         job = {
             "spec": {
                 "model": args.model,
-                "aux_layers": list(aux),
-                "max_model_len": max_len,
+                "aux_layers": list(engine["aux"]),
+                "max_model_len": engine["max_len"],
                 "tensor_parallel_size": args.tensor_parallel_size,
                 "data_parallel_size": args.data_parallel_size,
-                "engine_args": engine_args,
+                "engine_args": engine["args"],
+                "fp8": engine["fp8"],
             },
+            "user_args": settings.parse_engine_args(args.engine_arg),
             "endpoint": args.endpoint,
             "served": args.model if args.endpoint and args.model else None,
             "scratch": os.path.join(work, "hs"),
@@ -287,12 +337,16 @@ def _regenerate(
             "batch_size": args.batch_size,
         }
         t0 = time.monotonic()
-        proc = _start_engine(job, work)
+        proc = _start_engine(job, work, log, extra_env)
         bar = None
+        bad_args: list[tuple[str, str]] = []
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
-                if line.startswith(GUARD):
+                if line.startswith(BADARG):
+                    key, why = json.loads(line[len(BADARG) :])
+                    bad_args.append((key, why))
+                elif line.startswith(GUARD):
                     found = json.loads(line[len(GUARD) :])
                     if found:
                         print(
@@ -302,6 +356,7 @@ def _regenerate(
                         )
                         for p in found:
                             print(f"  {p}", file=err)
+                        print(f"vLLM's log: {log}", file=err)
                         return 1
                     print(f"repair: engine ready in {time.monotonic() - t0:.0f} s", file=err)
                     bar = progress("repair", len(targets), sum(t.tokens for t in targets))
@@ -318,12 +373,21 @@ def _regenerate(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if bad_args:
+            user = dict(a.split("=", 1) for a in args.engine_arg if "=" in a)
+            for key, why in bad_args:
+                shown = f"{key}={user[key]}" if key in user else key
+                print(f"vllm-hsfix repair: --engine-arg {shown}: {why}", file=err)
+            print(enginelog.explain(log).splitlines()[-1], file=err)
+            return 2
         if code != 0:
             print(
-                f"vllm-hsfix repair: the vLLM run failed (exit {code}):\n{_log_tail(work)}",
+                f"vllm-hsfix repair: the vLLM run failed (exit {code}); {enginelog.explain(log)}",
                 file=err,
             )
             return 1
+    with contextlib.suppress(OSError):
+        os.unlink(log)  # kept only when the run failed
     return None
 
 
@@ -344,6 +408,13 @@ def _take(
             counts.refused[t.path] = problem
             return
     try:
+        replace.check_new(produced, t)
+        dist = compare.distance(t.path, produced)
+        if dist is not None and dist < compare.TOLERANCE:
+            # Right after all: the old file stays byte for byte (an audit false alarm).
+            counts.right[t.path] = dist
+            journal.replaced(t.path, sha256(t.path), os.path.getsize(t.path), "right")
+            return
         digest, size = replace.install(produced, t, args.backup, root)
     except replace.Refused as exc:
         counts.refused[t.path] = str(exc)
@@ -354,7 +425,8 @@ def _take(
 
 def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_state: str) -> int:
     """Audit again (the replaced files with their prefix neighbours: the whole input,
-    unchanged files from the audit state) and say how every targeted file ended."""
+    unchanged files from the audit state) and say how every targeted file ended. A
+    file found right after all counts as ok whatever the audit says of it now."""
     err = sys.stderr
     audit_progress = SILENT if args.no_progress else for_stream(err)
     report = audit_paths(
@@ -366,13 +438,20 @@ def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_st
     )
     verdict = dict(report.verdicts)
     targeted = set(paths)
-    now_ok = sorted(p for p in targeted if verdict.get(p) == OK)
-    still_bad = sorted(p for p in targeted if verdict.get(p) != OK and p not in counts.skipped)
+    now_ok = sorted(p for p in targeted if verdict.get(p) == OK or p in counts.right)
+    still_bad = sorted(p for p in targeted if p not in now_ok and p not in counts.skipped)
     print(
-        f"repair: {len(counts.replaced)} regenerated this run; of {len(targeted)} targeted "
-        f"files {len(now_ok)} are ok now, {len(still_bad)} still bad, "
-        f"{len(counts.skipped)} skipped",
+        f"repair: {len(counts.replaced)} regenerated this run, {len(counts.right)} right "
+        f"after all (kept as they were); of {len(targeted)} targeted files {len(now_ok)} "
+        f"are ok now, {len(still_bad)} still bad, {len(counts.skipped)} skipped",
     )
+    for p, dist in sorted(counts.right.items()):
+        how = "" if dist is None else f" (largest row difference {dist:.3f} < {compare.TOLERANCE})"
+        flag = "" if verdict.get(p) == OK else f"; the audit still says {verdict.get(p)}"
+        print(
+            f"  right after all {p}: the regenerated file agrees with it row by row{how}: "
+            f"the audit's finding was a false alarm, the file is unchanged{flag}"
+        )
     for p in still_bad:
         why = counts.refused.get(p) or f"audit says {verdict.get(p)} after regeneration"
         print(f"  still bad {p}: {why}")

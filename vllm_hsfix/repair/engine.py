@@ -4,7 +4,8 @@
 and workers in theirs, as vLLM decides) with ``extract_hidden_states`` and
 ``ExampleHiddenStatesConnector`` writing into a scratch directory, exactly the set-up
 that wrote the dataset, and sends the targets' token ids in batches of many prompts
-(one engine for the whole repair, never one per file). Prefix caching is off: on
+(one engine per file format, never one per file; fp8 files through hs-connectors'
+``FP8HiddenStatesConnector``, their own writer). Prefix caching is off: on
 0.22-0.23 it cuts saved states short and on 0.25-0.28 it can skip writes
 (``vllm_hsfix.hazards``). ``max_tokens=1``: only the prompt's states are wanted.
 
@@ -30,6 +31,7 @@ from typing import Any
 from ..audit.scan import writer_holds_lock
 
 WAIT_S = 300.0
+FP8_CONNECTOR = ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
+    fp8: bool = False  # hs-connectors' FP8HiddenStatesConnector (speculators' fp8 backend)
 
 
 def writer_done(path: str) -> bool:
@@ -63,6 +66,10 @@ class LocalEngine:
             "skip_tokenizer_init": True,
             "enable_prefix_caching": False,
             "enable_chunked_prefill": False,
+            # No compilation: a repair sends each prompt once, and the compile (minutes on
+            # vLLM's CPU build, inductor) costs more than it saves (--engine-arg
+            # enforce_eager=false to compile anyway).
+            "enforce_eager": True,
             "max_model_len": s.max_model_len,
             "tensor_parallel_size": s.tensor_parallel_size,
             "data_parallel_size": s.data_parallel_size,
@@ -80,6 +87,10 @@ class LocalEngine:
                 "kv_connector_extra_config": {"shared_storage_path": self.scratch},
             },
         }
+        if s.fp8:  # the files' own writer: hs-connectors' subclass of vLLM's connector
+            kw["kv_transfer_config"].update(
+                kv_connector=FP8_CONNECTOR[0], kv_connector_module_path=FP8_CONNECTOR[1]
+            )
         kw.update(s.engine_args)
         return kw
 

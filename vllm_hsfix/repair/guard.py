@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 BAD_STATUSES = frozenset({"refused", "failed", "reverted"})
+FRONT_END = "vllm.entrypoints.cli."
 
 
 def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
@@ -40,8 +41,20 @@ def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     except ValueError:
         return [f"vllm-hsfix status failed (exit {out.returncode}): {out.stderr[-500:]}"], []
     problems = list(report.get("problems") or [])
-    needed = [pid for pid, p in report.get("patches", {}).items() if p["code"] == "would-apply"]
+    needed = [
+        pid
+        for pid, p in report.get("patches", {}).items()
+        if p["code"] == "would-apply" and not _front_end_only(pid)
+    ]
     return problems, needed
+
+
+def _front_end_only(patch_id: str) -> bool:
+    """A patch of vLLM's command line (``vllm serve``'s entry point): the engine core
+    and the workers never import its target, so it is not theirs to have applied."""
+    from ..patches import PATCHES
+
+    return any(p.id == patch_id and p.module.startswith(FRONT_END) for p in PATCHES)
 
 
 def _model_processes(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:

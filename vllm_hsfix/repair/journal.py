@@ -1,8 +1,9 @@
 """``repair --state FILE``: what is done, so an interrupted repair picks up where it stopped.
 
 One JSON line per finished target, appended and flushed the moment the new file is in
-place: ``{"path", "status": "replaced", "sha256", "size"}``. On a rerun a target whose
-line says replaced and whose file still has that size and digest is done (not
+place: ``{"path", "status": "replaced", "sha256", "size"}`` (``"status": "right"``: the
+regenerated file agreed with the old one, which was kept). On a rerun a target whose
+line says replaced or right and whose file still has that size and digest is done (not
 regenerated, not counted again); a file changed since (someone wrote it again) is a
 target like any other. A line cut short by a kill is ignored.
 """
@@ -42,7 +43,7 @@ class Journal:
     def is_done(self, path: str) -> bool:
         """Replaced by an earlier run, and unchanged since."""
         rec = self.done.get(path)
-        if not rec or rec.get("status") != "replaced":
+        if not rec or rec.get("status") not in ("replaced", "right"):
             return False
         try:
             if os.path.getsize(path) != rec["size"]:
@@ -51,8 +52,12 @@ class Journal:
         except OSError:
             return False
 
-    def replaced(self, path: str, digest: str, size: int) -> None:
-        rec = {"path": path, "status": "replaced", "sha256": digest, "size": size}
+    def count(self, status: str) -> int:
+        return sum(1 for rec in self.done.values() if rec.get("status") == status)
+
+    def replaced(self, path: str, digest: str, size: int, status: str = "replaced") -> None:
+        """``status`` "right": the old file was kept (it agreed with the regenerated one)."""
+        rec = {"path": path, "status": status, "sha256": digest, "size": size}
         self.done[path] = rec
         if self._out is None:
             self._out = open(self.path, "a", encoding="utf-8")  # noqa: SIM115

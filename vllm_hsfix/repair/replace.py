@@ -2,7 +2,8 @@
 
 The new file (written by vLLM's own connector into a scratch directory) must hold the
 target's token ids, the same tensor names, the same ``hidden_states`` dtype and the
-same ``[n_aux, hidden]`` as the old one wherever the old header said; otherwise it is
+same ``[n_aux, hidden]`` as the old one wherever the old header said (an fp8 file: its
+scales too); otherwise it is
 refused and the old file stays. Accepted: copied to a temporary file in the target's
 directory, fsynced, the old file copied under ``--backup`` if asked, then renamed over
 the old one (``os.replace``: a reader sees the old file or the new, never a mix), and
@@ -31,7 +32,8 @@ def check_new(new: str, target: Target) -> None:
         raise Refused(f"the regenerated file is unreadable: {exc}") from exc
     if layout is not None:
         raise Refused(f"the regenerated file is {layout.code}: {layout.detail}")
-    if set(tensors) != {fmt.HIDDEN_KEY, fmt.TOKEN_KEY}:
+    keys = {fmt.HIDDEN_KEY, fmt.TOKEN_KEY} | ({fmt.SCALES_KEY} if target.fp8 else set())
+    if set(tensors) != keys:
         raise Refused(f"the regenerated file holds {sorted(tensors)}")
     hs, ti = tensors[fmt.HIDDEN_KEY], tensors[fmt.TOKEN_KEY]
     if target.dtype and hs["dtype"] != target.dtype:

