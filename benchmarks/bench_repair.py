@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""What ``vllm-hsfix repair`` costs against vLLM doing the same work itself, in one run.
+
+The same prompts (``BENCH_PROMPTS`` prompts of 16-400 tokens, default 96) are sent twice
+on the installed vLLM, with the same connector and the same engine settings:
+
+* baseline: vLLM's own ``LLM.generate(prompts, max_tokens=1)`` with
+  ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``, timed from after the
+  engine is built until every file is written (its writer released the ``.lock``);
+* repair: ``vllm-hsfix repair`` on a dataset of those prompts whose files are all wrong
+  (zero rows, as 0.24.0 writes them), timed from its ``engine ready`` line to its exit:
+  regeneration, the row-by-row comparison with the old files, the atomic replacement,
+  the journal and the re-audit of what it replaced.
+
+Printed: prompt tokens/s of each and the ratio repair / baseline (goal >= 0.9); engine
+start is reported apart (both build the same engine). Nothing is asserted; exit 2 when
+either run fails.
+
+    python3 scripts/vllm_env.py exec 0.24.0 -- python benchmarks/bench_repair.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AUX = [1, 2, 3]
+MAX_MODEL_LEN = 512
+
+BASELINE = textwrap.dedent(
+    """
+    import json, os, sys, time, fcntl
+    from vllm import LLM, SamplingParams
+    model, out, prompts = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+    t0 = time.monotonic()
+    llm = LLM(model=model, skip_tokenizer_init=True, enable_prefix_caching=False,
+              enable_chunked_prefill=False, enforce_eager=True, max_model_len=%(mml)d,
+              dtype="bfloat16", mamba_ssm_cache_dtype="float32", language_model_only=True,
+              seed=0,
+              speculative_config={
+                  "method": "extract_hidden_states", "num_speculative_tokens": 1,
+                  "draft_model_config": {
+                      "hf_config": {"eagle_aux_hidden_state_layer_ids": %(aux)s}}},
+              kv_transfer_config={
+                  "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                  "kv_connector_extra_config": {"shared_storage_path": out}})
+    ready = time.monotonic() - t0
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def written(p):
+        if not os.path.exists(p):
+            return False
+        if not os.path.exists(p + ".lock"):
+            return True
+        with open(p + ".lock") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+
+    t1 = time.monotonic()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+    while not all(written(p) for p in paths):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+    print("BENCH " + json.dumps({"ready_s": ready, "work_s": time.monotonic() - t1}))
+    """
+) % {"mml": MAX_MODEL_LEN, "aux": AUX}
+
+
+def prompts(n: int) -> list[list[int]]:
+    import torch
+
+    from vllm_hsfix.demo import tiny_model
+
+    g = torch.Generator().manual_seed(6)
+    lengths = [16 + (i * 383) // max(n - 1, 1) for i in range(n)]
+    order = torch.randperm(n, generator=g).tolist()
+    return [
+        torch.randint(4, tiny_model.TEXT_VOCAB, (lengths[i],), generator=g).tolist() for i in order
+    ]
+
+
+def wrong_dataset(where: Path, batch: list[list[int]], hidden: int) -> None:
+    """Files as a broken vLLM 0.24.0 leaves them: the right token ids, zero rows."""
+    import torch
+    from safetensors.torch import save_file
+
+    where.mkdir(parents=True)
+    for i, ids in enumerate(batch):
+        save_file(
+            {
+                "hidden_states": torch.zeros(len(ids), len(AUX), hidden, dtype=torch.bfloat16),
+                "token_ids": torch.tensor(ids, dtype=torch.int64),
+            },
+            str(where / f"hs_{i}.safetensors"),
+        )
+
+
+def main() -> int:
+    from vllm_hsfix.demo import tiny_model
+
+    n = int(os.environ.get("BENCH_PROMPTS", "96"))
+    cache = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
+    model = tiny_model.build(cache / "models" / "hybrid", "hybrid")
+    hidden = json.loads((model / "config.json").read_text())["text_config"]["hidden_size"]
+    batch = prompts(n)
+    tokens = sum(map(len, batch))
+    print(f"machine: {os.cpu_count()} CPUs; {n} prompts, {tokens} prompt tokens, aux {AUX}")
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with tempfile.TemporaryDirectory(prefix="bench-repair-") as d:
+        work = Path(d)
+        (work / "prompts.json").write_text(json.dumps(batch))
+        base_env = {**env, "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        proc = subprocess.run(
+            [sys.executable, "-c", BASELINE, str(model), str(work / "out"),
+             str(work / "prompts.json")],
+            env=base_env, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
+        if proc.returncode != 0 or not lines:
+            print(f"baseline failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            return 2
+        base = json.loads(lines[-1][6:])
+        wrong_dataset(work / "ds", batch, hidden)
+        cmd = [
+            sys.executable, "-m", "vllm_hsfix", "repair", str(work / "ds"), "--model", str(model),
+            "--aux-layers", ",".join(map(str, AUX)), "--no-progress",
+            "--state", str(work / "s.jsonl"),
+            "--engine-arg", f"max_model_len={MAX_MODEL_LEN}",
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        rep = subprocess.Popen(
+            cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        )
+        ready_at = None
+        assert rep.stderr is not None
+        for line in rep.stderr:
+            if "engine ready in" in line and ready_at is None:
+                ready_at = time.monotonic()
+        rc = rep.wait()
+        end = time.monotonic()
+        if rc != 0 or ready_at is None:
+            print(f"repair failed ({rc})")
+            return 2
+    rep_work, rep_ready = end - ready_at, ready_at - t0
+    b_tps, r_tps = tokens / base["work_s"], tokens / rep_work
+    print(
+        f"baseline LLM.generate(max_tokens=1): engine {base['ready_s']:.1f} s, "
+        f"{base['work_s']:.2f} s for the prompts = {b_tps:.0f} prompt tokens/s"
+    )
+    print(
+        f"vllm-hsfix repair: audit + engine {rep_ready:.1f} s, {rep_work:.2f} s from engine "
+        f"ready to done = {r_tps:.0f} prompt tokens/s"
+    )
+    print(f"ratio repair / baseline: {r_tps / b_tps:.3f} (goal >= 0.9)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
