@@ -91,6 +91,7 @@ RELEASE_TESTS = [
     "tests/test_hardening.py",
     "tests/test_cpu_build.py",
     "tests/test_hazards.py",
+    "tests/test_hazards_atomic.py",
 ]
 # Tests that need neither torch nor an importable vLLM (vLLM's files and metadata are
 # findable), run on every supported Python. Add a file here; one that does not exist

@@ -1,69 +1,22 @@
 """The shared-prefix check of ``vllm-hsfix audit`` on crafted datasets.
 
-Rows are made causal the way a real model's are: the row at position p is a fixed
-function of token ids 0..p (plus a little noise, as bf16 kernels in different
-batches give), so files that share a prompt prefix share those rows. Wrong files get
-rows from elsewhere, as vLLM 0.24.0's reads from other blocks' memory do. The
-end-to-end measurement on what real vLLM writes is in ``tests/test_e2e.py``.
+The datasets' rows are causal the way a real model's are (``support.hsfiles.dataset``:
+files that share a prompt prefix share those rows; wrong files get rows from
+elsewhere, as vLLM 0.24.0's reads from other blocks' memory do). The end-to-end
+measurement on what real vLLM writes is in ``tests/test_e2e.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from support.hsfiles import PREFIX_AUX as A
+from support.hsfiles import dataset
 
 from vllm_hsfix.audit import pipeline, prefix, reports, scan
-
-A, H = 3, 64
-TEMPLATE = [7, 8, 9, 10, 11, 12]
-
-
-def causal_rows(ids: list[int], noise: float, seed: int) -> torch.Tensor:
-    rows = []
-    g_noise = torch.Generator().manual_seed(10_000 + seed)
-    for p in range(len(ids)):
-        key = hashlib.sha256(str(ids[: p + 1]).encode()).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
-        row = torch.randn(A, H, generator=g)
-        rows.append(row * (1 + noise * torch.randn(A, H, generator=g_noise)))
-    return torch.stack(rows)
-
-
-def write(path: Path, ids: list[int], hs: torch.Tensor) -> Path:
-    save_file(
-        {"hidden_states": hs.to(torch.bfloat16).contiguous(), "token_ids": torch.tensor(ids)},
-        str(path),
-    )
-    return path
-
-
-def dataset(
-    root: Path,
-    wrong: set[int] = frozenset(),
-    n_shared: int = 20,
-    n_alone: int = 5,
-    scale: float = 1.0,
-) -> list[Path]:
-    """``n_shared`` chat-like files (template prefix + random tail), ``n_alone`` others.
-    Files whose index is in ``wrong`` hold rows from elsewhere (each its own)."""
-    g = torch.Generator().manual_seed(1)
-    paths = []
-    for i in range(n_shared + n_alone):
-        tail = torch.randint(
-            100, 30_000, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g
-        )
-        ids = (TEMPLATE if i < n_shared else []) + tail.tolist()
-        if i >= n_shared:
-            ids = [40_000 + i, *ids]  # a first token nobody else has
-        hs = causal_rows(ids, noise=0.02, seed=i)
-        if i in wrong:
-            hs = torch.randn(hs.shape, generator=torch.Generator().manual_seed(500 + i)) * 1.1
-        paths.append(write(root / f"f{i:03d}.safetensors", ids, hs * scale))
-    return paths
 
 
 def prefix_flags(report: reports.AuditReport) -> dict[str, str]:

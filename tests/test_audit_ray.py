@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _hsfiles import causal_dataset
+from support.npfiles import causal_dataset
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (the ray row of run_tests.py)")
 

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_audit import hs_file, make_mixed, write_raw
-from test_audit_prefix import dataset
+from support.hsfiles import dataset, hs_file, make_mixed, write_raw
 
 import vllm_hsfix.audit as audit_api
 from vllm_hsfix.audit import command, pipeline, progress

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from test_audit import hs_file
+from support.hsfiles import hs_file
 
 from vllm_hsfix import hazards
 from vllm_hsfix.audit import pipeline, signatures

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE
 from packaging.version import Version
+from support.extraction import kv_transfer_config, speculative_config
 
 from vllm_hsfix.patches import connector as patch
 
@@ -149,16 +150,8 @@ def vllm_config(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
             if kind == "hybrid"
             else {}
         ),
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}},
-        },
-        kv_transfer_config={
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(out)},
-        },
+        speculative_config=speculative_config([1, 3]),
+        kv_transfer_config=kv_transfer_config(str(out)),
     )
     vc = args.create_engine_config()
     vc.cache_config.block_size = 528  # what a hybrid verifier's global value looks like

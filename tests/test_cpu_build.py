@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import importlib
 import importlib.util
 import inspect
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import CACHE, CONNECTOR_MODULE, INSTALL, declared
+from support.lockfile import held
 
 from vllm_hsfix import checks, releases
 from vllm_hsfix.patches import by_id
@@ -165,15 +165,6 @@ def _writer_held(conn: Any) -> Any:
         gate.set()
 
 
-def _lock_is_held(path: str) -> bool:
-    with open(path + ".lock") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        return False
-
-
 @needs_save
 @no_cuda
 def test_same_file_and_same_lock_protocol(patched: Any, tmp_path: Path) -> None:
@@ -190,7 +181,7 @@ def test_same_file_and_same_lock_protocol(patched: Any, tmp_path: Path) -> None:
         with _writer_held(conn):
             finished, _ = save.save_request(module, conn, case, path, "req-0")
             assert finished == {"req-0"}  # the copy is complete: the request is done
-            assert not os.path.exists(path) and _lock_is_held(path)
+            assert not os.path.exists(path) and held(path)
         assert save.wait_unlocked(path)
         want = serialize({"hidden_states": case["expected"], "token_ids": case["token_ids"]})
         assert Path(path).read_bytes() == want

@@ -21,38 +21,18 @@ import pytest
 import torch
 from conftest import CACHE, declared_all
 from support import experiments
+from support.e2eruns import result, summary
 
 from vllm_hsfix.demo import e2e
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
-_RESULTS: dict[tuple[str, bool, int], e2e.Result] = {}
 LOAD_RUNS = range(int(os.environ.get("VLLM_HSFIX_LOAD_RUNS", "1")))
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
-
-
-def result(case: str, patched: bool, workdir: Path, run: int = 0) -> e2e.Result:
-    key = (case, patched, run)
-    if key not in _RESULTS:
-        _RESULTS[key] = e2e.run_case(
-            e2e.CASES[case], patched=patched, workdir=workdir, models=CACHE / "models"
-        )
-    r = _RESULTS[key]
-    assert r.ok_run, r.error
-    print(f"{case} {'patched' if patched else 'unpatched'} run {run}: {_summary(r)}")
-    return r
-
-
-def _summary(r: e2e.Result) -> str:
-    return (
-        f"{r.requests_correct}/{r.requests} requests and {r.rows_correct}/{r.rows} rows "
-        f"correct, {r.rows_nan} NaN rows {r.nan_rows_by_aux}, {r.rows_zero} zero rows, "
-        f"{r.steps} engine steps, {r.wall_s:.0f} s on {e2e.describe_cpu(r.cpu)}"
-    )
 
 
 def _needs_cpu_moe() -> None:
@@ -111,9 +91,9 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
     r = result("load-mp", True, workdir, run)
     assert r.requests == e2e.LOAD_PROMPTS and r.rows > 30_000
     # More requests than may run at once: several scheduler steps, blocks reused.
-    assert r.steps >= e2e.LOAD_PROMPTS // e2e.LOAD_MAX_SEQS, _summary(r)
-    assert r.rows_nan == 0 and r.rows_zero == 0, _summary(r)
-    assert r.rows_correct == r.rows and r.requests_correct == r.requests, _summary(r)
+    assert r.steps >= e2e.LOAD_PROMPTS // e2e.LOAD_MAX_SEQS, summary(r)
+    assert r.rows_nan == 0 and r.rows_zero == 0, summary(r)
+    assert r.rows_correct == r.rows and r.requests_correct == r.requests, summary(r)
 
 
 @pytest.mark.affected
@@ -121,7 +101,7 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
 def test_load_unpatched_024_is_wrong(run: int, workdir: Path) -> None:
     r = result("load-mp", False, workdir, run)
     assert r.requests == e2e.LOAD_PROMPTS
-    assert r.rows_correct < r.rows // 10, _summary(r)
+    assert r.rows_correct < r.rows // 10, summary(r)
 
 
 @pytest.mark.affected
@@ -142,8 +122,8 @@ def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]
         extra_env=extra_env,
     )
     assert r.ok_run, r.error
-    print(f"load-mp, {'patched' if patched else 'unpatched'}, {extra_env}: {_summary(r)}")
-    assert r.rows_nan > 0, _summary(r)
+    print(f"load-mp, {'patched' if patched else 'unpatched'}, {extra_env}: {summary(r)}")
+    assert r.rows_nan > 0, summary(r)
     assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
 
 
@@ -151,8 +131,8 @@ def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]
 @pytest.mark.parametrize("run", LOAD_RUNS)
 def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) -> None:
     r = result("load-mp", False, workdir, run)
-    assert r.steps >= e2e.LOAD_PROMPTS // e2e.LOAD_MAX_SEQS, _summary(r)
-    assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, _summary(r)
+    assert r.steps >= e2e.LOAD_PROMPTS // e2e.LOAD_MAX_SEQS, summary(r)
+    assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, summary(r)
 
 
 # Extended (41 s): the experiment behind cpu-zero-blocks, repeated on the fixed release;
@@ -178,8 +158,8 @@ def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     vLLM gives elsewhere."""
     _needs_cpu_moe()
     bad, good = result("moe-mp", False, workdir), result("moe-mp", True, workdir)
-    assert bad.rows_correct == 0, _summary(bad)
-    assert good.rows_correct == good.rows > 0 and good.rows_nan == 0, _summary(good)
+    assert bad.rows_correct == 0, summary(bad)
+    assert good.rows_correct == good.rows > 0 and good.rows_nan == 0, summary(good)
 
 
 # The harness's own robustness: once per CI run is enough (the affected release's row).
@@ -345,7 +325,7 @@ def _first_tokens(files: list[str]) -> dict[str, int]:
 @pytest.mark.affected
 def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Path) -> None:
     good = result("chat-mp", True, workdir)
-    assert good.rows_correct == good.rows > 0, _summary(good)
+    assert good.rows_correct == good.rows > 0, summary(good)
     report = _audit_report(good.files)
     pre = report.dataset["prefix"]
     print(f"chat-mp patched 0.24.0: prefix summary {pre}")

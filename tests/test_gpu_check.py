@@ -296,20 +296,20 @@ def test_the_gpu_tests_tell_a_fixed_release_from_an_affected_one() -> None:
     """0.25.0's own basic_cache (upstream's fix) fails the "original overwrites" check
     of tests/test_gpu.py and passes the "replacement keeps" one: those checks see the
     bug, not the release number."""
-    import test_gpu
+    from support import scatter_check
 
     fixed = GRC.compile_basic_cache(overlay_file("0.25.0"))
-    run = test_gpu.padded_run("cpu", torch.bfloat16, strided=True)
-    got = test_gpu.run_eager(fixed, run)
-    test_gpu.assert_replacement_keeps_live_slot(run, got)
+    run = scatter_check.padded_run("cpu", torch.bfloat16, strided=True)
+    got = scatter_check.run_eager(fixed, run)
+    scatter_check.assert_replacement_keeps_live_slot(run, got)
     with pytest.raises(AssertionError):
-        test_gpu.assert_original_overwrites_live_slot(run, got)
+        scatter_check.assert_original_overwrites_live_slot(run, got)
     affected = GRC.compile_basic_cache(overlay_file("0.24.0"))
-    run = test_gpu.padded_run("cpu", torch.bfloat16, strided=True)
-    got = test_gpu.run_eager(affected, run)
-    test_gpu.assert_original_overwrites_live_slot(run, got)
+    run = scatter_check.padded_run("cpu", torch.bfloat16, strided=True)
+    got = scatter_check.run_eager(affected, run)
+    scatter_check.assert_original_overwrites_live_slot(run, got)
     with pytest.raises(AssertionError, match="overwritten"):
-        test_gpu.assert_replacement_keeps_live_slot(run, got)
+        scatter_check.assert_replacement_keeps_live_slot(run, got)
 
 
 def test_release_code_script_names_a_missing_overlay(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Hazards on the real vLLM engine: the releases' own behaviour, and the patch where there is one.
 
-Abort before scheduling: one in-process engine per release (``tests/_abort_case.py``;
-a start-up is most of the 40-90 s this takes on 2 cores), tiny dense Qwen3,
+Abort before scheduling: one in-process engine per release
+(``tests/support/children/abort_case.py``; a start-up is most of the 40-90 s this takes
+on 2 cores), tiny dense Qwen3,
 ``max_num_seqs=1``, three 50-token prompts, the third aborted while it waits, before
 any step:
 
@@ -14,7 +15,7 @@ any step:
   ``assert req_id in self.requests`` in ``_update_from_kv_xfer_finished``, which is
   why the patch has a worker half.
 
-Prefix caching (``tests/_prefix_case.py``, one more engine): the register's claims
+Prefix caching (``tests/support/children/prefix_case.py``, one more engine): the register's claims
 for the installed release, ``prefix-cache-slicing`` (0.22-0.23) and ``drafter-skip``
 (0.25-0.28), against files the release writes; where a release is not affected, the
 same files must be right.
@@ -33,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CACHE, INSTALL, RELEASE, ROOT, clean_env, run_py
+from conftest import INSTALL, RELEASE, clean_env
+from support.abort import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
+from support.procs import marked_json, run_child
 
 from vllm_hsfix import hazards, releases
 from vllm_hsfix.patches import by_id
@@ -41,50 +44,22 @@ from vllm_hsfix.patches import by_id
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
 PATCH = by_id("abort-before-scheduling")
-AUX_IDS = [1, 2, 3]
-PROMPT_LEN = 50
-THRESHOLD = 0.1  # relative L2 per row, as demo/e2e.py (measured: right rows 0.01-0.06)
 
 
 IN_RANGE = bool(RELEASE) and releases.in_range(RELEASE, PATCH.first, PATCH.fixed_in)
 _RESULT: dict[str, Any] = {}
 
 
-def prompts() -> list[list[int]]:
-    import torch
-
-    from vllm_hsfix.demo import tiny_model
-
-    gen = torch.Generator().manual_seed(7)
-    return [
-        torch.randint(4, tiny_model.TEXT_VOCAB, (PROMPT_LEN,), generator=gen).tolist()
-        for _ in range(3)
-    ]
-
-
-def model_dir() -> Path:
-    from vllm_hsfix.demo import tiny_model
-
-    return tiny_model.build(CACHE / "models" / "dense", "dense")
-
-
 def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> dict[str, Any]:
-    """Run ``tests/<script>`` with ``args`` in a fresh interpreter (in-process engine);
-    return the JSON it prints after ``marker``."""
-    (work / "args.json").write_text(json.dumps(args))
-    argv = [str(ROOT / "tests" / script), str(work / "args.json")]
-    code = (
-        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    proc = run_py(code, env=clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=900)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(marker + " ")), None)
-    assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
-    result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+    """Run ``tests/support/children/<script>`` with ``args`` in a fresh interpreter
+    (in-process engine); return the JSON it prints after ``marker``."""
+    env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = run_child(script, args, work, env=env, timeout=900)
+    result: dict[str, Any] = marked_json(proc, marker + " ")
     keep = os.environ.get("HSFIX_TEST_KEEP_DIR")  # a copy for a report, when asked
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        (Path(keep) / f"{RELEASE}-{script[1:-3]}.json").write_text(json.dumps(result, indent=1))
+        (Path(keep) / f"{RELEASE}-{script[:-3]}.json").write_text(json.dumps(result, indent=1))
     print(f"vLLM {INSTALL.version}: {json.dumps(result, indent=1)[:6000]}")
     return result
 
@@ -102,46 +77,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "prompts": prompts(),
             "half": True,
         }
-        _RESULT["run"] = run_script("_abort_case.py", args, work, "HSFIX_ABORT_RESULT")
+        _RESULT["run"] = run_script("abort_case.py", args, work, "HSFIX_ABORT_RESULT")
     return _RESULT["run"]
-
-
-def compare_files(paths: dict[str, str | None], expected: dict[str, list[int]]) -> dict[str, Any]:
-    """Load each request's file and compare it with its prompt and a transformers
-    forward of the prompt: token ids, shape, and per token position whether any aux
-    row is off (relative L2 >= THRESHOLD)."""
-    import torch
-    from safetensors.torch import load_file
-
-    from vllm_hsfix.audit import reference
-
-    model = reference.load_model(model_dir())
-    report: dict[str, Any] = {}
-    for rid, ids in expected.items():
-        path = paths.get(rid)
-        assert path and Path(path).exists(), (rid, path)
-        data = load_file(path)
-        got = data["hidden_states"]
-        want = reference.aux_rows(model, torch.tensor(ids), AUX_IDS)
-        entry: dict[str, Any] = {
-            "token_ids_match": data["token_ids"].tolist() == ids,
-            "shape": tuple(got.shape),
-            "want_shape": tuple(want.shape),
-        }
-        if got.shape == want.shape:
-            bad = ~(reference.row_errors(got, want) < THRESHOLD)
-            entry["wrong_positions"] = bad.any(dim=1).nonzero().flatten().tolist()
-            entry["rows_wrong"] = int(bad.sum())
-        report[rid] = entry
-    return report
-
-
-def right(entry: dict[str, Any]) -> bool:
-    return bool(
-        entry["token_ids_match"]
-        and entry["shape"] == entry["want_shape"]
-        and entry["rows_wrong"] == 0
-    )
 
 
 def test_release_raises_keyerror_on_abort_before_scheduling(run: dict[str, Any]) -> None:
@@ -213,7 +150,7 @@ def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "prompts": prefix_prompts(),
             "max_model_len": PREFIX_MAX_MODEL_LEN,
         }
-        result = run_script("_prefix_case.py", args, work, "HSFIX_PREFIX_RESULT")
+        result = run_script("prefix_case.py", args, work, "HSFIX_PREFIX_RESULT")
         assert result["error"] is None, result["error"]
         result["files"] = compare_files(result["paths"], prefix_prompts())
         print(json.dumps(result["files"]))

@@ -25,27 +25,31 @@ releases in the patch's range are ``extended`` (``scripts/run_tests.py --extende
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _abort_case import written
-from conftest import RELEASE, clean_env, run_py
-from support.serve import free_port, serve_command
-from test_hazards_e2e import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
+from conftest import RELEASE, clean_env
+from support.abort import (
+    AUX_IDS,
+    PROMPT_LEN,
+    compare_files,
+    healthy,
+    model_dir,
+    prompts,
+    right,
+    serving,
+)
+from support.lockfile import written
+from support.procs import marked_json, run_child
 
 from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e
@@ -56,7 +60,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 PATCH = by_id("abort-before-scheduling")
 DISABLE = {"VLLM_HSFIX_DISABLED_PATCHES": PATCH.id}
 DEFAULT_RELEASE = "0.24.0"  # the one release whose patched server runs in default CI
-MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 # A keeps the one slot busy while B waits and hangs up: prompt 50 + 450 <= 512.
 A_TOKENS = 450
 
@@ -70,42 +73,6 @@ default_on_024 = [] if RELEASE == DEFAULT_RELEASE else [pytest.mark.extended]
 
 # ---------------------------------------------------------------------------
 # vllm serve
-
-
-@contextlib.contextmanager
-def serving(work: Path, **extra_env: str) -> Iterator[dict[str, Any]]:
-    """A ``vllm serve`` of the tiny dense model, ``--max-num-seqs 1``; killed after."""
-    port = free_port()
-    env = clean_env(**extra_env)
-    cmd = serve_command(
-        model_dir(), port, work / "hs", AUX_IDS, MAX_MODEL_LEN, "--max-num-seqs", "1"
-    )
-    log_path = work / "server.log"
-    log = open(log_path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {e2e.log_excerpt(log_path)}")
-            if _healthy(base):
-                break
-            if time.monotonic() - t0 > 300:
-                raise AssertionError("server did not become healthy in 300 s")
-            time.sleep(1)
-        yield {"base": base, "port": port, "log": log_path, "startup_s": time.monotonic() - t0}
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        log.close()
 
 
 def _completion(base: str, ids: list[int], max_tokens: int, timeout: float = 180) -> Any:
@@ -131,14 +98,6 @@ def _metric(base: str, name: str) -> float | None:
         return None
     found = re.search(rf"^vllm:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
     return float(found.group(1)) if found else None
-
-
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=5) as r:
-            return r.status == 200
-    except (OSError, urllib.error.HTTPError):
-        return False
 
 
 def disconnect_while_queued(server: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +143,7 @@ def disconnect_while_queued(server: dict[str, Any]) -> dict[str, Any]:
     }
     deadline = time.monotonic() + 60
     while paths and not all(written(x or "") for x in paths.values()):
-        if time.monotonic() > deadline or not _healthy(base):
+        if time.monotonic() > deadline or not healthy(base):
             break
         _completion(base, [1, 2, 3], 1, timeout=30)  # steps the engine: the saves finish
         time.sleep(0.5)
@@ -194,7 +153,7 @@ def disconnect_while_queued(server: dict[str, Any]) -> dict[str, Any]:
         "answers": {k: ("error" if "error" in v else "ok") for k, v in got.items()},
         "errors": {k: v["error"] for k, v in got.items() if "error" in v},
         "paths": paths,
-        "healthy_after": _healthy(base),
+        "healthy_after": healthy(base),
         "later_request": "error" if "error" in later else "ok",
         "seconds": {k: round(v, 2) for k, v in times.items()},
     }
@@ -252,19 +211,9 @@ def run_own_process(work: Path, **extra_env: str) -> dict[str, Any]:
         "out": str(work / "hs"),
         "prompts": prompts(),
     }
-    (work / "args.json").write_text(json.dumps(args))
-    tests = Path(__file__).resolve().parent
-    argv = [str(tests / "_abort_mp_case.py"), str(work / "args.json")]
-    code = (
-        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(tests)!r})\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
     env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", **extra_env)
-    proc = run_py(code, env=env, timeout=600)
-    marker = "HSFIX_ABORT_MP_RESULT "
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(marker)), None)
-    assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
-    result: dict[str, Any] = json.loads(line[len(marker) :])
+    proc = run_child("abort_mp_case.py", args, work, env=env, timeout=600)
+    result: dict[str, Any] = marked_json(proc, "HSFIX_ABORT_MP_RESULT ")
     result["log"] = proc.stdout + proc.stderr  # vLLM's own logger writes to stdout
     print(json.dumps({k: v for k, v in result.items() if k != "log"}, indent=1)[:4000])
     return result

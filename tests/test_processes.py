@@ -15,13 +15,19 @@ from conftest import clean_env, last_json, run_py
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
 
 HERE = Path(__file__).resolve().parent
-CHILD = str(HERE / "_children.py")
+CHILD = str(HERE / "support" / "children" / "processes.py")
 
 
 def expected() -> dict[str, str]:
+    """What the table declares, but rows on vLLM's CLI module (cpu-dist-name): these
+    children import the model, connector and runner modules, never the CLI, so such a
+    row waits for an import that does not come ("pending")."""
     from conftest import declared_all
 
-    return declared_all()
+    from vllm_hsfix.patches import PATCHES
+
+    cli = {p.id for p in PATCHES if p.module.startswith("vllm.entrypoints.cli")}
+    return {k: ("pending" if k in cli and v == "applied" else v) for k, v in declared_all().items()}
 
 
 def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
@@ -32,7 +38,7 @@ def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
     os.environ.update(clean_env())
     try:
         sys.path.insert(0, str(HERE))
-        import _children
+        from support.children import processes as _children
 
         proc = ctx.Process(target=_children.plugins_only, args=(queue,))
         proc.start()
@@ -104,7 +110,7 @@ def test_vllm_plugins_leaving_us_out_is_said_once_and_the_plugin_does_not_load()
         import vllm_hsfix
         from vllm.plugins import load_general_plugins
         load_general_plugins()
-        import _children
+        from support.children import processes as _children
         print(json.dumps(_children.report()))
         """,
         env=clean_env(VLLM_PLUGINS="some_other_plugin"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import clean_env
-from test_audit import H, hs_file, write_raw
+from support.hsfiles import H, hs_file, write_raw
 
 from vllm_hsfix.repair import command, journal, replace, targets
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CACHE, ROOT
-from test_e2e import result
+from support.e2eruns import result
 
 from vllm_hsfix.audit import pipeline
 from vllm_hsfix.demo import e2e, repair_case, tiny_model

@@ -22,8 +22,7 @@ import pytest
 import torch
 from conftest import clean_env
 from safetensors.torch import save_file
-from test_hazards_e2e import AUX_IDS, compare_files, model_dir, right
-from test_hazards_serve import serving
+from support.abort import AUX_IDS, compare_files, model_dir, right, serving
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.extended]
 

@@ -9,7 +9,6 @@ always shut down.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CACHE, clean_env
+from support.lockfile import written
 from support.serve import free_port, serve_command
 
 from vllm_hsfix.demo import e2e, tiny_model
@@ -35,17 +35,6 @@ def _post(url: str, body: dict) -> dict:
     )
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
-
-
-def _written(path: str) -> bool:
-    if not (os.path.exists(path) and os.path.exists(path + ".lock")):
-        return False
-    with open(path + ".lock") as lf:
-        try:
-            fcntl.flock(lf, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +101,7 @@ def test_served_hidden_states_match_the_reference(server: dict) -> None:
         )
         paths.append(resp["kv_transfer_params"]["hidden_states_path"])
     deadline = time.monotonic() + 120
-    while not all(_written(p) for p in paths):
+    while not all(written(p) for p in paths):
         assert time.monotonic() < deadline, "hidden-states files were not written"
         _post(
             server["base"] + "/v1/completions",

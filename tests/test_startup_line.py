@@ -112,7 +112,7 @@ def test_forked_and_spawned_children_log_their_own_line() -> None:
         import multiprocessing, os, sys
         sys.path.insert(0, os.environ["HSFIX_TESTS"])
         import vllm_hsfix, vllm
-        import _children
+        from support.children import processes as _children
         print("PARENT", os.getpid())
         for method in ("fork", "spawn"):
             p = multiprocessing.get_context(method).Process(target=_children.plugins_and_print)

@@ -4,7 +4,7 @@ safetensors): for test environments that are bare data boxes, like the Ray row's
 The layout is the safetensors one the connector writes (``hidden_states`` BF16
 ``[tokens, n_aux, hidden]``, ``token_ids`` I64), written by hand; rows are causal the
 way a real model's are (row p is a fixed function of token ids 0..p), so files that
-share a prompt prefix share those rows, as in ``test_audit_prefix.py``.
+share a prompt prefix share those rows, as ``support.hsfiles.dataset``'s do.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from support.extraction import kv_transfer_config, speculative_config
+
 DEATH = re.compile(
     r"EngineDeadError|Engine core initialization failed|EngineCore encountered a fatal error"
     r"|WorkerProc hit an exception|WorkerProc failed|died unexpectedly"
@@ -59,22 +61,8 @@ def serve_command(
         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
         "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(max_model_len),
         "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-        "--speculative-config",
-        json.dumps(
-            {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
-            }
-        ),
-        "--kv-transfer-config",
-        json.dumps(
-            {
-                "kv_connector": "ExampleHiddenStatesConnector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-            }
-        ),
+        "--speculative-config", json.dumps(speculative_config(aux)),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(str(storage))),
         *extra,
     ]  # fmt: skip
 

@@ -1,6 +1,6 @@
 """One in-process vLLM engine driven through aborts before scheduling (test_hazards_e2e.py).
 
-``python tests/_abort_case.py ARGS.json`` prints one line ``HSFIX_ABORT_RESULT {json}``.
+``support.procs.run_child("abort_case.py", ...)`` prints one line ``HSFIX_ABORT_RESULT {json}``.
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the
 caller), so an exception the engine core raises reaches this script instead of
 killing a process of its own. With ``max_num_seqs=1`` three prompts are added and
@@ -22,13 +22,15 @@ C. ``request-finished-only`` (experiment): only the ``request_finished`` wrapper
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sys
 import time
 import traceback
 from typing import Any
+
+from support.extraction import kv_transfer_config, speculative_config
+from support.lockfile import written
 
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
@@ -44,18 +46,6 @@ def describe(exc: BaseException) -> dict[str, Any]:
         "line": last.line if last else None,
         "functions": [f.name for f in frames],
     }
-
-
-def written(path: str) -> bool:
-    """The file exists and its writer has released the ``.lock`` (the readers' protocol)."""
-    if not (os.path.exists(path) and os.path.exists(path + ".lock")):
-        return False
-    with open(path + ".lock") as lf:
-        try:
-            fcntl.flock(lf, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-    return True
 
 
 def submit_and_abort(
@@ -133,18 +123,8 @@ def make_llm(args: dict[str, Any]) -> Any:
         max_model_len=256,
         max_num_seqs=1,
         seed=0,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": args["aux_ids"]}
-            },
-        },
-        kv_transfer_config={
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": args["out"]},
-        },
+        speculative_config=speculative_config(args["aux_ids"]),
+        kv_transfer_config=kv_transfer_config(args["out"]),
     )
 
 

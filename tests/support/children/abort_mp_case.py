@@ -1,7 +1,7 @@
 """One abort before scheduling with the engine core in a process of its own (test_hazards_serve.py).
 
-``python tests/_abort_mp_case.py ARGS.json`` prints ``HSFIX_ABORT_MP_RESULT {json}``.
-The same engine and round as ``_abort_case.py`` (``max_num_seqs=1``, three prompts,
+``support.procs.run_child("abort_mp_case.py", ...)`` prints ``HSFIX_ABORT_MP_RESULT {json}``.
+The same engine and round as ``abort_case.py`` (``max_num_seqs=1``, three prompts,
 the third aborted while it waits, then stepping), but vLLM's default process layout:
 the engine core runs in its own process, where vllm-hsfix is active through its
 plugin entry point only (the caller switches the patch off with
@@ -17,11 +17,12 @@ import sys
 import time
 from typing import Any
 
-from _abort_case import describe, make_llm, submit_and_abort, written
+from support.children.abort_case import describe, make_llm, submit_and_abort
+from support.lockfile import written
 
 
 def run_round(llm: Any, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
-    """``_abort_case.run_round`` for an engine core of its own process: there ``step()``
+    """``abort_case.run_round`` for an engine core of its own process: there ``step()``
     waits for the engine's next output, and an idle engine sends none, so once the
     requests are done the writes are pushed along by short extra requests (the
     worker saves a finished request's rows in a later step, as in test_serve.py)."""

@@ -1,6 +1,6 @@
 """One in-process vLLM engine, prefix caching on: the two prefix hazards (test_hazards_e2e.py).
 
-``python tests/_prefix_case.py ARGS.json`` prints ``HSFIX_PREFIX_RESULT {json}``.
+``support.procs.run_child("prefix_case.py", ...)`` prints ``HSFIX_PREFIX_RESULT {json}``.
 
 Prefix caching on 0.22.0-0.23.x (upstream issue 44485): the connector cuts each new
 request's rows out of the step's slot mapping with the request's full prompt length
@@ -40,7 +40,9 @@ import sys
 import time
 from typing import Any
 
-from _abort_case import describe, written
+from support.children.abort_case import describe
+from support.extraction import kv_transfer_config, speculative_config
+from support.lockfile import written
 
 
 def main() -> None:
@@ -85,18 +87,8 @@ def main() -> None:
         max_model_len=args["max_model_len"],
         max_num_seqs=4,
         seed=0,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": args["aux_ids"]}
-            },
-        },
-        kv_transfer_config={
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": args["out"]},
-        },
+        speculative_config=speculative_config(args["aux_ids"]),
+        kv_transfer_config=kv_transfer_config(args["out"]),
     )
     warnings_at_start = list(said)
     engine = llm.llm_engine

@@ -1,4 +1,5 @@
-"""Functions run in child processes by test_processes.py (importable under spawn)."""
+"""Functions run in child processes by test_processes.py and test_startup_line.py
+(importable under spawn as ``support.children.processes``), and a command run by path."""
 
 from __future__ import annotations
 

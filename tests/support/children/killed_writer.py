@@ -1,0 +1,84 @@
+"""The release's writer killed mid-write (test_hazards_atomic.py).
+
+``killed_writer.py WORK CONNECTOR_MODULE`` prints one JSON line: for each case (the
+release's ``_write_tensors`` or the patched one; an in-place ``save_file`` as
+safetensors < 0.8.0 writes, or the installed one) whether the kernel killed the writer
+(a 1 MB file-size limit, 8 MB to write, an older complete file at the path), what the
+path holds afterwards for a reader, and what temporary files are left.
+"""
+
+import fcntl
+import importlib
+import json
+import os
+import resource
+import signal
+import sys
+
+import safetensors
+import torch
+from safetensors.torch import load_file, save, save_file
+
+from vllm_hsfix.patches import atomic_writes
+from vllm_hsfix.patches.hooks import Hooks
+
+LIMIT = 1 << 20  # the writer is killed (SIGXFSZ) when a file grows past 1 MB
+work = sys.argv[1]
+module = importlib.import_module(sys.argv[2])
+cls = module.ExampleHiddenStatesConnector
+old = {"hidden_states": torch.ones(4, 2, 3), "token_ids": torch.arange(4)}
+new = {"hidden_states": torch.zeros(2048, 4, 256), "token_ids": torch.arange(2048)}  # 8 MB
+
+
+class Done:
+    def synchronize(self):
+        return None
+
+
+def in_place(tensors, filename, metadata=None):
+    # What safetensors < 0.8.0 does: open the final path with O_TRUNC, write.
+    with open(filename, "wb") as fh:
+        fh.write(save(tensors, metadata=metadata))
+
+
+def one(case, patched, writer):
+    final = os.path.join(work, case + ".safetensors")
+    save_file(old, final)
+    if writer is not None:
+        module.save_file = writer
+    reps = atomic_writes.apply(module, atomic_writes.SHAPE, Hooks(print, print)) if patched else []
+    pid = os.fork()
+    if pid == 0:  # the writer: killed by the kernel at the limit, as by the OOM killer
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+        fd = os.open(final + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        cls._write_tensors(new, Done(), final, fd)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    for r in reps:
+        r.restore()
+    with open(final + ".lock") as lf:  # a reader: the dead writer's lock is released
+        fcntl.flock(lf, fcntl.LOCK_SH)
+        try:
+            got = load_file(final)
+            content = "old" if torch.equal(got["token_ids"], old["token_ids"]) else "other"
+        except Exception as exc:
+            content = "unloadable: " + type(exc).__name__
+    return {
+        "killed_by": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+        "size": os.path.getsize(final),
+        "content": content,
+        "leftovers": sorted(n for n in os.listdir(work) if n.startswith(".")),
+    }
+
+
+real = module.save_file
+out = {
+    "release-in-place": one("a", False, in_place),
+    "patched-in-place": one("b", True, in_place),
+    "release-installed": one("c", False, real),
+    "patched-installed": one("d", True, real),
+}
+out["safetensors"] = safetensors.__version__
+print(json.dumps(out))

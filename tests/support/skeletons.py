@@ -1,0 +1,38 @@
+"""The CUDA build's connector file of every release, from the cache's skeletons
+(``scripts/vllm_env.py skeletons``): what the shape probes read, release by release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import CACHE
+
+SKELETONS = CACHE / "cuda-skeletons"
+CONN = Path("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py")
+RELEASES = [
+    "0.17.0",
+    "0.18.0",
+    "0.19.0",
+    "0.20.0",
+    "0.21.0",
+    "0.22.0",
+    "0.23.0",
+    "0.24.0",
+    "0.25.0",
+    "0.26.0",
+    "0.27.0",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+]
+
+
+def connector_file(release: str) -> Path:
+    path = SKELETONS / f"vllm-{release}" / CONN
+    if not path.exists():
+        pytest.skip(f"no CUDA skeleton of vLLM {release} here ({path})")
+    return path

@@ -1,0 +1,131 @@
+"""``vllm-hsfix audit`` on datasets: the dataset-wide checks (norm and shape outliers),
+directory expansion, and workers (same answers for any count; a worker's crash pinned
+on its file). Files from ``support.hsfiles``; single files: ``test_audit.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from support.hsfiles import A, H, hs_file, write_raw
+
+from vllm_hsfix.audit import command, parallel, pipeline, reports, scan
+
+# ----------------------------------------------------------------- datasets
+
+
+def test_norm_outlier_among_good_files(tmp_path: Path) -> None:
+    for i in range(10):
+        hs_file(tmp_path / "ds" / f"good{i:02d}.safetensors", seed=i)
+    hs_file(tmp_path / "ds" / "slightly.safetensors", seed=40, scale=1.02)
+    off = hs_file(tmp_path / "ds" / "sub" / "scaled.safetensors", seed=41, scale=1000.0)
+    report = pipeline.audit_paths([tmp_path / "ds"], workers=2)
+    assert len(report.files) == 12
+    by = {Path(f.path).name: f for f in report.files}
+    assert by["scaled.safetensors"].verdict == "suspect"
+    assert by["scaled.safetensors"].codes() == ["norm_outlier"] * A
+    ratios = re.findall(r"is (\S+)x the dataset median", by["scaled.safetensors"].reason())
+    assert len(ratios) == A and all(900 < float(r) < 1100 for r in ratios)
+    assert all(f.verdict == "ok" for n, f in by.items() if n != "scaled.safetensors")
+    # A heuristic's verdict is "look", never "regenerate" (issue 20).
+    assert report.suspect == [str(off)] and report.regenerate == []
+    refs = report.dataset["norm_reference"]
+    assert [r["aux"] for r in refs] == [0, 1, 2]
+    assert all(15 < r["median"] < 17 and r["files"] == 12 for r in refs)
+
+
+def test_norm_pass_uses_medians_so_one_big_row_is_fine(tmp_path: Path) -> None:
+    """Attention-sink tokens carry norms ~100x the rest; a short file with one must not
+    look like a dataset outlier."""
+    for i in range(6):
+        hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+
+    def sink(hs: torch.Tensor, ids: torch.Tensor) -> None:
+        hs[0] *= 300
+
+    hs_file(tmp_path / "sink.safetensors", seed=99, edit=sink)
+    report = pipeline.audit_paths([tmp_path], workers=1)
+    assert [f.verdict for f in report.files] == ["ok"] * 7
+
+
+def test_shape_outlier_is_suspect(tmp_path: Path) -> None:
+    for i in range(4):
+        hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+    odd = hs_file(tmp_path / "odd.safetensors", hidden=128)
+    report = pipeline.audit_paths([tmp_path], workers=1)
+    by = {f.path: f for f in report.files}
+    assert by[str(odd)].codes() == ["shape_outlier"]
+    assert report.dataset["majority_shape"] == [A, H]
+    assert report.count("ok") == 4
+
+
+def test_directories_expand_recursively_and_skip_locks(tmp_path: Path) -> None:
+    a = hs_file(tmp_path / "d" / "b.safetensors")
+    b = hs_file(tmp_path / "d" / "x" / "a.safetensors")
+    write_raw(tmp_path / "d" / "b.safetensors.lock", b"")
+    write_raw(tmp_path / "d" / "notes.txt", b"hello")
+    lock = tmp_path / "d" / "b.safetensors.lock"
+    files = pipeline.expand_paths([tmp_path / "d", a, lock])
+    assert files == [str(a), str(b)]
+    with pytest.raises(FileNotFoundError):
+        pipeline.expand_paths([tmp_path / "nope"])
+
+
+def test_workers_do_not_change_the_answers(tmp_path: Path) -> None:
+    for i in range(5):
+        hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+    hs_file(tmp_path / "z.safetensors", edit=lambda hs, ids: hs[3].zero_())
+    write_raw(tmp_path / "junk.safetensors", b"junk" * 100)
+    one = pipeline.audit_paths([tmp_path], workers=1)
+    two = pipeline.audit_paths([tmp_path], workers=2)
+    assert two.workers == 2 and one.workers == 1
+    assert [(f.path, f.verdict, f.codes()) for f in one.files] == [
+        (f.path, f.verdict, f.codes()) for f in two.files
+    ]
+    assert one.count("corrupt") == 2
+    with pytest.raises(ValueError):
+        pipeline.audit_paths([tmp_path], workers=0)
+
+
+_REAL_AUDIT_FILE = scan.audit_file
+
+
+def _dies_on_boom(path: str) -> reports.FileReport:
+    """Stands in for a worker killed mid-file (SIGBUS on a file shrunk under its map)."""
+    if "boom" in os.fspath(path):
+        os._exit(3)
+    return _REAL_AUDIT_FILE(path)
+
+
+def _always_dies(path: str) -> reports.FileReport:
+    os._exit(3)
+
+
+def test_a_worker_crash_is_pinned_on_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(3):
+        hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+    boom = hs_file(tmp_path / "boom.safetensors", seed=9)
+    monkeypatch.setattr(parallel, "audit_file", _dies_on_boom)
+    report = pipeline.audit_paths([tmp_path], workers=2)
+    by = {f.path: f for f in report.files}
+    assert by[str(boom)].verdict == "corrupt" and by[str(boom)].codes() == ["unreadable"]
+    assert "worker died" in by[str(boom)].reason()
+    assert by[str(boom)].bytes == boom.stat().st_size
+    assert [f.verdict for p, f in by.items() if p != str(boom)] == ["ok"] * 3
+
+
+def test_workers_that_cannot_run_are_not_blamed_on_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hs_file(tmp_path / "g.safetensors")
+    monkeypatch.setattr(parallel, "audit_file", _always_dies)
+    with pytest.raises(RuntimeError, match="cannot run"):
+        pipeline.audit_paths([tmp_path], workers=1)
+    assert command.main([str(tmp_path)]) == 2
+    assert "cannot run" in capsys.readouterr().err
