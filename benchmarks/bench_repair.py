@@ -144,9 +144,12 @@ def main() -> int:
         )
         ready_at = None
         assert rep.stderr is not None
+        phases = []  # repair's own lines, with when they came: where the time goes
         for line in rep.stderr:
             if "engine ready in" in line and ready_at is None:
                 ready_at = time.monotonic()
+            if line.startswith(("repair:", "result:")):
+                phases.append(f"  +{time.monotonic() - t0:6.1f} s  {line.strip()[:110]}")
         rc = rep.wait()
         end = time.monotonic()
         if rc != 0 or ready_at is None:
@@ -163,6 +166,8 @@ def main() -> int:
         f"ready to done = {r_tps:.0f} prompt tokens/s"
     )
     print(f"ratio repair / baseline: {r_tps / b_tps:.3f} (goal >= 0.9)")
+    print(f"repair's lines (exit at +{end - t0:.1f} s):")
+    print("\n".join(phases))
     return 0
 
 
