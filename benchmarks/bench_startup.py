@@ -229,7 +229,7 @@ def check_cost() -> None:
     import torch
 
     from vllm_hsfix import checks
-    from vllm_hsfix.patches.scatter import scatter_clamped
+    from vllm_hsfix.patches.scatter_clamp import scatter_clamped
 
     times = []
     for _ in range(50):

@@ -13,7 +13,7 @@ from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE
 from packaging.version import Version
 from support.extraction import kv_transfer_config, speculative_config
 
-from vllm_hsfix.patches import connector as patch
+from vllm_hsfix.patches import hidden_group_block_size as patch
 
 
 def _has_hidden_spec() -> bool:

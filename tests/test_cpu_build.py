@@ -30,7 +30,7 @@ from support.lockfile import held
 from vllm_hsfix import checks, releases
 from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_connector_save as save
-from vllm_hsfix.patches import cpu_sampler_kwargs as sampler
+from vllm_hsfix.patches import cpu_sampler_fp64_flag as sampler
 from vllm_hsfix.shapes import probe_file
 
 pytestmark = pytest.mark.needs_vllm

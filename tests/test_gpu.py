@@ -3,7 +3,7 @@
 Marked ``gpu``: skipped with a reason on machines without CUDA. Needs torch only (the
 GPU machine has no vLLM), and checks two things:
 
-* both replacements of ``vllm_hsfix.patches.scatter`` (``scatter_flat`` for the
+* both replacements of ``vllm_hsfix.patches.scatter_clamp`` (``scatter_flat`` for the
   ``flat-view`` shape of 0.17-0.21, ``scatter_clamped`` for the ``2d-index`` shape of
   0.22-0.24), on a contiguous cache and (where the release itself can take one) a
   strided view: the bytes, no host-device sync, capture in a CUDA graph and replay

@@ -31,7 +31,7 @@ import pytest
 import torch
 from conftest import CACHE, RELEASE, ROOT, clean_env
 
-from vllm_hsfix.patches import scatter
+from vllm_hsfix.patches import scatter_clamp as scatter
 from vllm_hsfix.patches.hooks import Hooks
 
 pytestmark = pytest.mark.skipif(

@@ -62,7 +62,7 @@ def test_connector_init_fails_closed_on_an_unexpected_error() -> None:
 import json
 import vllm_hsfix
 from vllm_hsfix import checks
-from vllm_hsfix.patches import connector
+from vllm_hsfix.patches import hidden_group_block_size as connector
 def broken(config):
     raise RuntimeError("injected fault in group resolution")
 connector.find_hidden_group = broken

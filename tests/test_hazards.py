@@ -23,7 +23,8 @@ from conftest import CONNECTOR_MODULE, INSTALL
 from support.skeletons import RELEASES, connector_file
 
 from vllm_hsfix import checks, hazards
-from vllm_hsfix.patches import PATCH_IDS, abort_unscheduled, by_id
+from vllm_hsfix.patches import PATCH_IDS, by_id
+from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
 from vllm_hsfix.patches._wrap import ours_in, wrap
 from vllm_hsfix.patches.hooks import Hooks
 from vllm_hsfix.shapes import parse, probe_file

@@ -25,6 +25,12 @@ def test_a_module_without_the_contract_is_refused() -> None:
 
 
 def test_a_module_of_another_row_is_refused() -> None:
-    row = dataclasses.replace(by_id("atomic-writes"), impl="vllm_hsfix.patches.scatter")
+    row = dataclasses.replace(by_id("atomic-writes"), impl="vllm_hsfix.patches.scatter_clamp")
     with pytest.raises(TypeError, match="the row is 'atomic-writes'"):
         row.implementation()
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
+def test_a_patch_is_found_by_its_id(patch) -> None:  # type: ignore[no-untyped-def]
+    """``patches/<id>.py``: the module of a row is named by its patch id."""
+    assert patch.impl == "vllm_hsfix.patches." + patch.id.replace("-", "_")

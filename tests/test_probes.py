@@ -11,7 +11,8 @@ from conftest import CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE, last_json, 
 from packaging.version import Version
 
 from vllm_hsfix import shapes
-from vllm_hsfix.patches import connector, scatter
+from vllm_hsfix.patches import hidden_group_block_size as connector
+from vllm_hsfix.patches import scatter_clamp as scatter
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -141,7 +142,7 @@ def test_probes_do_not_need_vllm_imported() -> None:
         """
         import importlib.util, json, sys, os
         from vllm_hsfix import detect, shapes
-        from vllm_hsfix.patches import scatter
+        from vllm_hsfix.patches import scatter_clamp as scatter
         root = os.path.dirname(detect.detect().location)
         p = shapes.probe_file(os.path.join(root, "model_executor/models/extract_hidden_states.py"),
                             scatter.probe_tree)

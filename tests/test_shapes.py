@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from vllm_hsfix import shapes
-from vllm_hsfix.patches import PATCHES, scatter
+from vllm_hsfix.patches import PATCHES
+from vllm_hsfix.patches import scatter_clamp as scatter
 
 SIGNATURE = "def basic_cache(to_cache, kv_cache, slot_mapping):\n"
 

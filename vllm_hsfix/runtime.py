@@ -358,7 +358,7 @@ def _maybe_observe() -> None:
     connector's ``register_kv_caches`` itself (0.17-0.23: only the clamp), hook a pure
     observer there so the check still runs when a worker registers its caches."""
     from . import checks
-    from .patches import connector as connector_patch
+    from .patches import hidden_group_block_size as connector_patch
 
     cfg = STATE.config
     module = sys.modules.get(checks.CONNECTOR_MODULE)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_hsfix.patches import scatter
+from vllm_hsfix.patches import scatter_clamp as scatter
 from vllm_hsfix.patches.hooks import Hooks
 
 ROOT = Path(__file__).resolve().parent.parent.parent

@@ -172,7 +172,7 @@ PATCHES: tuple[PatchSpec, ...] = (
             "(branch-free, no host sync, CUDA-graph safe)"
         ),
         upstream=UPSTREAM_46301,
-        impl="vllm_hsfix.patches.scatter",
+        impl="vllm_hsfix.patches.scatter_clamp",
     ),
     PatchSpec(
         id="hidden-group-block-size",
@@ -191,7 +191,7 @@ PATCHES: tuple[PatchSpec, ...] = (
             "fail fast on a buffer mismatch"
         ),
         upstream=UPSTREAM_46301,
-        impl="vllm_hsfix.patches.connector",
+        impl="vllm_hsfix.patches.hidden_group_block_size",
     ),
     PatchSpec(
         id="cpu-zero-blocks",
@@ -235,7 +235,7 @@ PATCHES: tuple[PatchSpec, ...] = (
             "would trip the scheduler's assert"
         ),
         upstream="vllm-project/vllm#56841",
-        impl="vllm_hsfix.patches.abort_unscheduled",
+        impl="vllm_hsfix.patches.abort_before_scheduling",
     ),
     PatchSpec(
         id="cpu-connector-save",
@@ -279,7 +279,7 @@ PATCHES: tuple[PatchSpec, ...] = (
             "the kernel the float32 inv_q it reads, as 0.25.0 does"
         ),
         upstream=UPSTREAM_46069,
-        impl="vllm_hsfix.patches.cpu_sampler_kwargs",
+        impl="vllm_hsfix.patches.cpu_sampler_fp64_flag",
         platform=CPU,
         other_platforms=(
             "not vLLM's CPU build: CUDA builds run the Triton kernel, which takes the keyword, "
