@@ -24,8 +24,8 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 # subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_lazy", "_locks", "config", "releases"},
-    {"detect", "shapes", "patches", "patches.hooks", "hazards", "enginelog"},
-    {"patches._wrap", "tested", "backends"},
+    {"detect", "shapes", "patches", "patches.hooks", "enginelog"},
+    {"patches._wrap", "tested", "backends", "hazards"},
     {"patches._probe", "provenance", "checks", "refuse_config"},
     PATCH_MODULES,
     {"plan", "state", "audit"},

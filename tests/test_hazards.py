@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import CONNECTOR_MODULE, INSTALL
+from packaging.version import Version
 from support.skeletons import RELEASES, connector_file
 
 from vllm_hsfix import checks, hazards
@@ -68,7 +69,7 @@ def test_a_patched_hazard_covers_exactly_its_patch_rows_releases() -> None:
             p = by_id(h.patch)
             assert h.first == p.first, h.id
             if h.fixed_in is None:
-                assert hazards.Version(p.fixed_in) > hazards.Version(LAST_READ), h.id
+                assert Version(p.fixed_in) > Version(LAST_READ), h.id
             else:
                 assert (h.fixed_in, h.releases) == (p.fixed_in, p.releases), h.id
 

@@ -26,8 +26,10 @@ vLLM or the rest of the package.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from .patches import by_id as patch_row
+from .releases import key
 
 PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
 ACTIONS = (PATCH, REFUSE_CONFIG, DOCUMENTED)
@@ -83,22 +85,24 @@ class Hazard:
     def affects(self, version: str) -> bool:
         """Whether release ``version`` (X.Y.Z, pre/dev/local labels belong to their
         X.Y.Z line) has the hazard."""
-        release = _release(version)
-        if release < Version(self.first):
+        release = key(version)
+        if release < key(self.first):
             return False
-        return self.until is None or release < Version(self.until)
+        return self.until is None or release < key(self.until)
 
 
-def _release(version: str) -> Version:
-    parsed = Version(version)
-    return Version(".".join(str(p) for p in parsed.release))
+def _range_of(patch_id: str) -> dict[str, Any]:
+    """A hazard whose action is a patch affects the releases of the patch's row: from
+    its ``first`` to upstream's fix (None where upstream has no fix: the row's
+    ``fixed_in`` is then only the first release not read yet). One place, the row."""
+    row = patch_row(patch_id)
+    return {"first": row.first, "fixed_in": row.fixed_in if row.upstream_fixed else None}
 
 
 HAZARDS: tuple[Hazard, ...] = (
     Hazard(
         id="abort-before-scheduling",
-        first="0.24.0",
-        fixed_in="0.31.0",
+        **_range_of("abort-before-scheduling"),
         trigger=(
             "a request is aborted while it still waits, before the scheduler ever scheduled "
             "it: a client timeout, a cancelled asyncio task, a disconnect behind vllm serve, "
@@ -310,8 +314,7 @@ HAZARDS: tuple[Hazard, ...] = (
     ),
     Hazard(
         id="torn-files",
-        first="0.22.0",
-        fixed_in=None,
+        **_range_of("atomic-writes"),
         trigger=(
             "the writing process dies mid-write (OOM kill, SIGKILL, node loss) or the disk "
             "fills up, with safetensors < 0.8.0 (or a file system on which 0.8.0's rename "
@@ -414,10 +417,10 @@ def assess(
         return {**out, "state": UNKNOWN, "reason": "the installed vLLM release is unknown"}
     try:
         affected = hazard.affects(version)
-    except InvalidVersion:
+    except ValueError:
         return {**out, "state": UNKNOWN, "reason": f"unreadable version {version!r}"}
     if not affected:
-        fixed = hazard.fixed_in is not None and _release(version) >= Version(hazard.fixed_in)
+        fixed = hazard.fixed_in is not None and key(version) >= key(hazard.fixed_in)
         if fixed:
             return {**out, "state": FIXED_UPSTREAM, "reason": f"fixed in {hazard.fixed_in}"}
         return {**out, "state": NOT_AFFECTED, "reason": f"vLLM {version} is not {hazard.releases}"}
@@ -452,5 +455,5 @@ def refuse_config(version: str | None) -> tuple[Hazard, ...]:
         return ()
     try:
         return tuple(h for h in HAZARDS if h.action == REFUSE_CONFIG and h.affects(version))
-    except InvalidVersion:
+    except ValueError:
         return ()
