@@ -21,7 +21,7 @@ import torch
 from conftest import CACHE, INSTALL, declared_all
 
 from vllm_hsfix import releases
-from vllm_hsfix.demo import e2e
+from vllm_hsfix.demo import e2e, script_run
 from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
@@ -43,7 +43,7 @@ WITHOUT = {
 if not (INSTALL.cpu_build and not torch.cuda.is_available()):
     pytest.skip("needs vLLM's CPU build on a machine without CUDA", allow_module_level=True)
 
-_RUNS: dict[bool, e2e.ScriptRun] = {}
+_RUNS: dict[bool, script_run.ScriptRun] = {}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,11 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("user-script")
 
 
-def run(hsfix: bool, workdir: Path) -> e2e.ScriptRun:
+def run(hsfix: bool, workdir: Path) -> script_run.ScriptRun:
     if hsfix not in _RUNS:
-        _RUNS[hsfix] = e2e.run_user_script(hsfix=hsfix, workdir=workdir, models=CACHE / "models")
+        _RUNS[hsfix] = script_run.run_user_script(
+            hsfix=hsfix, workdir=workdir, models=CACHE / "models"
+        )
     r = _RUNS[hsfix]
     print(r.summary())
     return r

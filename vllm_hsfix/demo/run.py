@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import e2e, repair_case
+from . import e2e, repair_case, script_run
 
 
 def _say(msg: str) -> None:
@@ -94,7 +94,7 @@ USER_SCRIPT_CASE = "user-script"
 REPAIR_CASE = "repair"
 
 
-def script_verdict(runs: list[e2e.ScriptRun], cpu_build: bool) -> tuple[int, str]:
+def script_verdict(runs: list[script_run.ScriptRun], cpu_build: bool) -> tuple[int, str]:
     """Without vllm-hsfix the script fails on vLLM's CPU build; with it, every row of
     every file is right."""
     by = {r.hsfix: r for r in runs}
@@ -129,7 +129,7 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     _say("building the tiny dense hybrid verifier (Qwen3.5 text stack, 4 layers, random weights)")
     results = []
     repairs: list[repair_case.RepairRun] = []
-    scripts: list[e2e.ScriptRun] = []
+    scripts: list[script_run.ScriptRun] = []
     skipped: dict[str, str] = {}
     for name in cases:
         if name == REPAIR_CASE:
@@ -147,7 +147,9 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
                     f"{name}: a plain extraction script (tiny dense model), vllm-hsfix "
                     f"{'ACTIVE' if hsfix else 'OFF (VLLM_HSFIX_DISABLE=1)'} (about a minute)"
                 )
-                run = e2e.run_user_script(hsfix=hsfix, workdir=root, models=models / "models")
+                run = script_run.run_user_script(
+                    hsfix=hsfix, workdir=root, models=models / "models"
+                )
                 _say(f"  -> {run.summary()}")
                 scripts.append(run)
             continue
