@@ -40,3 +40,34 @@ def install(module: object, metadata: Callable[[], dict[str, str]]) -> Replaceme
     if not callable(getattr(module, "save_file", None)):
         return None
     return wrap(module, "save_file", _installed(metadata), PATCH_ID)
+
+
+def aux_layers(connector: Any) -> tuple[int, ...] | None:
+    """``eagle_aux_hidden_state_layer_ids`` of the connector's speculative config."""
+    try:
+        spec = connector._vllm_config.speculative_config.draft_model_config.hf_config
+        return tuple(int(a) for a in spec.eagle_aux_hidden_state_layer_ids)
+    except Exception:  # another shape of config: no stamp, nothing breaks
+        return None
+
+
+def engine_settings(connector: Any) -> dict[str, Any] | None:
+    """The connector's engine settings that change hidden states (provenance)."""
+    try:
+        config = connector._vllm_config
+        model, cache = config.model_config, config.cache_config
+    except Exception:
+        return None
+    out: dict[str, Any] = {}
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    ssm = getattr(cache, "mamba_ssm_cache_dtype", None)
+    if ssm is not None:
+        out["mamba_ssm_cache_dtype"] = str(ssm)
+    mm = getattr(model, "multimodal_config", None)
+    if mm is not None and getattr(mm, "language_model_only", None) is not None:
+        out["language_model_only"] = bool(mm.language_model_only)
+    if getattr(model, "max_model_len", None):
+        out["max_model_len"] = int(model.max_model_len)
+    return out

@@ -268,43 +268,14 @@ def _on_failure(patch_id: str, exc: BaseException) -> None:
     log.error("%s failed at run time: %r", patch_id, exc)
 
 
-def _aux_layers(connector: Any) -> tuple[int, ...] | None:
-    """``eagle_aux_hidden_state_layer_ids`` of the connector's speculative config."""
-    try:
-        spec = connector._vllm_config.speculative_config.draft_model_config.hf_config
-        return tuple(int(a) for a in spec.eagle_aux_hidden_state_layer_ids)
-    except Exception:  # another shape of config: no stamp, nothing breaks
-        return None
-
-
-def _engine_settings(connector: Any) -> dict[str, Any] | None:
-    """The connector's engine settings that change hidden states (provenance)."""
-    try:
-        config = connector._vllm_config
-        model, cache = config.model_config, config.cache_config
-    except Exception:
-        return None
-    out: dict[str, Any] = {}
-    dtype = getattr(model, "dtype", None)
-    if dtype is not None:
-        out["dtype"] = str(dtype).removeprefix("torch.")
-    ssm = getattr(cache, "mamba_ssm_cache_dtype", None)
-    if ssm is not None:
-        out["mamba_ssm_cache_dtype"] = str(ssm)
-    mm = getattr(model, "multimodal_config", None)
-    if mm is not None and getattr(mm, "language_model_only", None) is not None:
-        out["language_model_only"] = bool(mm.language_model_only)
-    if getattr(model, "max_model_len", None):
-        out["max_model_len"] = int(model.max_model_len)
-    return out
-
-
 def _after_register(connector: Any) -> None:
     """The in-situ checks, once per process, when a worker registers its KV caches:
     every applied patch that declares one (``in_situ`` in its module) runs it. Also
     notes the connector's aux layer ids (provenance stamps them)."""
-    STATE.aux_layers = _aux_layers(connector)
-    STATE.engine = _engine_settings(connector)
+    from . import provenance
+
+    STATE.aux_layers = provenance.aux_layers(connector)
+    STATE.engine = provenance.engine_settings(connector)
     cfg = STATE.config
     if cfg is None or not cfg.verify or STATE.verify is not None:
         return
