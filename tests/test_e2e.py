@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CACHE, declared_all
+from conftest import CACHE, cli_rows_as_declared, declared_all
 from support import experiments
 from support.e2eruns import result, summary
 
@@ -75,7 +75,7 @@ def test_engine_core_and_worker_processes_are_patched_by_the_plugin(workdir: Pat
     roles = _roles(result("hybrid-mp", True, workdir))
     assert {"main", "engine-core", "worker-0"} <= set(roles), roles
     worker = roles["worker-0"]
-    assert worker["patches"] == declared_all()
+    assert cli_rows_as_declared(worker["patches"]) == declared_all()
     assert worker["patches"]["cpu-zero-blocks"] == "applied"
     assert roles["engine-core"]["patches"]["hidden-group-block-size"] == "applied"
     # The in-situ check ran in the worker, on its device and dtype, and passed.
@@ -96,6 +96,9 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
     assert r.rows_correct == r.rows and r.requests_correct == r.requests, summary(r)
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 @pytest.mark.affected
 @pytest.mark.parametrize("run", LOAD_RUNS)
 def test_load_unpatched_024_is_wrong(run: int, workdir: Path) -> None:

@@ -235,6 +235,9 @@ def test_install_with_a_constraints_file(image: Image, dist: dict[str, Path]) ->
     _uninstall(image)
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 def test_install_with_pip_constraint_in_the_environment(
     image: Image, dist: dict[str, Path]
 ) -> None:
@@ -244,12 +247,18 @@ def test_install_with_pip_constraint_in_the_environment(
     _uninstall(image)
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 def test_install_with_no_deps(image: Image, dist: dict[str, Path]) -> None:
     image.pip("install", "-q", "--no-deps", dist["wheel"])
     _check_installed(image, "pip install --no-deps")
     _uninstall(image)
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 def test_install_with_uv(image: Image, dist: dict[str, Path]) -> None:
     uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
     if not Path(uv).exists():
@@ -298,6 +307,9 @@ def test_sdist_carries_what_a_rebuild_needs_and_metadata_checks(dist: dict[str, 
     assert not [r for r in requires if any(p in r.lower() for p in ("vllm", "torch"))], requires
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 def test_declared_floors_work(image: Image, dist: dict[str, Path]) -> None:
     """The lowest wrapt and packaging pyproject.toml allows: status and the live checks."""
     image.pip("install", "-q", *FLOORS)

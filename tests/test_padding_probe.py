@@ -28,6 +28,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
 PROBE = ROOT / "scripts" / "padding_probe.py"
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 def test_vllm_cpu_hands_basic_cache_no_padding_slot(tmp_path: Path) -> None:
     import torch
 

@@ -271,6 +271,9 @@ def test_repair_as_typed_keeps_right_files_and_fixes_wrong_ones(
     assert final.count("ok") == 5, final.verdicts
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 @pytest.mark.needs_vllm
 @pytest.mark.affected
 @pytest.mark.e2e

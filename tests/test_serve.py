@@ -18,12 +18,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CACHE, clean_env
+from conftest import CACHE, clean_env, cli_rows_as_declared, declared_all
 from support.lockfile import written
 from support.serve import free_port, serve_command
 
 from vllm_hsfix.demo import e2e, tiny_model
-from vllm_hsfix.patches import PATCHES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
 AUX = [1, 2, 3]
@@ -117,11 +116,9 @@ def test_every_server_process_is_patched(server: dict) -> None:
     statuses = [json.loads(f.read_text()) for f in (server["work"] / "status").glob("*.json")]
     roles = {s["role"]: s for s in statuses}
     assert {"engine-core", "worker-0"} <= set(roles), list(roles)
-    # Every patch applied in the worker, but those on the CLI module (cpu-dist-name): a
-    # worker never runs the CLI, so its target is never imported there ("pending").
-    cli = {p.id for p in PATCHES if p.module == "vllm.entrypoints.cli.main"}
+    # Every patch the table declares, applied in the worker (rows on the CLI module:
+    # applied where the worker re-imported the console script's module, else pending).
     got = roles["worker-0"]["patches"]
-    assert {p: got[p]["status"] for p in got} == {
-        p: "pending" if p in cli else "applied" for p in got
-    }
+    statuses = {p: got[p]["status"] for p in got}
+    assert cli_rows_as_declared(statuses) == declared_all(), statuses
     assert roles["worker-0"]["verify"]["ok"] is True

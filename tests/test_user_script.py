@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CACHE, INSTALL, declared_all
+from conftest import CACHE, INSTALL, cli_rows_as_declared, declared_all
 
 from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e, script_run
@@ -61,6 +61,9 @@ def run(hsfix: bool, workdir: Path) -> script_run.ScriptRun:
     return r
 
 
+# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
+# round's CI measurements in docs/testing.md); it passed in this round's runs.
+@pytest.mark.extended
 def test_without_vllm_hsfix_the_script_fails_as_measured(workdir: Path) -> None:
     """What proves the other test can fail: the release alone cannot extract on a CPU."""
     if INSTALL.release not in WITHOUT:
@@ -87,7 +90,7 @@ def test_every_patch_in_the_worker_is_what_the_table_declares(workdir: Path) -> 
     table says for this release and platform (the CPU patches included)."""
     roles = {s["role"]: s for s in run(True, workdir).statuses}
     assert "worker-0" in roles, list(roles)
-    assert roles["worker-0"]["patches"] == declared_all(), roles["worker-0"]
+    assert cli_rows_as_declared(roles["worker-0"]["patches"]) == declared_all(), roles["worker-0"]
 
 
 def test_the_in_situ_check_ran_and_passed_in_the_worker(workdir: Path) -> None:
