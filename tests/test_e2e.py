@@ -130,6 +130,9 @@ def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]
     assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
 
 
+# Extended (scripts/run_tests.py --extended): the fixed release's control under load
+# (152 s on this round's machine); 0.24.0's patched load run stays in default CI.
+@pytest.mark.extended
 @pytest.mark.fixed
 @pytest.mark.parametrize("run", LOAD_RUNS)
 def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) -> None:
