@@ -23,7 +23,7 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 # Lowest first. A module may import only modules of a lower layer, or of its own
 # subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
 LAYERS: list[set[str]] = [
-    {"_version", "errors", "_lazy", "_locks", "config", "releases"},
+    {"_version", "errors", "_lazy", "_locks", "config", "releases", "codes"},
     {"detect", "shapes", "patches", "patches.hooks", "enginelog"},
     {"patches._wrap", "tested", "backends", "hazards"},
     {"patches._probe", "provenance", "checks", "refuse_config"},

@@ -13,10 +13,10 @@ import pytest
 from conftest import CONNECTOR_MODULE, INSTALL
 from support.skeletons import RELEASES, connector_file
 
-from vllm_hsfix import hazards
 from vllm_hsfix.patches import atomic_writes, by_id
 from vllm_hsfix.patches._wrap import ours_in
 from vllm_hsfix.patches.hooks import Hooks
+from vllm_hsfix.releases import key as release_key
 from vllm_hsfix.shapes import parse, probe_file
 
 HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
@@ -35,8 +35,8 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
     path then holds a truncated file a waiting reader cannot load. Patched: the older
     file is intact, only a temporary file is left. With the installed safetensors the
     release's own result is reported as measured (0.8.0 renames into place itself)."""
-    first = hazards.Version(by_id("atomic-writes").first)
-    if not (INSTALL.release and hazards.Version(INSTALL.release) >= first):
+    first = release_key(by_id("atomic-writes").first)
+    if not (INSTALL.release and release_key(INSTALL.release) >= first):
         pytest.skip("no writer thread before 0.22.0")
     from conftest import clean_env, last_json, run_py
 
@@ -64,7 +64,7 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
     for case in ("patched-in-place", "patched-installed"):
         assert out[case]["content"] == "old", (case, out[case])
     assert any(n.endswith(".hsfix-tmp") for n in out["patched-in-place"]["leftovers"]), out
-    if hazards.Version(out["safetensors"]) >= hazards.Version("0.8.0"):
+    if release_key(out["safetensors"]) >= release_key("0.8.0"):
         assert out["release-installed"]["content"] == "old", out
     else:
         assert out["release-installed"]["content"].startswith("unloadable"), out
@@ -73,7 +73,7 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
 @pytest.mark.parametrize("release", RELEASES)
 def test_atomic_writes_probe_on_each_release(release: str) -> None:
     got = probe_file(str(connector_file(release)), atomic_writes.probe_tree)
-    if hazards.Version(release) < hazards.Version("0.22.0"):  # no writer thread
+    if release_key(release) < release_key("0.22.0"):  # no writer thread
         assert got.shape is None and not got.fixed, got
     else:  # 0.22.0-0.33.0: save_file on the final path, then unlock
         assert got.shape == atomic_writes.SHAPE, got
@@ -113,8 +113,8 @@ def test_a_changed_writer_is_not_patched(variant: str) -> None:
 def test_writer_check_fails_in_place_and_passes_patched() -> None:
     """``verify``'s check on the live writer: with an in-place ``save_file`` (what
     safetensors < 0.8.0 does) the release's writer fails it, the patched one passes."""
-    first = hazards.Version(by_id("atomic-writes").first)
-    if not (INSTALL.release and hazards.Version(INSTALL.release) >= first):
+    first = release_key(by_id("atomic-writes").first)
+    if not (INSTALL.release and release_key(INSTALL.release) >= first):
         pytest.skip("no writer thread before 0.22.0")
     import importlib
 

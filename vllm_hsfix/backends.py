@@ -16,6 +16,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
+from .codes import Code
 from .patches import PATCHES, PatchSpec
 
 DISTRIBUTION = "hs-connectors"
@@ -71,7 +72,7 @@ def describe(codes: dict[str, str]) -> dict[str, Any] | None:
     if version is None:
         return None
     out: dict[str, Any] = {"version": version, "backends": {}}
-    applying = [p for p in PATCHES if codes.get(p.id) == "would-apply"]
+    applying = [p for p in PATCHES if codes.get(p.id) == Code.APPLY.word]
     for name, (cls, relation, overrides, note) in BACKENDS.items():
         out["backends"][name] = {
             "connector": cls,

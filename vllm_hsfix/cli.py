@@ -31,9 +31,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .codes import NOTHING_TO_DO, Code
+
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 ENTRY_POINT = "vllm_hsfix"
-OK_CODES = {"would-apply", "upstream-fix-present", "not-needed"}
+OK_CODES = {Code.APPLY.word} | NOTHING_TO_DO
 
 
 def _entry_point() -> dict[str, Any]:
@@ -63,7 +65,7 @@ def static_status() -> dict[str, Any]:
     for patch in PATCHES:
         decision = plan.decide_from_file(patch, inst, cfg)
         patches[patch.id] = {
-            "code": "would-apply" if decision.code == plan.APPLY else decision.code,
+            "code": decision.code.word,
             "reason": decision.reason,
             "target": patch.target,
             "releases": patch.releases,
@@ -118,17 +120,17 @@ def status_exit_code(
     problems = [
         f"{pid}: {p['code']}: {p['reason']}"
         for pid, p in report["patches"].items()
-        if p["code"] not in OK_CODES and not (p["code"] == "disabled" and p.get("optional"))
+        if p["code"] not in OK_CODES and not (p["code"] == Code.DISABLED and p.get("optional"))
     ]
     ep = report["activation"]["entry_point"]
-    affected = "would-apply" in codes
+    affected = Code.APPLY.word in codes
     if affected and not ep["registered"]:
         problems.append("the vllm.general_plugins entry point is not registered here")
     if affected and ep["filtered_out_by_VLLM_PLUGINS"]:
         problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
     if "applied" in require and not affected:
         problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
-    if "fixed" in require and codes - {"not-needed"} != {"upstream-fix-present"}:
+    if "fixed" in require and codes - {Code.NOT_NEEDED} != {Code.UPSTREAM_FIX}:
         problems.append("--require fixed: this vLLM does not carry the upstream fix")
     if "tested" in require and not report["tested_build"]["tested"]:
         problems.append(f"--require tested: {report['tested_build']['reason']}")
@@ -202,10 +204,10 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
 def _what_happens(report: dict[str, Any]) -> str:
     """One line an image builder can read: what vllm-hsfix will do with this vLLM."""
     codes = {p["code"] for p in report["patches"].values()}
-    if codes - {"not-needed"} == {"upstream-fix-present"}:
+    if codes - {Code.NOT_NEEDED} == {Code.UPSTREAM_FIX}:
         return "fixed upstream, nothing to do"
-    if "would-apply" in codes:
-        applied = [pid for pid, p in report["patches"].items() if p["code"] == "would-apply"]
+    if Code.APPLY.word in codes:
+        applied = [pid for pid, p in report["patches"].items() if p["code"] == Code.APPLY.word]
         return f"will patch every vLLM process when it starts: {', '.join(applied)}"
     return "nothing to patch on this vLLM"
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .codes import IN_PLACE
 from .patches import by_id as patch_row
 from .releases import key
 
@@ -47,7 +48,7 @@ NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, CHECKED, OPEN, EXPOSED, UNKNOWN = (
     "unknown",
 )
 # Patch decisions (as ``status`` names them) under which the patch is in place.
-PATCH_IN_PLACE = frozenset({"would-apply", "applied", "armed"})
+PATCH_IN_PLACE = IN_PLACE
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
+from .codes import Code
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
 from .detect import VllmInstall
 from .patches import PatchSpec
@@ -41,14 +42,14 @@ from .patches import PatchSpec
 if TYPE_CHECKING:
     from .shapes import Probe
 
-APPLY = "apply"
+APPLY = Code.APPLY
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What the gates say about one patch: ``code`` as in ``state.CODES`` or "apply"."""
+    """What the gates say about one patch: ``Code.APPLY`` or the reason not to."""
 
-    code: str
+    code: Code
     reason: str
     probe: Probe | None = None
 
@@ -133,44 +134,44 @@ def decide(
 ) -> Decision:
     """Run the gates for one patch. ``probe`` is called only when it matters."""
     if not install.present:
-        return Decision("no-vllm", "vLLM is not installed")
+        return Decision(Code.NO_VLLM, "vLLM is not installed")
     parsed = install.parsed
     if parsed is not None:
         if is_fixed_release(patch, parsed) and not patch.upstream_fixed:
             return Decision(
-                "not-needed",
+                Code.NOT_NEEDED,
                 f"vLLM {install.version}: not read by this version of vllm-hsfix (the patch "
                 f"covers releases before {patch.fixed_in}, no upstream fix is known); left "
                 "alone",
             )
         if is_fixed_release(patch, parsed):
             return Decision(
-                "upstream-fix-present",
+                Code.UPSTREAM_FIX,
                 f"upstream fix present: vLLM {install.version} >= {patch.fixed_in}",
             )
         if not in_release_range(parsed, patch.releases):
-            return Decision("not-needed", f"vLLM {install.version}: {patch.not_needed}")
+            return Decision(Code.NOT_NEEDED, f"vLLM {install.version}: {patch.not_needed}")
     if not patch.runs_on(install.cpu_build):
-        return Decision("not-needed", patch.other_platforms)
+        return Decision(Code.NOT_NEEDED, patch.other_platforms)
     if cfg.disabled or patch.id in cfg.disabled_patches:
         switch = f"{DISABLE}=1" if cfg.disabled else f"{DISABLED_PATCHES} names {patch.id}"
-        return Decision("disabled", f"turned off by {switch}")
+        return Decision(Code.DISABLED, f"turned off by {switch}")
     if parsed is None:
         return Decision(
-            "unknown-version",
+            Code.UNKNOWN_VERSION,
             (install.problem or "vLLM version unknown")
             + f"; not patching (set {VLLM_VERSION} to the release it is)",
         )
     result = probe()
     if result.fixed:
         return Decision(
-            "upstream-fix-present",
+            Code.UPSTREAM_FIX,
             f"upstream fix present: vLLM {install.version} code is fixed ({result.detail})",
             result,
         )
     if result.shape is None:
         return Decision(
-            "unknown-shape",
+            Code.UNKNOWN_SHAPE,
             f"vLLM {install.version}: {patch.target} does not look like any known shape; "
             f"not patched ({result.detail})",
             result,

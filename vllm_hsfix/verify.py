@@ -16,10 +16,11 @@ import importlib
 from typing import Any
 
 from . import checks, enginelog, hazards, runtime
+from .codes import Code
 from .patches import PATCHES
 
 # Decisions under which a patch's target is not checked here.
-SKIP_CODES = {"not-needed", "disabled", "no-vllm"}
+SKIP_CODES = {Code.NOT_NEEDED, Code.DISABLED, Code.NO_VLLM}
 
 
 def run(device: str = "auto") -> tuple[int, dict[str, Any]]:

@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BAD_STATUSES = frozenset({"refused", "failed", "reverted"})
+from ..codes import APPLIED, FAILED, REFUSED, REVERTED, Code
+
+BAD_STATUSES = frozenset({REFUSED, FAILED, REVERTED})
 FRONT_END = "vllm.entrypoints.cli."
 
 
@@ -44,7 +46,7 @@ def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     needed = [
         pid
         for pid, p in report.get("patches", {}).items()
-        if p["code"] == "would-apply" and not _front_end_only(pid)
+        if p["code"] == Code.APPLY.word and not _front_end_only(pid)
     ]
     return problems, needed
 
@@ -95,7 +97,7 @@ def in_engine(status_dir: str, needed: list[str], in_process: bool = False) -> l
         bad = {role: st for role, st in seen.items() if st in BAD_STATUSES}
         if bad:
             problems.append(f"{pid} is {bad} in the engine")
-        elif "applied" not in seen.values():
+        elif APPLIED not in seen.values():
             problems.append(f"{pid} is not applied in the engine's processes ({seen})")
     for s in procs:
         check = s.get("verify")
