@@ -8,7 +8,7 @@ process) and asserts on what the live objects do, not only on what status says.
 from __future__ import annotations
 
 import pytest
-from conftest import AFFECTED, RELEASE, last_json, run_py
+from conftest import AFFECTED, RELEASE, clean_env, last_json, run_py
 from packaging.version import Version
 
 pytestmark = pytest.mark.needs_vllm
@@ -143,6 +143,35 @@ print(json.dumps([after_reload, bug_back,
         assert repaired["hidden-group-block-size"] == "applied"
     assert bug_back
     assert repaired["scatter-clamp"] == "applied" and problems == []
+
+
+@pytest.mark.affected
+def test_reloading_the_connector_leaves_the_records_of_other_modules_alone() -> None:
+    """A reload of the connector module only: the clamp (another module) stays applied,
+    and the extras on the connector (the in-situ observer on 0.17-0.23, provenance) are
+    installed again by ``apply()``. Failing first: when the extras' wrappers were kept in
+    the first or last applied patch's record, a reload of the connector reported
+    ``scatter-clamp`` as overwritten on 0.17-0.23."""
+    out = run_py(
+        """
+import json, importlib
+import vllm_hsfix
+"""
+        + IMPORT_TARGETS
+        + """
+importlib.reload(CONN)
+st = vllm_hsfix.status()
+after = {k: v["status"] for k, v in st["patches"].items()}
+vllm_hsfix.apply()
+st = vllm_hsfix.status()
+print(json.dumps([after, st["provenance"], {k: v["status"] for k, v in st["patches"].items()}]))
+""",
+        env=clean_env(VLLM_HSFIX_PROVENANCE="1"),
+    )
+    after, provenance, repaired = last_json(out.stdout)
+    assert after["scatter-clamp"] == "applied", after
+    assert provenance is True
+    assert repaired["scatter-clamp"] == "applied"
 
 
 @needs_connector_patch

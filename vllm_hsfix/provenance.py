@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .patches._wrap import Replacement, wrap
+from .patches.hooks import ExtraContext
 
-PATCH_ID = "provenance"
+PATCH_ID = "provenance"  # the extra's id and its wrapper's mark (patches.EXTRAS)
 PREFIX = "vllm_hsfix."
 
 
@@ -34,12 +35,13 @@ def _installed(metadata: Callable[[], dict[str, str]]) -> Any:
     return save_file
 
 
-def install(module: object, metadata: Callable[[], dict[str, str]]) -> Replacement | None:
-    """Wrap the connector module's ``save_file``; ``metadata()`` gives the keys (without
-    the prefix) for a file written now. None if the module has no ``save_file``."""
+def install(module: object, ctx: ExtraContext) -> Replacement | None:
+    """The ``provenance`` extra (``patches.EXTRAS``): wrap the connector module's
+    ``save_file``; ``ctx.provenance_metadata()`` gives the keys (without the prefix) for
+    a file written now. None if the module has no ``save_file``."""
     if not callable(getattr(module, "save_file", None)):
         return None
-    return wrap(module, "save_file", _installed(metadata), PATCH_ID)
+    return wrap(module, "save_file", _installed(ctx.provenance_metadata), PATCH_ID)
 
 
 def aux_layers(connector: Any) -> tuple[int, ...] | None:

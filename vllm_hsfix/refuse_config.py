@@ -35,12 +35,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from . import hazards
 from .hazards import Hazard
 from .patches._wrap import Replacement, wrap
+from .patches.hooks import ExtraContext
 
 log = logging.getLogger(__name__)
 
-PATCH_ID = "refuse-config"  # the wrapper's mark (not a row of the patch table)
+PATCH_ID = "refuse-config"  # the extra's id and its wrapper's mark (patches.EXTRAS)
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 SCHEDULER = "SCHEDULER"  # KVConnectorRole.SCHEDULER.name
@@ -176,16 +178,12 @@ def _installed(
     return __init__
 
 
-def install(
-    module: object,
-    rows: tuple[Hazard, ...],
-    version: str,
-    on_trigger: Callable[[Hazard, str], None],
-    on_error: Callable[[BaseException], None],
-) -> Replacement | None:
-    """Wrap the connector's ``__init__`` to check ``rows`` (the register's
-    ``refuse-config`` rows of release ``version``). None when there is nothing to
-    check or no connector class."""
+def install(module: object, ctx: ExtraContext) -> Replacement | None:
+    """The ``refuse-config`` extra (``patches.EXTRAS``): wrap the connector's
+    ``__init__`` to check the register's ``refuse-config`` rows of ``ctx.release``.
+    None when there is nothing to check or no connector class."""
+    rows, version = hazards.refuse_config(ctx.release), ctx.release
+    on_trigger, on_error = ctx.on_config_hazard, ctx.on_config_error
     cls = getattr(module, ATTRIBUTE, None)
     if not rows or not isinstance(cls, type):
         return None

@@ -80,6 +80,21 @@ def process_role() -> str:
     return name
 
 
+def _extra_live(extra_id: str) -> bool:
+    rec = STATE.extras.get(extra_id)
+    return rec is not None and rec.live()
+
+
+def _config_checked(release: str | None) -> list[str]:
+    """The ``refuse-config`` hazards this process checks at engine start: those of the
+    release, where the extra's wrapper is in place."""
+    if not (release and _extra_live("refuse-config")):
+        return []
+    from . import hazards
+
+    return [h.id for h in hazards.refuse_config(release)]
+
+
 def status_dict() -> dict[str, Any]:
     cfg, inst = STATE.config, STATE.install
     assert cfg is not None and inst is not None
@@ -105,11 +120,11 @@ def status_dict() -> dict[str, Any]:
         },
         "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
         "verify": STATE.verify,
-        "provenance": STATE.provenance,
+        "provenance": _extra_live("provenance"),
         # refuse-config (vllm_hsfix.refuse_config): the hazards whose settings this
         # process checks when an engine starts, and those an engine start triggered.
         "config_checks": {
-            "checked": list(STATE.config_checked),
+            "checked": _config_checked(inst.release),
             "triggered": dict(STATE.config_hazards),
         },
         "errors": list(STATE.errors) + _lazy.errors(),

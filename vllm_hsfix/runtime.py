@@ -30,8 +30,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lazy, config, detect, plan, report
+from .codes import Code
 from .errors import HsfixError
-from .patches import MODULES, PATCH_IDS, PATCHES
+from .patches import CONFIG_CHECK, EXTRAS, MODULES, OBSERVER, PATCH_IDS, PATCHES, STAMP
 from .state import (
     APPLIED,
     ARMED,
@@ -42,6 +43,7 @@ from .state import (
     REVERTED,
     STATE,
     UNDECIDED,
+    ExtraRecord,
     Record,
 )
 
@@ -60,6 +62,7 @@ def _init_locked() -> config.Config:
         STATE.config = cfg
         report.setup_logging(cfg)
         STATE.records = {p.id: Record(p) for p in PATCHES}
+        STATE.extras = {e.id: ExtraRecord(e) for e in EXTRAS}
         for w in cfg.warnings:
             log.warning(w)
         atexit.register(_at_exit)
@@ -140,11 +143,11 @@ def _plan_ahead(cfg: config.Config) -> None:
         if rec.code not in (UNDECIDED, ARMED):
             continue
         if inst.source == "error":
-            rec.set("error", inst.problem or "vLLM detection failed")
+            rec.set(Code.ERROR, inst.problem or "vLLM detection failed")
             continue
         decision = plan.without_probe(rec.patch, inst, cfg)
         if decision is None:
-            rec.set("armed", f"vLLM {inst.version}: in range; shape checked on import")
+            rec.set(Code.ARMED, f"vLLM {inst.version}: in range; shape checked on import")
             continue
         rec.set(decision.code, decision.reason)
         if rec.status == REFUSED:
@@ -180,9 +183,7 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
                 _decide(rec, module, late)
                 if rec.status in (REFUSED, FAILED):
                     report.deviation(rec)
-        _maybe_observe()
-        _maybe_provenance()
-        _maybe_refuse_config(module)
+        _install_extras()
         _report()
         cfg = STATE.config
         if cfg is not None and cfg.strict:
@@ -200,7 +201,7 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
     try:
         inst = install()
         if inst.source == "error":
-            rec.set("error", inst.problem or "vLLM detection failed")
+            rec.set(Code.ERROR, inst.problem or "vLLM detection failed")
             return
         impl = patch.implementation()
         decision = plan.decide(patch, inst, cfg, lambda: impl.probe(module))
@@ -219,7 +220,7 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
         if late and adopt is not None:
             note = adopt(module)
             reason += f"; {note}" if note else ""
-        rec.set("applied", reason)
+        rec.set(Code.APPLIED, reason)
     except Exception as exc:
         # Never "failed" with wrappers live: take back whatever was installed.
         for rep in reversed(rec.replacements):
@@ -228,7 +229,7 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
             except Exception as undo:
                 STATE.errors.append(f"{patch.id}: could not take back a wrapper: {undo!r}")
         rec.replacements = []
-        rec.set("error", f"{type(exc).__name__}: {exc}")
+        rec.set(Code.ERROR, f"{type(exc).__name__}: {exc}")
         log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
 
 
@@ -252,17 +253,21 @@ def _refresh() -> None:
             names = ", ".join(f"{getattr(r.owner, '__name__', r.owner)}.{r.name}" for r in stale)
             rec.replacements = []
             rec.set(
-                "overwritten",
+                Code.OVERWRITTEN,
                 f"the patched {names} was replaced after patching (module reloaded or "
                 "attribute reassigned); vllm_hsfix.apply() patches it again",
             )
+    for extra in STATE.extras.values():
+        r = extra.replacement
+        if r is not None and not (r.live() and _live_owner(r.owner)):
+            extra.replacement = None  # installed again on the next target import
 
 
 def _on_failure(patch_id: str, exc: BaseException) -> None:
     with LOCK:
         rec = STATE.records.get(patch_id)
         if rec is not None:
-            rec.set("error", f"at run time: {type(exc).__name__}: {exc}")
+            rec.set(Code.ERROR, f"at run time: {type(exc).__name__}: {exc}")
         STATE.errors.append(f"{patch_id} failed at run time: {exc!r}")
         report.write_status_file()
     log.error("%s failed at run time: %r", patch_id, exc)
@@ -324,82 +329,65 @@ def hooks() -> Hooks:
     return Hooks(on_failure=_on_failure, after_register=_after_register)
 
 
-def _maybe_observe() -> None:
-    """Where an applied patch has an in-situ check but no applied patch wraps the
-    connector's ``register_kv_caches`` itself (0.17-0.23: only the clamp), hook a pure
-    observer there so the check still runs when a worker registers its caches."""
-    from . import checks
-    from .patches import hidden_group_block_size as connector_patch
-
+def _observer_wanted(rec: ExtraRecord) -> bool:
+    """The in-situ observer: an applied patch has an in-situ check, and no row that runs
+    ``hooks.after_register`` itself (``CALLS_AFTER_REGISTER``) is applied or about to be."""
     cfg = STATE.config
-    module = sys.modules.get(checks.CONNECTOR_MODULE)
-    if module is None or cfg is None or not cfg.verify:
-        return
+    if cfg is None or not cfg.verify:
+        return False
     applied = [r for r in STATE.records.values() if r.status == APPLIED]
     if not any(getattr(r.patch.implementation(), "in_situ", None) for r in applied):
-        return
-    # Only a patch that declares it runs hooks.after_register itself makes the observer
-    # unnecessary; other patches on the connector module (abort-before-scheduling,
-    # atomic-writes, cpu-connector-save) wrap other methods.
-    calls_it = [
-        r
+        return False
+    return not any(
+        r.status in (APPLIED, PENDING)
         for r in STATE.records.values()
-        if r.patch.module == checks.CONNECTOR_MODULE
+        if r.patch.module == rec.spec.module
         and getattr(r.patch.implementation(), "CALLS_AFTER_REGISTER", False)
-    ]
-    if any(r.status in (APPLIED, PENDING) for r in calls_it):
-        return  # the connector patch calls after_register itself (or is about to be applied)
-    if any(rep.wrapper.hsfix_patch == "in-situ-verify" for r in applied for rep in r.replacements):
-        return
-    try:
-        rep = connector_patch.observe(module, hooks())
-        if rep is not None:
-            applied[0].replacements.append(rep)
-    except Exception as exc:
-        log.warning("in-situ check not hooked: %r", exc)
+    )
 
 
-def _maybe_provenance() -> None:
-    """With VLLM_HSFIX_PROVENANCE=1 and a patch applied, stamp the files the connector saves."""
-    from . import checks, provenance
-
+def _stamp_wanted(rec: ExtraRecord) -> bool:
+    """Provenance: switched on, and a patch applied in this process."""
     cfg = STATE.config
-    module = sys.modules.get(checks.CONNECTOR_MODULE)
-    applied = [r for r in STATE.records.values() if r.status == APPLIED]
-    if module is None or cfg is None or not cfg.provenance or not applied:
-        return
-    if any(r.wrapper.hsfix_patch == provenance.PATCH_ID for a in applied for r in a.replacements):
-        return
-    try:
-        rep = provenance.install(module, report.provenance_metadata)
-        if rep is not None:
-            applied[-1].replacements.append(rep)
-            STATE.provenance = True
-    except Exception as exc:
-        log.warning("provenance metadata not hooked: %r", exc)
+    return bool(cfg and cfg.provenance) and any(r.status == APPLIED for r in STATE.records.values())
 
 
-def _maybe_refuse_config(module: ModuleType) -> None:
-    """Where the release has hazards whose trigger is a setting (the register's
-    ``refuse-config`` rows), wrap the connector's ``__init__`` to check them when the
-    scheduler's connector is built (``refuse_config``)."""
-    from . import hazards, refuse_config
+def _config_check_wanted(rec: ExtraRecord) -> bool:
+    """The start-up config check: wherever the release is known (``install`` returns
+    None when the release has no hazard whose trigger is a setting)."""
+    return bool(STATE.install and STATE.install.release)
+
+
+# The condition of each kind of extra (patches.EXTRAS: ``kind`` and ``when``).
+WANTED = {OBSERVER: _observer_wanted, STAMP: _stamp_wanted, CONFIG_CHECK: _config_check_wanted}
+
+
+def _install_extras() -> None:
+    """Install each extra whose module is imported, whose wrapper is not in place and
+    whose condition holds. A failure is logged (the config check's as an internal
+    error): an extra never stops a patch or the engine."""
+    from .patches.hooks import ExtraContext
 
     inst = STATE.install
-    if module.__name__ != refuse_config.MODULE or inst is None or not inst.release:
-        return
-    if STATE.config_check is not None and STATE.config_check.live():
-        return
-    rows = hazards.refuse_config(inst.release)
-    try:
-        rep = refuse_config.install(
-            module, rows, inst.release, _on_config_hazard, _on_config_check_error
+    for rec in STATE.extras.values():
+        module = sys.modules.get(rec.spec.module)
+        if module is None or rec.live() or not WANTED[rec.spec.kind](rec):
+            continue
+        ctx = ExtraContext(
+            hooks=hooks(),
+            release=(inst.release if inst else None) or "",
+            provenance_metadata=report.provenance_metadata,
+            on_config_hazard=_on_config_hazard,
+            on_config_error=_on_config_check_error,
         )
-    except Exception as exc:
-        internal_error(f"refuse-config check not installed: {exc!r}", exc)
-        return
-    STATE.config_check = rep
-    STATE.config_checked = tuple(h.id for h in rows) if rep is not None else ()
+        try:
+            rec.replacement = rec.spec.installer()(module, ctx)
+        except Exception as exc:
+            rec.replacement = None
+            if rec.spec.kind == CONFIG_CHECK:
+                internal_error(f"{rec.spec.id} check not installed: {exc!r}", exc)
+            else:
+                log.warning("%s not hooked: %r", rec.spec.id, exc)
 
 
 def _on_config_hazard(hazard: Hazard, message: str) -> None:
@@ -432,27 +420,27 @@ def unapply() -> None:
         _init_locked()
         STATE.enabled = False
         STATE.unapplied = True
+        # Extras first: they were installed over the patches (last in, first out).
+        for extra in reversed(list(STATE.extras.values())):
+            if extra.replacement is not None:
+                extra.replacement.restore()
+                extra.replacement = None
         for rec in STATE.records.values():
             results = [rep.restore() for rep in reversed(rec.replacements)]
             if rec.replacements:
                 kept = results.count("pass-through")
                 rec.set(
-                    "reverted",
+                    Code.REVERTED,
                     "unapply() restored the original objects"
                     + (f" ({kept} left as pass-through beneath a later wrapper)" if kept else ""),
                 )
                 rec.replacements = []
             elif rec.status == PENDING:
                 rec.set(
-                    "reverted",
+                    Code.REVERTED,
                     "unapply() was called before the target was imported: it stays "
                     "unpatched in this process unless apply() is called",
                 )
-        STATE.provenance = False
-        if STATE.config_check is not None:
-            STATE.config_check.restore()
-            STATE.config_check = None
-            STATE.config_checked = ()
         report.write_status_file()
 
 

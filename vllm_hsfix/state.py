@@ -10,40 +10,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._locks import ForkSafeRLock
+from .codes import APPLIED, FAILED, PENDING, REFUSED, REVERTED, SKIPPED, Code
 
 if TYPE_CHECKING:
     from .config import Config
     from .detect import VllmInstall
-    from .patches import PatchSpec
+    from .patches import ExtraSpec, PatchSpec
     from .patches._wrap import Replacement
 
-# Outcome codes. ``status`` is the coarse verdict; ``code`` the precise reason.
-PENDING, APPLIED, SKIPPED, REFUSED, FAILED, REVERTED = (
-    "pending",
-    "applied",
-    "skipped",
-    "refused",
-    "failed",
-    "reverted",
-)
-UNDECIDED, ARMED = "waiting-for-import", "armed"
-CODES = {
-    # Not decided yet: the target's code must be seen first (no vLLM found yet).
-    "waiting-for-import": PENDING,
-    # Decided from the target's file at activation: it is patched when imported (the
-    # live module is probed again then).
-    "armed": PENDING,
-    "applied": APPLIED,
-    "upstream-fix-present": SKIPPED,
-    "not-needed": SKIPPED,
-    "disabled": SKIPPED,
-    "no-vllm": SKIPPED,
-    "unknown-version": REFUSED,
-    "unknown-shape": REFUSED,
-    "error": FAILED,
-    "reverted": REVERTED,
-    "overwritten": REVERTED,
-}
+# The verdicts and codes are ``codes``' (the one vocabulary); re-exported for the runtime.
+UNDECIDED, ARMED = Code.WAITING, Code.ARMED
+__all__ = ["APPLIED", "ARMED", "FAILED", "PENDING", "REFUSED", "REVERTED", "SKIPPED", "UNDECIDED"]
 
 LOCK = ForkSafeRLock()
 
@@ -51,7 +28,7 @@ LOCK = ForkSafeRLock()
 @dataclass
 class Record:
     patch: PatchSpec
-    code: str = UNDECIDED
+    code: Code = UNDECIDED
     reason: str = "target module not imported yet"
     shape: str | None = None
     fingerprints: dict[str, str] = field(default_factory=dict)
@@ -59,15 +36,15 @@ class Record:
 
     @property
     def status(self) -> str:
-        return CODES[self.code]
+        return Code(self.code).verdict
 
-    def set(self, code: str, reason: str) -> None:
-        self.code, self.reason = code, reason
+    def set(self, code: Code, reason: str) -> None:
+        self.code, self.reason = Code(code), reason
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
-            "code": self.code,
+            "code": self.code.word,
             "reason": self.reason,
             "target": self.patch.target,
             "releases": self.patch.releases,
@@ -78,16 +55,27 @@ class Record:
 
 
 @dataclass
+class ExtraRecord:
+    """What an extra (``patches.EXTRAS``) did in this process: its wrapper, if installed."""
+
+    spec: ExtraSpec
+    replacement: Replacement | None = None
+
+    def live(self) -> bool:
+        return self.replacement is not None and self.replacement.live()
+
+
+@dataclass
 class State:
     config: Config | None = None
     install: VllmInstall | None = None
     records: dict[str, Record] = field(default_factory=dict)
+    extras: dict[str, ExtraRecord] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
     hooks_registered: bool = False
     enabled: bool = False
     logged: bool = False
     verify: dict[str, Any] | None = None
-    provenance: bool = False
     # The eagle_aux_hidden_state_layer_ids of the connector this process registered:
     # provenance stamps them, so ``repair`` knows which layers a file holds.
     aux_layers: tuple[int, ...] | None = None
@@ -99,11 +87,8 @@ class State:
     # unapply() was called: later activations (plugin, import watcher, bootstrap) keep
     # out; only an explicit apply() patches this process again.
     unapplied: bool = False
-    # refuse-config (``refuse_config``): the wrapper on the connector's __init__ (None
-    # where the release has no such hazard), the rows it checks, and what it found at
-    # each engine start in this process (hazard id -> the WARNING's text).
-    config_check: Replacement | None = None
-    config_checked: tuple[str, ...] = ()
+    # refuse-config (the extra of that id): what it found at each engine start in this
+    # process (hazard id -> the WARNING's text).
     config_hazards: dict[str, str] = field(default_factory=dict)
 
 

@@ -64,8 +64,12 @@ Each row names its implementation module, which keeps the contract
   and ``in_situ(connector) -> dict | None`` (a check run once per worker when the
   connector registers its KV caches).
 
-The runtime, ``status``, ``verify`` and the tests that cover every patch iterate this
-table; nothing else names a patch. Implementation modules import only ``shapes``,
+``EXTRAS`` lists the wrappers that fix nothing (the in-situ observer, provenance, the
+start-up config check): rows of their own kind, with their own records, installed by
+the runtime when their condition holds.
+
+The runtime, ``status``, ``verify`` and the tests that cover every patch iterate these
+tables; nothing else names a patch. Implementation modules import only ``shapes``,
 ``checks``, ``config``, ``errors`` and their siblings here: nothing above them.
 """
 
@@ -118,6 +122,10 @@ class PatchSpec:
     why: str
     upstream: str
     impl: str  # module providing probe(), probe_tree(), apply(), verify()
+    # Every name in ``module`` the patch replaces or adds (``Class.method`` or a
+    # module-level name), exactly what ``apply`` returns Replacements for: a reader
+    # sees which methods are wrapped, and a reload check knows what to look at.
+    wraps: tuple[str, ...] = ()
     platform: str = ANY  # ANY, or CPU: vLLM's CPU build only
     other_platforms: str = ""  # why builds of other platforms skip it
     # Beyond upstream, opt-out: turning it off is the user's choice, not a fix that
@@ -173,6 +181,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream=UPSTREAM_46301,
         impl="vllm_hsfix.patches.scatter_clamp",
+        wraps=("basic_cache",),
     ),
     PatchSpec(
         id="hidden-group-block-size",
@@ -192,6 +201,12 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream=UPSTREAM_46301,
         impl="vllm_hsfix.patches.hidden_group_block_size",
+        wraps=(
+            "ExampleHiddenStatesConnector.__init__",
+            "ExampleHiddenStatesConnector.register_kv_caches",
+            "ExampleHiddenStatesConnector._find_cache_kv_group_id (added)",
+            "ExampleHiddenStatesConnector._get_cache_block_size (added)",
+        ),
     ),
     PatchSpec(
         id="cpu-zero-blocks",
@@ -211,6 +226,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream=UPSTREAM_46202,
         impl="vllm_hsfix.patches.cpu_zero_blocks",
+        wraps=("CPUModelRunner._zero_block_ids",),
         platform=CPU,
         other_platforms=(
             "not vLLM's CPU build: GPU workers zero new blocks themselves (KVBlockZeroer) "
@@ -236,6 +252,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream="vllm-project/vllm#56841",
         impl="vllm_hsfix.patches.abort_before_scheduling",
+        wraps=(
+            "ExampleHiddenStatesConnector.request_finished",
+            "ExampleHiddenStatesConnector.request_finished_all_groups",
+            "ExampleHiddenStatesConnector.build_connector_meta",
+            "ExampleHiddenStatesConnector.get_finished",
+            "ExampleHiddenStatesConnector.get_finished_count (added)",
+        ),
     ),
     PatchSpec(
         id="cpu-connector-save",
@@ -256,6 +279,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream="none: no upstream fix or issue through vLLM 0.33.0",
         impl="vllm_hsfix.patches.cpu_connector_save",
+        wraps=("ExampleHiddenStatesConnector._submit_async_write",),
         platform=CPU,
         other_platforms=(
             "not vLLM's CPU build: CUDA builds have the streams, events and pinned memory "
@@ -280,6 +304,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream=UPSTREAM_46069,
         impl="vllm_hsfix.patches.cpu_sampler_fp64_flag",
+        wraps=("_FuncWrapper.__getitem__",),
         platform=CPU,
         other_platforms=(
             "not vLLM's CPU build: CUDA builds run the Triton kernel, which takes the keyword, "
@@ -306,6 +331,10 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream="none (beyond upstream; safetensors >= 0.8.0 renames into place itself)",
         impl="vllm_hsfix.patches.atomic_writes",
+        wraps=(
+            "ExampleHiddenStatesConnector._write_tensors",
+            "ExampleHiddenStatesConnector.__init_subclass__",
+        ),
         optional=True,
         upstream_fixed=False,
     ),
@@ -328,6 +357,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream="none: no upstream fix or issue through vLLM 0.33.0",
         impl="vllm_hsfix.patches.cpu_dist_name",
+        wraps=("main",),
         platform=CPU,
         other_platforms="not vLLM's CPU build: the CUDA wheel's distribution is named vllm",
         upstream_fixed=False,
@@ -335,8 +365,75 @@ PATCHES: tuple[PatchSpec, ...] = (
 )
 
 
+# Kinds of extra: each names the runtime's condition for installing it (runtime.WANTED).
+OBSERVER, STAMP, CONFIG_CHECK = "observer", "stamp", "config-check"
+
+
+@dataclass(frozen=True)
+class ExtraSpec:
+    """A wrapper that fixes nothing: it observes, stamps or checks. A row of its own
+    kind with its own record (``state.ExtraRecord``), so reloading, unapplying or
+    reporting it never reads as a patch's. ``impl`` is ``module:function``, the
+    function ``install(module, ctx: hooks.ExtraContext) -> Replacement | None``."""
+
+    id: str
+    kind: str  # OBSERVER, STAMP or CONFIG_CHECK
+    module: str
+    wraps: tuple[str, ...]
+    when: str  # the condition, in words (the runtime's WANTED[kind] checks it)
+    why: str
+    impl: str
+
+    def installer(self) -> Any:
+        name, _, func = self.impl.partition(":")
+        return getattr(importlib.import_module(name), func)
+
+
+EXTRAS: tuple[ExtraSpec, ...] = (
+    ExtraSpec(
+        id="in-situ-verify",
+        kind=OBSERVER,
+        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        wraps=("ExampleHiddenStatesConnector.register_kv_caches",),
+        when=(
+            "VLLM_HSFIX_VERIFY is on (the default), an applied patch has an in-situ check, "
+            "and no row that runs the check itself applies (0.17-0.23: the clamp only)"
+        ),
+        why="run the in-situ check once per worker when it registers its KV caches",
+        impl="vllm_hsfix.patches.hidden_group_block_size:observe",
+    ),
+    ExtraSpec(
+        id="provenance",
+        kind=STAMP,
+        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        wraps=("save_file",),
+        when="VLLM_HSFIX_PROVENANCE=1 and a patch is applied in the process",
+        why=(
+            "stamp each saved file with the patches, releases and engine settings it was "
+            "written under, so audit and repair know what wrote it"
+        ),
+        impl="vllm_hsfix.provenance:install",
+    ),
+    ExtraSpec(
+        id="refuse-config",
+        kind=CONFIG_CHECK,
+        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        wraps=("ExampleHiddenStatesConnector.__init__",),
+        when="the release has hazards whose trigger is a setting (hazards.refuse_config)",
+        why=(
+            "check those settings when the scheduler builds its connector: one WARNING, or "
+            "a refusal to start in strict mode"
+        ),
+        impl="vllm_hsfix.refuse_config:install",
+    ),
+)
+
+
 PATCH_IDS: tuple[str, ...] = tuple(p.id for p in PATCHES)
-MODULES: tuple[str, ...] = tuple(dict.fromkeys(p.module for p in PATCHES))
+EXTRA_IDS: tuple[str, ...] = tuple(e.id for e in EXTRAS)
+MODULES: tuple[str, ...] = tuple(
+    dict.fromkeys([p.module for p in PATCHES] + [e.module for e in EXTRAS])
+)
 
 
 def by_id(patch_id: str) -> PatchSpec:

@@ -68,9 +68,10 @@ from ..shapes import (
 )
 from ._probe import probe_live
 from ._wrap import Replacement, add, wrap
-from .hooks import Hooks
+from .hooks import ExtraContext, Hooks
 
 PATCH_ID = "hidden-group-block-size"
+OBSERVER_ID = "in-situ-verify"  # the observer extra's mark (patches.EXTRAS)
 # Its register_kv_caches wrapper runs hooks.after_register (the runtime's in-situ check).
 CALLS_AFTER_REGISTER = True
 ATTRIBUTE = "ExampleHiddenStatesConnector"
@@ -345,13 +346,14 @@ def _installed_observer(hooks: Hooks) -> Any:
     return register_kv_caches
 
 
-def observe(module: object, hooks: Hooks) -> Replacement | None:
-    """On releases that get only the clamp (0.17-0.23), still run the in-situ check when
-    a worker registers its caches: a pure observer around ``register_kv_caches``."""
+def observe(module: object, ctx: ExtraContext) -> Replacement | None:
+    """The ``in-situ-verify`` extra (``patches.EXTRAS``): on releases that get only the
+    clamp (0.17-0.23), still run the in-situ check when a worker registers its caches:
+    a pure observer around ``register_kv_caches``."""
     cls = getattr(module, ATTRIBUTE, None)
     if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
         return None
-    return wrap(cls, "register_kv_caches", _installed_observer(hooks), "in-situ-verify")
+    return wrap(cls, "register_kv_caches", _installed_observer(ctx.hooks), OBSERVER_ID)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

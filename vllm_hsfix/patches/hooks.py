@@ -20,3 +20,17 @@ class Hooks:
 
     on_failure: Callable[[str, BaseException], None]
     after_register: Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class ExtraContext:
+    """What an extra's ``install(module, ctx)`` may use (``patches.EXTRAS``): the
+    patches' callbacks (the in-situ observer calls ``hooks.after_register``), the
+    release, the provenance keys of a file written now, and the config check's
+    callbacks (a triggered hazard; an error of the check itself)."""
+
+    hooks: Hooks
+    release: str
+    provenance_metadata: Callable[[], dict[str, str]]
+    on_config_hazard: Callable[[Any, str], None]
+    on_config_error: Callable[[BaseException], None]
