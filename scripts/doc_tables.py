@@ -19,13 +19,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_hsfix.patches import PATCHES, PatchSpec  # noqa: E402  (stdlib-only module)
+from vllm_hsfix.patches import EXTRAS, PATCHES, ExtraSpec, PatchSpec  # noqa: E402  (stdlib only)
 
 README = ROOT / "README.md"
 START, END = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
 HEADER = (
-    "| patch id | vLLM releases | platform | target | upstream | why |\n|---|---|---|---|---|---|"
+    "| patch id | vLLM releases | platform | wraps (in module) | upstream | why |\n"
+    "|---|---|---|---|---|---|"
 )
+EXTRAS_HEADER = "| extra | kind | wraps (in module) | installed when | why |\n|---|---|---|---|---|"
+SHORT = {
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector": (
+        "...example_hidden_states_connector"
+    )
+}
+
+
+def _wraps(module: str, names: tuple[str, ...]) -> str:
+    return ", ".join(f"`{n}`" for n in names) + f" (`{SHORT.get(module, module)}`)"
 
 
 def _last(release: str) -> str:
@@ -36,18 +47,21 @@ def _last(release: str) -> str:
 
 def row(p: PatchSpec) -> str:
     platform = "vLLM's CPU build" if p.platform == "cpu" else "any"
-    target = p.target.replace(
-        "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector.", ""
-    )
     why = p.why.replace("|", "\\|")
     return (
-        f"| `{p.id}` | {p.first} - {_last(p.fixed_in)} | {platform} | `{target}` | "
-        f"{p.upstream} | {why} |"
+        f"| `{p.id}` | {p.first} - {_last(p.fixed_in)} | {platform} | "
+        f"{_wraps(p.module, p.wraps)} | {p.upstream} | {why} |"
     )
+
+
+def extra_row(e: ExtraSpec) -> str:
+    return f"| `{e.id}` | {e.kind} | {_wraps(e.module, e.wraps)} | {e.when} | {e.why} |"
 
 
 def table() -> str:
-    return "\n".join([HEADER, *(row(p) for p in PATCHES)])
+    return "\n".join(
+        [HEADER, *(row(p) for p in PATCHES), "", EXTRAS_HEADER, *(extra_row(e) for e in EXTRAS)]
+    )
 
 
 def drifted(text: str) -> list[str]:
@@ -56,8 +70,10 @@ def drifted(text: str) -> list[str]:
         return ["(the README has no patch-table markers)"]
     block = text.split(START, 1)[1].split(END, 1)[0]
     lines = set(block.strip().splitlines())
-    out = [p.id for p in PATCHES if row(p) not in lines]
-    extra = [ln for ln in lines - {row(p) for p in PATCHES} - set(HEADER.splitlines()) if ln]
+    rows = {p.id: row(p) for p in PATCHES} | {e.id: extra_row(e) for e in EXTRAS}
+    out = [rid for rid, line in rows.items() if line not in lines]
+    headers = set(HEADER.splitlines()) | set(EXTRAS_HEADER.splitlines())
+    extra = [ln for ln in lines - set(rows.values()) - headers if ln]
     return out + [f"(a line no row has: {ln[:60]}...)" for ln in extra]
 
 

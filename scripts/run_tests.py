@@ -18,9 +18,9 @@
      of every release in ``scripts/matrix.py`` (``CUDA_RELEASES``: its dist-info and
      the files ``status`` reads, read from PyPI by HTTP range requests, about 1 MB per
      release; ``scripts/vllm_env.py skeletons``), each joined with ``:``.
-   - one row per release (the main runs, on this Python): on affected releases
-     everything but the ``fixed`` tests, on fixed releases everything but the
-     ``affected`` ones.
+   - one row per release (the main runs, on this Python): the tests that concern the
+     release, as the patch table says (markers ``applies(patch_id)`` and
+     ``fixed_upstream(patch_id)``, read by ``tests/conftest.py``).
    - ``0.24.0 py3.12`` / ``0.25.0 py3.12``: the whole suite minus the ``e2e`` and
      ``image`` tests, plus one e2e test (``PY312_E2E``: one engine run of the
      ``hybrid-mp`` case on 0.24.0; 0.25.0's e2e tests stay on the main Python, where
@@ -92,6 +92,7 @@ RELEASE_TESTS = [
     "tests/test_cpu_build.py",
     "tests/test_hazards.py",
     "tests/test_hazards_atomic.py",
+    "tests/test_patch_wraps.py",
 ]
 # Tests that need neither torch nor an importable vLLM (vLLM's files and metadata are
 # findable), run on every supported Python. Add a file here; one that does not exist
@@ -159,7 +160,14 @@ NO_TESTS_COLLECTED = 5  # pytest's exit status
 
 
 def is_fixed(release: str) -> bool:
-    return tuple(int(p) for p in release.split(".")) >= (0, 25, 0)
+    """The release carries PR 46301 itself (the table's ``fixed_in`` of its rows)."""
+    from vllm_hsfix.patches import by_id
+    from vllm_hsfix.releases import key
+
+    return all(
+        key(release) >= key(by_id(pid).fixed_in)
+        for pid in ("scatter-clamp", "hidden-group-block-size")
+    )
 
 
 def say(msg: str) -> None:
@@ -296,8 +304,7 @@ def gpu_image_rows(envs: list[tuple[str, Path, Path]] | str, user: list[str]) ->
         env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
         env["VLLM_HSFIX_EXPECT_RELEASE"] = release
         env["VLLM_HSFIX_EXPECT_DISTRIBUTION"] = "vllm"
-        marker = "not affected" if is_fixed(release) else "not fixed"
-        pytest_into(row, py, ["-m", marker, *GPU_IMAGE_TESTS], env, user)
+        pytest_into(row, py, GPU_IMAGE_TESTS, env, user)
     return rows
 
 
@@ -335,16 +342,19 @@ def speculators_rows(
     return rows
 
 
-def upstream_row() -> Row:
+def upstream_row(extended: bool = False) -> Row:
     """``UPSTREAM_DRIVER``: its counts are tests as expected (passed), not as expected
-    (failed) and listed as not runnable or unavailable (skipped)."""
+    (failed) and listed as not runnable or unavailable (skipped). ``--extended`` is passed
+    on: the driver then also runs the suites marked extended (vLLM's engine-level
+    extraction test)."""
     row = Row("upstream", vllm_env.THIS_PYTHON, "2.11.0", "vLLM's tests of the fixes")
     out = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-hsfix-upstream.json"
     out.unlink(missing_ok=True)
     print(flush=True)
     say(f"upstream: {UPSTREAM_DRIVER}")
     t1 = time.monotonic()
-    rc = subprocess.call([sys.executable, str(ROOT / UPSTREAM_DRIVER), "--json", str(out)])
+    cmd = [sys.executable, str(ROOT / UPSTREAM_DRIVER), "--json", str(out)]
+    rc = subprocess.call(cmd + (["--extended"] if extended else []))
     row.took = time.monotonic() - t1
     if out.exists():
         row.counts.update(json.loads(out.read_text())["counts"])
@@ -473,8 +483,10 @@ def main() -> int:
     for release, py, overlay in envs:
         if "main" not in groups or release not in releases:
             continue
-        marker = "not affected" if is_fixed(release) else "not fixed"
-        marker += " and not gpu_image and not ray and not speculators"
+        # Which tests concern this release comes from the patch table (tests/conftest.py
+        # deselects by the ``applies``/``fixed_upstream`` markers); these are the groups
+        # other rows run.
+        marker = "not gpu_image and not ray and not speculators"
         if args.fast:
             marker += " and not e2e"
         if not args.extended:
@@ -510,9 +522,8 @@ def main() -> int:
                 env = layer_env(env, {"hs-connectors": layers["hs-connectors"]}, "hs-connectors")
             env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
             env["VLLM_HSFIX_EXPECT_RELEASE"] = release
-            marker = ("not affected" if is_fixed(release) else "not fixed") + " and "
             files = [] if args.py312_all else PY312_TESTS
-            pytest_into(row, py, ["-m", marker + PY312_MARKERS, *files], env, user)
+            pytest_into(row, py, ["-m", PY312_MARKERS, *files], env, user)
             if one_e2e:
                 pytest_into(row, py, [PY312_E2E[release]], env, user, part="-e2e")
     if "speculators" in groups:
@@ -522,7 +533,7 @@ def main() -> int:
     if "ray" in groups:
         rows.append(ray_row(user))
     if "upstream" in groups:
-        rows.append(upstream_row())
+        rows.append(upstream_row(args.extended))
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print(flush=True)
     say("per run:")

@@ -16,13 +16,10 @@ from typing import Any
 import pytest
 
 from vllm_hsfix import detect, releases
-from vllm_hsfix.plan import in_release_range
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = detect.detect()
 RELEASE = INSTALL.release
-AFFECTED = bool(INSTALL.parsed and in_release_range(INSTALL.parsed, ">=0.17.0,<0.25.0"))
-FIXED = bool(INSTALL.parsed and in_release_range(INSTALL.parsed, ">=0.25.0"))
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
@@ -66,6 +63,28 @@ def cli_rows_as_declared(got: dict[str, str]) -> dict[str, str]:
     return {k: (want[k] if k in cli and v == "pending" else v) for k, v in got.items()}
 
 
+def applies(patch_id: str, release: str | None = None) -> bool:
+    """The row ``patch_id`` is declared applied on ``release`` (default: the installed
+    one) and this platform."""
+    from vllm_hsfix.patches import by_id
+
+    return declared(by_id(patch_id), release) == "applied"
+
+
+def fixed_upstream(patch_id: str, release: str | None = None) -> bool:
+    """``release`` (default: the installed one) is at or past the row's ``fixed_in``."""
+    from vllm_hsfix.patches import by_id
+
+    release = release or RELEASE
+    return bool(release) and releases.key(release) >= releases.key(by_id(patch_id).fixed_in)
+
+
+# PR 46301's two rows, as most end-to-end tests need them: the clamp applies (0.17-0.24),
+# or the release carries the fix itself. Both read from the table.
+AFFECTED = applies("scatter-clamp")
+FIXED = fixed_upstream("hidden-group-block-size")
+
+
 def declared_all(**kw: Any) -> dict[str, str]:
     from vllm_hsfix.patches import PATCHES
 
@@ -76,13 +95,30 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"vllm under test: {INSTALL.distribution} {INSTALL.version} at {INSTALL.location}"
 
 
+def _release_mismatch(item: pytest.Item) -> str | None:
+    """Why ``item`` does not concern the installed release, from its markers and the
+    patch table: ``applies(id, ...)`` needs a release where one of the rows applies,
+    ``fixed_upstream(id, ...)`` one at or past every row's fixed release."""
+    for mark in item.iter_markers("applies"):
+        if not any(applies(pid) for pid in mark.args):
+            return f"needs a release where {' or '.join(mark.args)} applies"
+    for mark in item.iter_markers("fixed_upstream"):
+        if not all(fixed_upstream(pid) for pid in mark.args):
+            return f"needs a release carrying upstream's fix of {', '.join(mark.args)}"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/run_tests.py deselects by marker; these skips only guard a hand-run pytest.
+    # The release a test concerns comes from the patch table (its rows' ranges), so a
+    # row that moves moves its tests: those for other releases are deselected here, in
+    # scripts/run_tests.py's rows and in a hand-run pytest alike.
+    keep, drop = [], []
     for item in items:
-        if "affected" in item.keywords and not AFFECTED:
-            item.add_marker(pytest.mark.skip(reason=f"needs vLLM 0.17-0.24, have {RELEASE}"))
-        if "fixed" in item.keywords and not FIXED:
-            item.add_marker(pytest.mark.skip(reason=f"needs vLLM >= 0.25, have {RELEASE}"))
+        (drop if _release_mismatch(item) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    for item in items:
         if "needs_vllm" in item.keywords and not INSTALL.present:
             item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
 

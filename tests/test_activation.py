@@ -10,7 +10,7 @@ from conftest import MODEL_MODULE, clean_env, declared_all, last_json, run_py
 
 from vllm_hsfix._version import __version__
 
-pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
+pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 TARGETS = f"""
 import importlib

@@ -47,7 +47,7 @@ def test_status_text() -> None:
     assert "result: OK" in out.stdout and "plugin entry point: registered" in out.stdout
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize(
     ("env", "needle"),
     [

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE
-from packaging.version import Version
+from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE, applies
 from support.extraction import kv_transfer_config, speculative_config
 
 from vllm_hsfix.patches import hidden_group_block_size as patch
@@ -28,7 +27,7 @@ def _has_hidden_spec() -> bool:
 HAS_HIDDEN_SPEC = _has_hidden_spec()
 # Keyed on the installed release, never on vllm-hsfix's own report: on 0.24.x the
 # connector patch must be applied, and a silent non-application must fail.
-CONNECTOR_PATCHED_RELEASE = AFFECTED and Version(RELEASE or "0") >= Version("0.24.0")
+CONNECTOR_PATCHED_RELEASE = applies("hidden-group-block-size")
 needs_connector_patch = pytest.mark.skipif(
     not CONNECTOR_PATCHED_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
 )
@@ -117,7 +116,7 @@ def test_ambiguous_layouts_raise_naming_the_groups(make: Any, count: int) -> Non
 
 
 @needs_hidden_spec
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_same_answers_as_upstreams_own_fix(name: str) -> None:
     cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
@@ -165,7 +164,7 @@ def _roles() -> Any:
 
 
 @needs_hidden_spec
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_real_connector_uses_the_hidden_groups_block_size(
     patched: Any, vllm_config: Any, role: str
@@ -181,7 +180,7 @@ def test_real_connector_uses_the_hidden_groups_block_size(
 
 
 @needs_hidden_spec
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_unpatched_024_connector_shows_the_bug(vllm_config: Any) -> None:
     import vllm_hsfix
 
@@ -221,7 +220,7 @@ def distributed(vllm_config: Any) -> Any:
 
 
 @needs_connector_patch
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize(("buffer_block", "ok"), [(22, True), (528, False), (16, False)])
 def test_register_kv_caches_checks_the_buffer(
     patched: Any, vllm_config: Any, distributed: Any, buffer_block: int, ok: bool
@@ -244,7 +243,7 @@ def test_register_kv_caches_checks_the_buffer(
 
 
 @needs_connector_patch
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_a_head_major_buffer_fails_with_the_real_reason(
     patched: Any, vllm_config: Any, distributed: Any
 ) -> None:
@@ -265,7 +264,7 @@ def test_a_head_major_buffer_fails_with_the_real_reason(
 
 
 @needs_connector_patch
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     patched: Any, vllm_config: Any
 ) -> None:
@@ -280,7 +279,7 @@ def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     conn._executor.shutdown(wait=False)
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.skipif(HAS_HIDDEN_SPEC, reason="covered with hybrid layouts from 0.22 on")
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_pre_022_connector_constructs_untouched_with_real_configs(
@@ -311,6 +310,5 @@ def test_pre_022_connector_constructs_untouched_with_real_configs(
 
 def test_fixed_release_flag() -> None:
     # Sanity of the matrix plumbing: a release is affected or fixed, never both.
-    from conftest import AFFECTED
 
     assert not (AFFECTED and FIXED)

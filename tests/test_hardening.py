@@ -8,12 +8,11 @@ process) and asserts on what the live objects do, not only on what status says.
 from __future__ import annotations
 
 import pytest
-from conftest import AFFECTED, RELEASE, clean_env, last_json, run_py
-from packaging.version import Version
+from conftest import AFFECTED, RELEASE, applies, clean_env, last_json, run_py
 
 pytestmark = pytest.mark.needs_vllm
 
-CONNECTOR_RELEASE = AFFECTED and Version(RELEASE or "0") >= Version("0.24.0")
+CONNECTOR_RELEASE = applies("hidden-group-block-size")
 needs_connector_patch = pytest.mark.skipif(
     not CONNECTOR_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
 )
@@ -83,7 +82,7 @@ print(json.dumps([raised, rec["status"], rec["reason"]]))
     assert status == "failed" and "injected fault" in reason
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_unapply_before_vllm_is_imported_sticks() -> None:
     """11.3: neither the import watcher nor vLLM's plugin call undoes unapply()."""
     out = run_py(
@@ -114,7 +113,7 @@ print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
     assert after_apply == "applied" and problems == []
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
     """11.3: after importlib.reload the record must not say "applied"; apply() fixes it."""
     out = run_py(
@@ -145,7 +144,7 @@ print(json.dumps([after_reload, bug_back,
     assert repaired["scatter-clamp"] == "applied" and problems == []
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_reloading_the_connector_leaves_the_records_of_other_modules_alone() -> None:
     """A reload of the connector module only: the clamp (another module) stays applied,
     and the extras on the connector (the in-situ observer on 0.17-0.23, provenance) are
@@ -267,7 +266,7 @@ print(json.dumps([os.waitstatus_to_exitcode(status)]))
     assert last_json(out.stdout) == [0], out.stderr[-2000:]
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("configured", [True, False])
 def test_the_summary_line_goes_through_the_applications_logging(configured: bool) -> None:
     """11.8: an app's handler gets the line (once, its format); without one, stderr does."""
@@ -314,7 +313,7 @@ print(json.dumps([code, conn["ok"], conn["problems"]]))
     assert "'block_size': 528" in problems[0]
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_unapply_leaves_a_later_wrapper_in_place_and_passes_through() -> None:
     """11.12: someone wrapped basic_cache after us; unapply must not clobber them."""
     out = run_py(

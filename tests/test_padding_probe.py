@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, clean_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 PROBE = ROOT / "scripts" / "padding_probe.py"
 

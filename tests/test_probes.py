@@ -67,7 +67,7 @@ def _altered_copy(tmp_path: Path, module_name: str, old: str, new: str) -> objec
     return mod
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_one_line_changed_in_basic_cache_is_refused(tmp_path: Path) -> None:
     if Version(RELEASE or "0") >= Version("0.22.0"):
         old, new = "block_size = kv_cache.shape[1]", "block_size = kv_cache.size(1)"
@@ -81,7 +81,7 @@ def test_one_line_changed_in_basic_cache_is_refused(tmp_path: Path) -> None:
     assert "none of the known stores" in probe.detail
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_one_line_changed_in_the_connector_is_refused(tmp_path: Path) -> None:
     if Version(RELEASE or "0") < Version("0.24.0"):
         pytest.skip("the connector patch is only probed on 0.24")
@@ -91,7 +91,7 @@ def test_one_line_changed_in_the_connector_is_refused(tmp_path: Path) -> None:
     assert "__init__ sets self._block_size from vllm_config.cache_config.block_size" in probe.detail
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     """A vendor build whose basic_cache changed: refused, warned, left untouched."""
     src = Path(importlib.util.find_spec(MODEL_MODULE).origin).read_text()  # type: ignore[union-attr]
@@ -120,7 +120,7 @@ def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     assert "scatter-clamp refused" in out.stderr  # the warning a user sees
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_a_target_replaced_by_someone_else_is_refused() -> None:
     module = importlib.import_module(MODEL_MODULE)
     original = module.basic_cache

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import clean_env, cli_rows_as_declared, last_json, run_py
 
-pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
+pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 HERE = Path(__file__).resolve().parent
 CHILD = str(HERE / "support" / "children" / "processes.py")

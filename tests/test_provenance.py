@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import CONNECTOR_MODULE, INSTALL, clean_env, last_json, run_py
 
-pytestmark = [pytest.mark.needs_vllm, pytest.mark.affected]
+pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 WRITE = f"""
 import importlib, json, sys, torch

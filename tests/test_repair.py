@@ -214,7 +214,7 @@ def test_a_clean_dataset_needs_nothing_and_starts_no_engine(tmp_path: Path) -> N
     assert "result: every targeted file is ok" in out.stdout
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize(
     "switch",
     [

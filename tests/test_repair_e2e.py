@@ -34,7 +34,7 @@ from support.e2eruns import result
 from vllm_hsfix.audit import pipeline
 from vllm_hsfix.demo import e2e, repair_case, tiny_model
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) ->
 
 
 @pytest.mark.needs_vllm
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_a_failed_vllm_start_names_its_root_cause_and_keeps_the_log(
     tmp_path: Path, model: Path
 ) -> None:
@@ -202,7 +202,7 @@ def test_a_failed_vllm_start_names_its_root_cause_and_keeps_the_log(
 
 
 @pytest.mark.needs_vllm
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize(
     "arg, named",
     [
@@ -230,7 +230,7 @@ def test_an_engine_arg_vllm_rejects_is_named(
 
 
 @pytest.mark.needs_vllm
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.e2e
 def test_repair_as_typed_keeps_right_files_and_fixes_wrong_ones(
     tmp_path: Path, model: Path
@@ -275,7 +275,7 @@ def test_repair_as_typed_keeps_right_files_and_fixes_wrong_ones(
 # round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 @pytest.mark.needs_vllm
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.e2e
 def test_a_speculators_fp8_dataset_is_repaired_in_its_own_format(
     tmp_path: Path, model: Path

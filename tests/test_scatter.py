@@ -27,7 +27,7 @@ def _is_padding_row(row: torch.Tensor, case: dict) -> bool:
     return any(torch.equal(row, r) for r in _padding_rows(case))
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unpatched_release_writes_padding_into_the_last_block(dtype: torch.dtype) -> None:
     import vllm_hsfix
@@ -42,7 +42,7 @@ def test_unpatched_release_writes_padding_into_the_last_block(dtype: torch.dtype
     assert any("padding or stray writes" in p for p in problems)
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("strided", [False, True])
 def test_patched_release_sends_padding_to_block_zero(
@@ -64,7 +64,7 @@ def test_patched_release_sends_padding_to_block_zero(
     assert torch.equal(flat[case["slots"][real]], case["rows"][real])
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_vllms_own_caller_reaches_the_patched_function(patched: object) -> None:
     """CacheOnlyAttentionImpl.do_kv_cache_update looks basic_cache up at call time."""
     module = importlib.import_module(MODEL_MODULE)
@@ -76,7 +76,7 @@ def test_vllms_own_caller_reaches_the_patched_function(patched: object) -> None:
     assert _is_padding_row(case["kv_cache"][0, 0], case)
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_wrapped_once_and_unapply_restores_the_original() -> None:
     import vllm_hsfix
 
@@ -96,7 +96,7 @@ def test_wrapped_once_and_unapply_restores_the_original() -> None:
     vllm_hsfix.unapply()
 
 
-@pytest.mark.fixed
+@pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_fixed_release_is_left_alone_and_is_right() -> None:
     import vllm_hsfix
 

@@ -24,7 +24,7 @@ from support.serve import free_port, serve_command
 
 from vllm_hsfix.demo import e2e, tiny_model
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.affected]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 AUX = [1, 2, 3]
 
 

@@ -209,7 +209,7 @@ def _wrong_run(
     assert len(v) == SAMPLES and set(v.values()) == {"corrupt"}, v
 
 
-@pytest.mark.affected
+@pytest.mark.applies("hidden-group-block-size")
 def test_without_46301_files_are_wrong_validation_passes_audit_flags_every_one(
     model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
 ) -> None:
@@ -217,7 +217,7 @@ def test_without_46301_files_are_wrong_validation_passes_audit_flags_every_one(
 
 
 @pytest.mark.extended
-@pytest.mark.affected
+@pytest.mark.applies("hidden-group-block-size")
 def test_without_46301_fp8_files_are_wrong_and_flagged(
     model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
 ) -> None:

@@ -131,7 +131,7 @@ def test_forked_and_spawned_children_log_their_own_line() -> None:
         assert line_at < index_of(lines, f"CHILD {child}")
 
 
-@pytest.mark.affected
+@pytest.mark.applies("scatter-clamp")
 def test_a_refused_patch_makes_the_line_a_warning() -> None:
     """An unknown version refuses every patch that needs a look at the code: the line
     is a WARNING, at start."""

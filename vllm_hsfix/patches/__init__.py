@@ -279,7 +279,10 @@ PATCHES: tuple[PatchSpec, ...] = (
         ),
         upstream="none: no upstream fix or issue through vLLM 0.33.0",
         impl="vllm_hsfix.patches.cpu_connector_save",
-        wraps=("ExampleHiddenStatesConnector._submit_async_write",),
+        wraps=(
+            "ExampleHiddenStatesConnector._submit_async_write",
+            "ExampleHiddenStatesConnector.save_kv_layer",
+        ),
         platform=CPU,
         other_platforms=(
             "not vLLM's CPU build: CUDA builds have the streams, events and pinned memory "
