@@ -43,6 +43,7 @@ def test_vllm_version_answers_with_the_cpu_build() -> None:
     assert proc.stdout.strip().splitlines()[-1] == f"{RELEASE}+cpu"
 
 
+@pytest.mark.extended
 def test_without_the_fix_vllm_dies_on_the_metadata_lookup() -> None:
     for switch in ({"VLLM_HSFIX_DISABLE": "1"}, {"VLLM_HSFIX_DISABLED_PATCHES": "cpu-dist-name"}):
         proc = run(console_script(), "--version", **switch)

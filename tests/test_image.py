@@ -279,6 +279,7 @@ def test_install_with_uv(image: Image, dist: dict[str, Path]) -> None:
     _uninstall(image)
 
 
+@pytest.mark.extended
 def test_install_from_the_sdist(image: Image, dist: dict[str, Path]) -> None:
     image.pip(
         "install", "-q", "--no-build-isolation", "-c", image.root / "constraints.txt", dist["sdist"]

@@ -46,6 +46,7 @@ def digest(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+@pytest.mark.extended
 def test_repair_regenerates_every_wrong_file_and_nothing_else(workdir: Path) -> None:
     bad = result("chat-mp", False, workdir)
     good = result("hybrid-mp", True, workdir)

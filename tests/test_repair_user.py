@@ -172,6 +172,7 @@ def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) ->
 # ----------------------------------------------------------------- real vLLM
 
 
+@pytest.mark.extended
 @pytest.mark.needs_vllm
 @pytest.mark.applies("scatter-clamp")
 def test_a_failed_vllm_start_names_its_root_cause_and_keeps_the_log(
