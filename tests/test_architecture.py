@@ -25,7 +25,7 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_lazy", "_locks", "config", "releases", "codes"},
     {"detect", "shapes", "patches", "patches.hooks", "enginelog"},
-    {"patches._wrap", "tested", "backends", "hazards"},
+    {"patches._wrap", "tested", "backends", "hazards", "hazards.model", "hazards.register"},
     {"patches._probe", "provenance", "checks", "refuse_config"},
     PATCH_MODULES,
     {"plan", "state", "audit"},
@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
     {"plugin", "__init__", "cli"},
     {"__main__", "_bootstrap"},
 ]
-GROUPS = ("audit", "demo", "repair", "_bootstrap")
+GROUPS = ("audit", "demo", "repair", "_bootstrap", "hazards")
 
 
 def module_name(path: Path) -> str:
