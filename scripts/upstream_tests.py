@@ -28,6 +28,11 @@ every listed test must FAIL, except the ones the list says pass there too, with 
 On a release that ships the fix, every listed test must pass. Anything else (a skip,
 an error, a test not collected, a patch not applied) is a failure of the row.
 
+Suites marked ``extended = true`` (engine-level tests) run only with ``--extended``
+(``run_tests.py --extended`` passes it on); otherwise their tests are listed "not run".
+A suite's ``setup`` prepares its runs (``SETUPS``). A run whose tests are all listed as
+not runnable starts no pytest.
+
 Prints one line per test and run, then ``upstream: N as expected, N not as expected,
 N not run (listed)``; ``--json PATH`` writes the same for ``run_tests.py``. Exit status 1
 when anything is not as expected.
@@ -68,6 +73,12 @@ TREES = vllm_env.CACHE / "upstream"
 RAW = "https://raw.githubusercontent.com"
 RUN_TIMEOUT = 600
 PATCHED, UNPATCHED, FIXED = "patched", "unpatched", "fixed"
+# Per-suite preparations (the toml's `setup`). "offline-tinyllama": the tests ask the HF
+# hub (unreachable here) for TinyLlama's config or tokenizer; the run gets a temporary HOME
+# whose HF cache holds TinyLlama's config.json and a small stand-in LlamaTokenizerFast
+# (tests/upstream/offline_tinyllama.py), and HF_HUB_OFFLINE=1. The user's real cache is
+# never read or written.
+SETUPS = ("", "offline-tinyllama")
 
 
 def say(msg: str) -> None:
@@ -88,6 +99,8 @@ class Suite:
     unpatched_passes: dict[str, str] = field(default_factory=dict)
     not_runnable: dict[str, str] = field(default_factory=dict)  # "test @ release" -> why
     shims: dict[str, list[str]] = field(default_factory=dict)
+    setup: str = ""  # "offline-tinyllama": see SETUPS
+    extended: bool = False  # engine runs: only with --extended (CI time)
 
     def skip_reason(self, test: str, release: str) -> str | None:
         return self.not_runnable.get(f"{test} @ {release}")
@@ -110,7 +123,11 @@ def load(path: Path = LIST) -> list[Suite]:
             unpatched_passes=dict(raw.get("unpatched_passes", {})),
             not_runnable=dict(raw.get("not_runnable", {})),
             shims={k: list(v) for k, v in raw.get("shims", {}).items()},
+            setup=raw.get("setup", ""),
+            extended=bool(raw.get("extended", False)),
         )
+        if suite.setup not in SETUPS:
+            raise SystemExit(f"{path}: suite {suite.id}: unknown setup {suite.setup!r}")
         unknown = set(suite.unpatched_passes) | {k.split(" @ ")[0] for k in suite.not_runnable}
         unknown -= set(suite.tests)
         if unknown:
@@ -242,6 +259,15 @@ def run_suite(
         env["VLLM_HSFIX_UPSTREAM_STATUS"] = str(status)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("VIRTUAL_ENV", None)
+        if suite.setup == "offline-tinyllama":
+            home = work / "home"
+            hf = home / ".cache" / "huggingface"
+            subprocess.run(
+                [str(py), str(PLUGIN_DIR / "offline_tinyllama.py"), str(hf)],
+                env=env, check=True, capture_output=True, timeout=300,
+            )  # fmt: skip
+            env.update(HOME=str(home), HF_HOME=str(hf), HF_HUB_OFFLINE="1")
+            env["TRANSFORMERS_OFFLINE"] = "1"
         if mode == UNPATCHED:
             env["VLLM_HSFIX_DISABLE"] = "1"
         cmd = [
@@ -297,9 +323,13 @@ def judge(
     return rows
 
 
-def plan(suites: list[Suite], releases: set[str] | None) -> list[tuple[Suite, str, str]]:
+def plan(
+    suites: list[Suite], releases: set[str] | None, extended: bool = True
+) -> list[tuple[Suite, str, str]]:
     runs = []
     for suite in suites:
+        if suite.extended and not extended:
+            continue
         for release in suite.patched:
             runs += [(suite, release, PATCHED), (suite, release, UNPATCHED)]
         runs += [(suite, release, FIXED) for release in suite.fixed]
@@ -313,17 +343,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--releases", default=None, help="only runs on these releases (A,B)")
     ap.add_argument("--suite", default=None, help="only these suites (ids, A,B)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--extended", action="store_true", help="also the suites marked extended (engine runs)"
+    )
     args = ap.parse_args(argv)
     suites = load()
     if args.suite:
         wanted = set(args.suite.split(","))
         suites = [s for s in suites if s.id in wanted]
     releases = set(args.releases.split(",")) if args.releases else None
-    runs = plan(suites, releases)
+    runs = plan(suites, releases, args.extended)
     t0 = time.monotonic()
     envs = {r: (py, ov) for r, py, ov in vllm_env.ensure(sorted({r for _, r, _ in runs}))}
     roots = {s.id: source_root(s) for s in suites}
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = [
+        {"suite": s.id, "test": t, "release": r, "mode": m, "result": "not run", "ok": None,
+         "why": s.skip_reason(t, r) or "an extended suite (engine runs): run with --extended"}
+        for s, r, m in plan([s for s in suites if s.extended], releases) if not args.extended
+        for t in s.tests
+    ]  # fmt: skip
     for suite, release, mode in runs:
         root = roots[suite.id]
         if isinstance(root, str):
@@ -332,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                  "result": "unavailable", "ok": None, "why": root}
                 for t in suite.tests
             ]  # fmt: skip
+            continue
+        if all(suite.skip_reason(t, release) for t in suite.tests):
+            rows += judge(suite, release, mode, {}, {})  # each test listed not runnable
             continue
         py, overlay = envs[release]
         got, status, took, tail = run_suite(suite, root, release, py, overlay, mode)
