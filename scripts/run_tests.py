@@ -115,6 +115,7 @@ STATIC_TESTS = [
     "tests/test_doc_tables.py",
     "tests/test_patch_contract.py",
     "tests/test_upstream_list.py",
+    "tests/test_ci_rows.py",
 ]
 STATIC_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 STATIC_RELEASE = "0.24.0"  # the overlay on the static runs' PYTHONPATH

