@@ -158,18 +158,22 @@ import vllm_hsfix
 """
         + IMPORT_TARGETS
         + """
+stamped = vllm_hsfix.status()["provenance"]
 importlib.reload(CONN)
 st = vllm_hsfix.status()
 after = {k: v["status"] for k, v in st["patches"].items()}
 vllm_hsfix.apply()
 st = vllm_hsfix.status()
-print(json.dumps([after, st["provenance"], {k: v["status"] for k, v in st["patches"].items()}]))
+print(json.dumps([stamped, after, st["provenance"],
+                  {k: v["status"] for k, v in st["patches"].items()}]))
 """,
         env=clean_env(VLLM_HSFIX_PROVENANCE="1"),
     )
-    after, provenance, repaired = last_json(out.stdout)
+    stamped, after, provenance, repaired = last_json(out.stdout)
     assert after["scatter-clamp"] == "applied", after
-    assert provenance is True
+    # Provenance wraps the connector module's save_file, which 0.17-0.21 do not have.
+    has_save_file = tuple(map(int, (RELEASE or "0.0.0").split(".")[:3])) >= (0, 22, 0)
+    assert provenance is stamped and stamped is has_save_file
     assert repaired["scatter-clamp"] == "applied"
 
 
