@@ -395,8 +395,8 @@ conn._executor.shutdown(wait=False)
     assert result[0] != "init-raised", result
     status, reason, wrappers = result
     assert status == "failed" and "cannot identify the hidden-states KV-cache group" in reason
-    # None of the failed patch's wrappers is left (the clamp's in-situ observer may sit on
-    # register_kv_caches: it belongs to the patch that did apply).
+    # None of the failed patch's wrappers is left (the in-situ-verify extra may sit on
+    # register_kv_caches: a row of patches.EXTRAS with a record of its own).
     assert "hidden-group-block-size" not in wrappers and wrappers[0] is None
 
 
