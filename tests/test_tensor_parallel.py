@@ -41,6 +41,7 @@ RUN_TIMEOUT = 480
 CASE = textwrap.dedent(
     """
     import json, sys
+    from support.extraction import kv_transfer_config, speculative_config
     from vllm import LLM, SamplingParams
 
     def main():
@@ -51,14 +52,8 @@ CASE = textwrap.dedent(
             enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256,
             seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
             mamba_ssm_cache_dtype="float32", language_model_only=True,
-            speculative_config={
-                "method": "extract_hidden_states", "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
-            },
-            kv_transfer_config={
-                "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": out},
-            },
+            speculative_config=speculative_config(aux),
+            kv_transfer_config=kv_transfer_config(out),
         )
         sp = SamplingParams(max_tokens=1, temperature=0.0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -73,16 +68,21 @@ CASE = textwrap.dedent(
 )
 
 
-def run_tp2(tmp: Path, model: Path, **env: str) -> tuple[list[str] | None, str]:
-    """One TP=2 engine run in a session of its own (killed whole afterwards); returns the
-    files' paths (None when the run died) and its whole output."""
-    script = tmp / "tp2_case.py"
-    script.write_text(CASE)
-    cmd = [sys.executable, str(script), str(model), str(tmp / "hs"), json.dumps(PROMPTS),
-           json.dumps(AUX)]  # fmt: skip
+def _pythonpath() -> str:
+    here = str(Path(__file__).resolve().parent)
+    return os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _run(tmp: Path, name: str, text: str, argv: list[str], env: dict[str, str]) -> str:
+    """One engine program (``text``, written as ``tmp/name``) in a session of its own,
+    killed whole afterwards; its whole output."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    script = tmp / name
+    script.write_text(text)
     proc = subprocess.Popen(
-        cmd,
-        env=clean_env(TOKENIZERS_PARALLELISM="false", **env),
+        [sys.executable, str(script), *argv],
+        # tests/ on the path: the programs take the extraction config from support.
+        env=clean_env(TOKENIZERS_PARALLELISM="false", PYTHONPATH=_pythonpath(), **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -97,9 +97,19 @@ def run_tp2(tmp: Path, model: Path, **env: str) -> tuple[list[str] | None, str]:
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.returncode is None:
             proc.communicate()
-    line = next((ln for ln in out.splitlines() if ln.startswith("HSFIX_TP_RESULT ")), None)
-    paths = json.loads(line.split(" ", 1)[1]) if line and proc.returncode == 0 else None
-    return paths, out
+    return out + ("" if proc.returncode == 0 else f"\n(exit status {proc.returncode})")
+
+
+def _result(out: str, tag: str) -> Any:
+    line = next((ln for ln in out.splitlines() if ln.startswith(tag + " ")), None)
+    return json.loads(line.split(" ", 1)[1]) if line else None
+
+
+def run_tp2(tmp: Path, model: Path, **env: str) -> tuple[list[str] | None, str]:
+    """One TP=2 engine run; the files' paths (None when the run died) and its output."""
+    argv = [str(model), str(tmp / "hs"), json.dumps(PROMPTS), json.dumps(AUX)]
+    out = _run(tmp, "tp2_case.py", CASE, argv, env)
+    return (None if "(exit status" in out else _result(out, "HSFIX_TP_RESULT")), out
 
 
 def check(paths: list[str], model: Any) -> dict[str, Any]:
@@ -156,3 +166,84 @@ def test_tp2_without_pr46301_rows_writes_wrong_rows(
     assert paths and all(paths), out[-3000:]
     got = check(paths, hybrid[1])
     assert got["right"] < got["rows"] // 10, got
+
+
+ABORT_CASE = textwrap.dedent(
+    """
+    import json, sys, time
+    from support.extraction import kv_transfer_config, speculative_config
+    from vllm import LLM, SamplingParams
+
+    def main():
+        model, out, aux = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+        llm = LLM(
+            model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+            enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256,
+            max_num_seqs=1, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+            mamba_ssm_cache_dtype="float32", language_model_only=True,
+            speculative_config=speculative_config(aux),
+            kv_transfer_config=kv_transfer_config(out),
+        )
+        engine, sp = llm.llm_engine, SamplingParams(max_tokens=1, temperature=0.0)
+        ids = ["r0", "r1", "r2"]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, {"prompt_token_ids": list(range(10 + i, 40 + i))}, sp)
+        result = {"abort_error": None, "step_error": None, "paths": {}, "later": False}
+        try:  # max_num_seqs=1 and no step yet: r2 waits, never scheduled
+            engine.abort_request(["r2"])
+        except Exception as exc:
+            result["abort_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            deadline = time.monotonic() + 240
+            while len(result["paths"]) < 2 and time.monotonic() < deadline:
+                for o in engine.step():
+                    if o.finished:
+                        result["paths"][o.request_id] = (o.kv_transfer_params or {}).get(
+                            "hidden_states_path")
+            for _ in range(3):
+                engine.step()
+            later = llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+            result["later"] = bool(later and later[0].outputs)
+        except Exception as exc:
+            result["step_error"] = f"{type(exc).__name__}: {exc}"
+        print("HSFIX_TP_ABORT " + json.dumps(result), flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def run_tp2_abort(tmp: Path, model: Path, **env: str) -> tuple[dict[str, Any] | None, str]:
+    """The abort-before-scheduling case at TP=2, the engine core in this process (so the
+    abort reaches the scheduler before any step), the two workers in their own."""
+    argv = [str(model), str(tmp / "hs"), json.dumps(AUX)]
+    out = _run(tmp, "tp2_abort_case.py", ABORT_CASE, argv,
+               {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env})  # fmt: skip
+    return _result(out, "HSFIX_TP_ABORT"), out
+
+
+@pytest.mark.applies("abort-before-scheduling")
+def test_tp2_an_abort_before_scheduling_is_survived(
+    hybrid: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Patched, TP=2: a request aborted while it waits is declined, the two others are
+    saved (one file each, none for the aborted one), and the engine serves a later
+    request. Failing first: with ``abort-before-scheduling`` off the abort raises the
+    release's KeyError."""
+    got, out = run_tp2_abort(tmp_path / "on", hybrid[0])
+    assert got is not None, out[-3000:]
+    assert got["abort_error"] is None and got["step_error"] is None, got
+    assert sorted(got["paths"]) == ["r0", "r1"] and all(got["paths"].values()), got
+    written = sorted(p.name.split("-")[0] for p in (tmp_path / "on" / "hs").rglob("*.safetensors"))
+    # One file each for r0 and r1, none for r2 (the later request's may still be in flight).
+    assert written.count("r0") == 1 and written.count("r1") == 1 and "r2" not in written, written
+    assert got["later"] is True, got
+    off, out = run_tp2_abort(
+        tmp_path / "off", hybrid[0], VLLM_HSFIX_DISABLED_PATCHES="abort-before-scheduling"
+    )
+    assert off is not None, out[-3000:]
+    # The release's request_finished pops the never-scheduled request's file name: with
+    # the engine core in this process the KeyError comes out of abort_request itself.
+    raised = off["abort_error"] or off["step_error"] or ""
+    assert "KeyError" in raised, off
