@@ -369,17 +369,17 @@ def _install_extras() -> None:
     from .patches.hooks import ExtraContext
 
     inst = STATE.install
+    ctx = ExtraContext(
+        hooks=hooks(),
+        release=(inst.release if inst else None) or "",
+        provenance_metadata=report.provenance_metadata,
+        on_config_hazard=_on_config_hazard,
+        on_config_error=_on_config_check_error,
+    )
     for rec in STATE.extras.values():
         module = sys.modules.get(rec.spec.module)
         if module is None or rec.live() or not WANTED[rec.spec.kind](rec):
             continue
-        ctx = ExtraContext(
-            hooks=hooks(),
-            release=(inst.release if inst else None) or "",
-            provenance_metadata=report.provenance_metadata,
-            on_config_hazard=_on_config_hazard,
-            on_config_error=_on_config_check_error,
-        )
         try:
             rec.replacement = rec.spec.installer()(module, ctx)
         except Exception as exc:

@@ -107,6 +107,8 @@ UPSTREAM_46301 = "vllm-project/vllm#46301"
 UPSTREAM_46202 = "vllm-project/vllm#46202"
 UPSTREAM_46069 = "vllm-project/vllm#46069"
 ANY, CPU = "any", "cpu"
+# The module most rows and every extra patch: vLLM's hidden-states connector.
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ PATCHES: tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         id="hidden-group-block-size",
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         attribute="ExampleHiddenStatesConnector",
         first="0.24.0",
         fixed_in="0.25.0",
@@ -235,7 +237,7 @@ PATCHES: tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         id="abort-before-scheduling",
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         attribute="ExampleHiddenStatesConnector",
         first="0.24.0",
         fixed_in="0.31.0",
@@ -262,7 +264,7 @@ PATCHES: tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         id="cpu-connector-save",
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         attribute="ExampleHiddenStatesConnector",
         first="0.22.0",
         fixed_in="0.34.0",
@@ -316,7 +318,7 @@ PATCHES: tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         id="atomic-writes",
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         attribute="ExampleHiddenStatesConnector._write_tensors",
         first="0.22.0",
         fixed_in="0.34.0",
@@ -396,7 +398,7 @@ EXTRAS: tuple[ExtraSpec, ...] = (
     ExtraSpec(
         id="in-situ-verify",
         kind=OBSERVER,
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         wraps=("ExampleHiddenStatesConnector.register_kv_caches",),
         when=(
             "VLLM_HSFIX_VERIFY is on (the default), an applied patch has an in-situ check, "
@@ -408,7 +410,7 @@ EXTRAS: tuple[ExtraSpec, ...] = (
     ExtraSpec(
         id="provenance",
         kind=STAMP,
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         wraps=("save_file",),
         when="VLLM_HSFIX_PROVENANCE=1 and a patch is applied in the process",
         why=(
@@ -420,7 +422,7 @@ EXTRAS: tuple[ExtraSpec, ...] = (
     ExtraSpec(
         id="refuse-config",
         kind=CONFIG_CHECK,
-        module="vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        module=CONNECTOR,
         wraps=("ExampleHiddenStatesConnector.__init__",),
         when="the release has hazards whose trigger is a setting (hazards.refuse_config)",
         why=(
