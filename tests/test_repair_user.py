@@ -148,25 +148,32 @@ def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) ->
     from vllm_hsfix.repair import compare
 
     gen = torch.Generator().manual_seed(1)
-    ids = torch.arange(4, 24)
-    base = torch.randn(20, 3, 256, generator=gen)
+    ids = torch.arange(4, 44)
+    base = torch.randn(40, 3, 256, generator=gen)
 
     def write(name: str, hs: torch.Tensor) -> str:
         path = tmp_path / f"{name}.safetensors"
-        save_file({"hidden_states": hs.to(torch.bfloat16), "token_ids": ids}, str(path))
+        save_file({"hidden_states": hs.to(torch.bfloat16), "token_ids": ids[: len(hs)]}, str(path))
         return str(path)
 
+    def damaged(token: int, row: torch.Tensor | float) -> torch.Tensor:
+        out = base.clone()
+        out[token, 1] = row
+        return out
+
     old = write("old", base)
-    noisy = write("noisy", base + 0.02 * torch.randn(20, 3, 256, generator=gen))
-    one_wrong = base.clone()
-    one_wrong[7, 1] = torch.randn(256, generator=gen)
-    zero = base.clone()
-    zero[3, 0] = 0
+    noisy = write("noisy", base + 0.02 * torch.randn(40, 3, 256, generator=gen))
     d = compare.distance(old, noisy)
     assert d is not None and d < 0.05 < compare.TOLERANCE
-    assert compare.distance(old, write("wrong", one_wrong)) > compare.TOLERANCE
-    assert compare.distance(old, write("zero", zero)) is None
+    # A wrong or zero row in the first positions, and past them (the comparison reads
+    # the first compare.HEAD_TOKENS positions first, then the whole file).
+    assert 7 < compare.HEAD_TOKENS < 30
+    for token in (7, 30):
+        wrong = write(f"wrong{token}", damaged(token, torch.randn(256, generator=gen)))
+        assert compare.distance(old, wrong) > compare.TOLERANCE, token
+        assert compare.distance(old, write(f"zero{token}", damaged(token, 0.0))) is None, token
     assert compare.distance(old, write("short", base[:10])) is None
+    assert compare.distance(old, write("shorter-past-the-head", base[:30])) is None
 
 
 # ----------------------------------------------------------------- real vLLM

@@ -226,10 +226,11 @@ class Rows:
         return np.array(work, dtype=np.float32)
 
 
-def read_rows(path: str | os.PathLike[str]) -> tuple[Any, Any, str]:
+def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[Any, Any, str]:
     """A whole file as values: float32 ``[tokens, n_aux, hidden]``, the token ids
-    (int64) and the format name. For ``--reference`` (whole files of a sample); raises
-    ``BadFile`` for a file the checks cannot read or judge (the reason in it)."""
+    (int64) and the format name. For ``--reference`` (whole files of a sample) and
+    repair's comparison; ``tokens``: only the first that many token positions' rows.
+    Raises ``BadFile`` for a file the checks cannot read or judge (the reason in it)."""
     import numpy as np
 
     p = os.fspath(path)
@@ -242,6 +243,8 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[Any, Any, str]:
         worst = next((q for q in rep.problems if q.severity == rep.verdict), rep.problems[0])
         raise BadFile(worst.code, rep.reason(), rep.verdict)
     n_tokens, n_aux, hidden = rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0
+    if tokens is not None:
+        n_tokens = min(n_tokens, tokens)
     scales = read_scales(p, tensors, data_start) if rep.format == FP8 else None
     rows = Rows(tensors[HIDDEN_KEY]["dtype"], hidden, n_aux, scales)
     raw = np.fromfile(

@@ -9,6 +9,8 @@ one line per regenerated file, as each batch's files are written:
 
     HSFIX_REPAIR_GUARD ["problem", ...]          (empty: go on; else exit 3, no request)
     HSFIX_REPAIR_FILE [index, "/scratch/...safetensors" or null]
+    HSFIX_REPAIR_DONE []                           (every prompt answered; what is left
+                                                   is vLLM's own shutdown)
     HSFIX_REPAIR_BADARG ["key", "why"]           (an --engine-arg vLLM has no such
                                                    argument for, exit 2; or one whose
                                                    value vLLM rejected, then the error)
@@ -26,6 +28,7 @@ from .engine import EndpointEngine, EngineSpec, LocalEngine
 from .guard import in_engine
 
 GUARD, FILE, BADARG = "HSFIX_REPAIR_GUARD ", "HSFIX_REPAIR_FILE ", "HSFIX_REPAIR_BADARG "
+DONE = "HSFIX_REPAIR_DONE "
 # Exceptions of vLLM's argument and config checks: a user's value among them is named.
 REJECTED = ("ValueError", "TypeError", "ValidationError", "AssertionError")
 
@@ -103,6 +106,7 @@ def main(argv: list[str]) -> int:
         paths = engine.generate(prompts[start : start + size])
         for k, path in enumerate(paths):
             print(FILE + json.dumps([start + k, path]), flush=True)
+    print(DONE + "[]", flush=True)
     engine.close()
     return 0
 

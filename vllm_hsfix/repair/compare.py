@@ -17,14 +17,18 @@ from ..audit import decode
 from ..audit import format as fmt
 from ..audit.prefix import TOLERANCE
 
-__all__ = ["TOLERANCE", "distance", "hidden_rows"]
+__all__ = ["HEAD_TOKENS", "TOLERANCE", "distance", "hidden_rows"]
+
+# Token positions compared before the whole file (see :func:`distance`).
+HEAD_TOKENS = 16
 
 
-def hidden_rows(path: str) -> Any | None:
+def hidden_rows(path: str, tokens: int | None = None) -> Any | None:
     """``hidden_states`` as values, float32 [tokens, n_aux, hidden] (an fp8 file's
-    de-quantized, as the audit reads it); None where the audit cannot read it."""
+    de-quantized, as the audit reads it; ``tokens``: only the first that many); None
+    where the audit cannot read it."""
     try:
-        rows, _, _ = decode.read_rows(path)
+        rows, _, _ = decode.read_rows(path, tokens)
     except (fmt.BadFile, OSError, ValueError):
         return None
     return rows
@@ -32,10 +36,21 @@ def hidden_rows(path: str) -> Any | None:
 
 def distance(old_path: str, new_path: str) -> float | None:
     """The largest row distance between the two files' hidden states; None when they
-    cannot agree (unreadable, other shapes, a zero or non-finite row in either)."""
+    cannot agree (unreadable, other shapes, a zero or non-finite row in either).
+
+    The first ``HEAD_TOKENS`` positions are compared first: a file repair targets is
+    nearly always wrong from its first rows (zeros, other blocks' memory), and then
+    that distance is the answer and the rest is not read (a fifth of repair's own
+    time on a 256-file batch went into reading and widening whole files)."""
+    head = _distance(hidden_rows(old_path, HEAD_TOKENS), hidden_rows(new_path, HEAD_TOKENS))
+    if head is None or head >= TOLERANCE:
+        return head
+    return _distance(hidden_rows(old_path), hidden_rows(new_path))
+
+
+def _distance(old: Any, new: Any) -> float | None:
     import numpy as np
 
-    old, new = hidden_rows(old_path), hidden_rows(new_path)
     if old is None or new is None or old.shape != new.shape or not old.size:
         return None
     with np.errstate(all="ignore"):

@@ -12,11 +12,11 @@ the directory fsynced so the rename survives a crash.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 
 from ..audit import format as fmt
-from .journal import sha256
 from .targets import Target
 
 
@@ -68,9 +68,7 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
     directory = os.path.dirname(os.path.abspath(target.path))
     tmp = os.path.join(directory, f".{os.path.basename(target.path)}.repair-{os.getpid()}")
     try:
-        shutil.copyfile(new, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        digest, size = _copy_synced(new, tmp)
         if backup and os.path.exists(target.path):
             rel = os.path.relpath(os.path.abspath(target.path), root or directory)
             if rel.startswith(".."):
@@ -84,4 +82,20 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
-    return sha256(target.path), os.path.getsize(target.path)
+    return digest, size
+
+
+def _copy_synced(src: str, dst: str) -> tuple[str, int]:
+    """Copy ``src`` to a new ``dst`` and fsync it; the copy's sha256 (for the journal)
+    and size, taken from the bytes as they are written instead of reading them back."""
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(src, "rb", buffering=0) as fin, open(dst, "xb", buffering=0) as fout:
+        while n := fin.readinto(buf):
+            h.update(view[:n])
+            fout.write(view[:n])
+            size += n
+        os.fsync(fout.fileno())
+    return h.hexdigest(), size
