@@ -105,12 +105,22 @@ def _always_dies(path: str) -> reports.FileReport:
     os._exit(3)
 
 
+def _fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crash is injected by patching this process, which only forked workers
+    inherit; the pool forks only while this process has one thread (after an engine
+    test, or under pytest-xdist, it has more and would use forkserver)."""
+    import multiprocessing
+
+    monkeypatch.setattr(parallel, "_context", lambda: multiprocessing.get_context("fork"))
+
+
 def test_a_worker_crash_is_pinned_on_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for i in range(3):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     boom = hs_file(tmp_path / "boom.safetensors", seed=9)
+    _fork_workers(monkeypatch)
     monkeypatch.setattr(parallel, "audit_file", _dies_on_boom)
     report = pipeline.audit_paths([tmp_path], workers=2)
     by = {f.path: f for f in report.files}
@@ -124,6 +134,7 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     hs_file(tmp_path / "g.safetensors")
+    _fork_workers(monkeypatch)
     monkeypatch.setattr(parallel, "audit_file", _always_dies)
     with pytest.raises(RuntimeError, match="cannot run"):
         pipeline.audit_paths([tmp_path], workers=1)

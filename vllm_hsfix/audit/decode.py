@@ -77,7 +77,7 @@ def fp8_pair_table() -> NDArray[Any]:
 # and high mantissa bits: the float32 of exactly b's value x 2**-120 (subnormals and
 # zeros included), so one multiply by scale x 2**120 gives value x scale with one
 # rounding, as the table does. Only 0x7F / 0xFF (NaN) need fixing up afterwards.
-_FP8_MASK = 0x87F00000
+FP8_MASK = 0x87F00000
 _FP8_SHIFT = 2.0**120
 
 
@@ -94,14 +94,14 @@ def fp8_bits_exact() -> bool:
 
 def _fp8_bits(raw: Any, factor: Any, i32: Any = None, tmp: Any = None) -> Any:
     """fp8 bytes ``raw`` [n, hidden] times ``factor`` [n, 1] (scale x 2**120) as float32,
-    through ``i32`` / ``tmp`` scratch blocks when given (see ``_FP8_MASK``)."""
+    through ``i32`` / ``tmp`` scratch blocks when given (see ``FP8_MASK``)."""
     import numpy as np
 
     if i32 is None:
         i32, tmp = np.empty(raw.shape, np.int32), np.empty(raw.shape, np.uint8)
     np.copyto(i32, raw.view(np.int8), casting="unsafe")
     np.left_shift(i32, 20, out=i32)
-    np.bitwise_and(i32, np.uint32(_FP8_MASK).view(np.int32), out=i32)
+    np.bitwise_and(i32, np.uint32(FP8_MASK).view(np.int32), out=i32)
     work = i32.view(np.float32)
     np.multiply(work, factor, out=work)
     np.bitwise_and(raw, 0x7F, out=tmp)
@@ -207,6 +207,13 @@ class Rows:
             work[...] = raw
             return work, ints
         return raw, ints
+
+    def factor(self, row0: int, n: int) -> Any:
+        """fp8 rows ``row0``.. ``row0 + n``: each row's scale x 2**120 (float32 [n]) for
+        the bit-construction decode, or None where that decode is not used here."""
+        if self._factor is None:
+            return None
+        return self._factor[row0 : row0 + n, 0]
 
     def canonical(self, stored: bytes, token: int) -> bytes:
         """The bytes of one stored row's values (row of token position ``token``)."""

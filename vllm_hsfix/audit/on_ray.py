@@ -66,10 +66,11 @@ def run_ray(ray: Any, files: list[str], sizes: Sequence[int], on_result: ResultF
     """Scan ``files`` as Ray tasks; ``on_result(index, report)`` per file as each task
     finishes. Returns the number of CPUs the cluster offered (the "workers")."""
     cpus = cluster_cpus(ray)
+    total = sum(sizes)  # the workers decide on the compiled kernel from it
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES)(run_batch)
     pending: dict[Any, list[int]] = {}
     for batch in batches(sizes, cpus):
-        pending[task.remote([files[i] for i in batch])] = batch
+        pending[task.remote([files[i] for i in batch], total)] = batch
     singles: list[int] = []
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
@@ -83,7 +84,7 @@ def run_ray(ray: Any, files: list[str], sizes: Sequence[int], on_result: ResultF
             for i, rep in zip(batch, reps, strict=True):
                 on_result(i, rep)
     alone = ray.remote(num_cpus=1, max_retries=1)(run_batch)
-    refs = {alone.remote([files[i]]): i for i in singles}
+    refs = {alone.remote([files[i]], total): i for i in singles}
     for ref, i in refs.items():
         try:
             on_result(i, ray.get(ref)[0])

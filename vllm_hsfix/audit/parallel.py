@@ -15,6 +15,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 
+from . import kernel
 from .reports import CORRUPT, FileReport
 from .scan import audit_file, locked
 
@@ -51,9 +52,12 @@ def batches(sizes: Sequence[int], workers: int) -> list[list[int]]:
     return out
 
 
-def run_batch(paths: list[str]) -> list[FileReport]:
+def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file (``pending`` while its writer holds the lock, else
-    ``audit_file``, which never raises)."""
+    ``audit_file``, which never raises). ``total_bytes``: the whole audit's size, which
+    decides whether this worker uses the compiled kernel (:func:`.kernel.enable`)."""
+    if total_bytes:
+        kernel.enable(total_bytes)
     return [locked(p) or audit_file(p) for p in paths]
 
 
@@ -92,11 +96,16 @@ def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: Re
     ctx = _context()
     import numpy  # noqa: F401  (loaded once here, so forked workers inherit it)
 
+    # The compiled kernel, when the audit is large enough: compiled here once, so forked
+    # workers inherit it (others compile or load numba's cache in run_batch).
+    total = sum(sizes)
+    kernel.enable(total)
+
     failed: list[int] = []
     got = 0
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:  # type: ignore[arg-type]
         futures = {
-            pool.submit(run_batch, [files[i] for i in batch]): batch
+            pool.submit(run_batch, [files[i] for i in batch], total): batch
             for batch in batches(sizes, workers)
         }
         for fut in as_completed(futures):
@@ -115,7 +124,7 @@ def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: Re
     for i in sorted(failed):
         try:
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:  # type: ignore[arg-type]
-                rep = pool.submit(run_batch, [files[i]]).result()[0]
+                rep = pool.submit(run_batch, [files[i]], total).result()[0]
         except Exception as exc:
             crashed[i] = exc
             continue

@@ -22,7 +22,7 @@ import time
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import prefix, repeats, signatures
+from . import kernel, prefix, repeats, signatures
 from .decode import Rows, Whole, read_scales
 from .format import (
     FP8,
@@ -157,6 +157,8 @@ def _scan_rows(
     block: values, then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
+    if kernel.ON and _kernel_rows(scan, raw, rows, row0, cols, mult):
+        return
     n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
     buf = rows.buffer(min(block, n_rows))
@@ -175,6 +177,33 @@ def _scan_rows(
             if stored is None:  # fp8: keys of the de-quantized values
                 scan.keys[row0 + b : row0 + e] = _row_keys(ints, cols, mult)
             _block_rows(scan, row0 + b, work)
+
+
+def _kernel_rows(
+    scan: _Scan,
+    raw: NDArray[Any],
+    rows: Rows,
+    row0: int,
+    cols: NDArray[Any],
+    mult: NDArray[Any],
+) -> bool:
+    """The window's squared norms and row keys from the compiled kernel
+    (:mod:`.kernel`), its head rows as the numpy path keeps them. False when the kernel
+    cannot take this format here or a row needs the closer look of
+    :func:`_block_rows` (a zero or non-finite sum): the numpy path then does the
+    window again, overwriting what the kernel filled."""
+    n = raw.shape[0]
+    factor = rows.factor(row0, n) if rows.fp8 else None
+    stored = raw.view(HIDDEN_INT["BF16"]) if rows.dtype == "BF16" else raw
+    sumsq, keys = scan.sumsq[row0 : row0 + n], scan.keys[row0 : row0 + n]
+    odd = kernel.rows(stored, rows.dtype, factor, cols, mult, sumsq, keys)
+    if odd is None or odd:
+        return False
+    if row0 < len(scan.head):
+        take = min(len(scan.head) - row0, n)
+        work, _ = rows.block(raw[:take], row0, rows.buffer(take))
+        scan.head[row0 : row0 + take] = work[:take]
+    return True
 
 
 def _read_exact(f: Any, view: memoryview) -> None:

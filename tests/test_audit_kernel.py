@@ -1,0 +1,176 @@
+"""The compiled kernel of the audit (``vllm_hsfix.audit.kernel``, numba: vLLM requires
+it, so every vLLM image has it): its squared norms are torch's, and with it every
+finding of the audit is the same as without it, on clean and damaged files of every
+format it takes (BF16, F32, hs-connectors' fp8). Its speed is measured by
+``benchmarks/bench_audit.py``, never asserted here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support import hsrows
+from support.hsfiles import hs_file
+
+from vllm_hsfix.audit import kernel, scan
+
+pytest.importorskip("numba")
+
+
+def _values(path: Path) -> torch.Tensor:
+    """The file's rows as the consumer reads them, float64 (torch, not the audit)."""
+    t = load_file(str(path))
+    hs = t["hidden_states"]
+    if hs.dtype == torch.float8_e4m3fn:
+        return hsrows.dequantized(path).double()
+    return hs.double()
+
+
+def _stored(path: Path) -> tuple[np.ndarray, str, Any]:
+    """The stored rows [tokens x n_aux, hidden] as the scan hands them to the kernel."""
+    t = load_file(str(path))
+    hs = t["hidden_states"]
+    n = hs.shape[0] * hs.shape[1]
+    if hs.dtype == torch.bfloat16:
+        return hs.view(torch.int16).numpy().view(np.uint16).reshape(n, -1), "BF16", None
+    if hs.dtype == torch.float32:
+        return hs.numpy().reshape(n, -1), "F32", None
+    scales = t["hidden_states_scales"].reshape(-1).float().numpy()
+    factor = np.repeat(scales * np.float32(2.0**120), hs.shape[1]).astype(np.float32)
+    return hs.view(torch.uint8).numpy().reshape(n, -1), "F8_E4M3", factor
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32", "fp8"])
+@pytest.mark.parametrize("hidden", [7, 256, 4096])
+def test_the_kernels_squared_norms_are_torchs(dtype: str, hidden: int, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    rows = torch.randn(30, 4, hidden, generator=g) * torch.logspace(-3, 3, 30)[:, None, None]
+    path = tmp_path / "r.safetensors"
+    if dtype == "fp8":
+        hsrows.write_fp8(path, rows, list(range(30)))
+    else:
+        cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+        save_file({"hidden_states": rows.to(cast), "token_ids": torch.arange(30)}, str(path))
+    raw, name, factor = _stored(path)
+    cols, mult = scan._key_columns(hidden)
+    sumsq, keys = np.zeros(len(raw)), np.zeros(len(raw), np.uint64)
+    assert kernel.rows(raw, name, factor, cols, mult, sumsq, keys) is False
+    want = (_values(path) ** 2).sum(dim=-1).reshape(-1).numpy()
+    np.testing.assert_allclose(sumsq, want, rtol=2e-5)
+    # The row keys sample the bits of the values the consumer reads (fp8: de-quantized).
+    bits = _values(path).float().reshape(len(raw), -1).numpy().view(np.uint32)
+    if name == "BF16":
+        bits = bits >> 16
+    sample = bits[:, cols].astype(np.uint64) * mult
+    np.testing.assert_array_equal(keys, sample.sum(axis=1, dtype=np.uint64))
+
+
+def _damaged(root: Path) -> list[Path]:
+    """Clean and damaged files of every format the kernel takes."""
+    g = torch.Generator().manual_seed(5)
+
+    def rows(scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(48, 3, 256, generator=g) * scale
+
+    out = [hs_file(root / f"bf16_{i}.safetensors", tokens=48, seed=i) for i in range(3)]
+    out.append(
+        hs_file(root / "zero.safetensors", tokens=48, seed=7, edit=lambda h, i: h[30, 2].zero_())
+    )
+    out.append(hs_file(root / "nan.safetensors", tokens=48, seed=8,
+                       edit=lambda h, i: h[40, 1, 5:9].fill_(float("nan"))))  # fmt: skip
+    out.append(hs_file(root / "inf.safetensors", tokens=48, seed=9,
+                       edit=lambda h, i: h[2, 0, 3].fill_(float("inf"))))  # fmt: skip
+
+    def dup(h: torch.Tensor, i: torch.Tensor) -> None:
+        h[33, 1] = h[20, 1]
+
+    out.append(hs_file(root / "dup.safetensors", tokens=48, seed=10, edit=dup))
+    big = rows(3e19)  # squares past float32: the sum overflows, the values do not
+    save_file({"hidden_states": big, "token_ids": torch.arange(48)}, str(root / "big.safetensors"))
+    out.append(root / "big.safetensors")
+    save_file(
+        {"hidden_states": rows(), "token_ids": torch.arange(48)}, str(root / "f32.safetensors")
+    )
+    out.append(root / "f32.safetensors")
+    out.append(hsrows.write_fp8(root / "fp8.safetensors", rows(), list(range(48))))
+    fp8_nan = hsrows.write_fp8(root / "fp8_nan.safetensors", rows(), list(range(48)))
+    t = load_file(str(fp8_nan))
+    t["hidden_states"].view(torch.uint8)[11, 2, 4] = 0x7F  # float8_e4m3fn NaN
+    save_file(t, str(fp8_nan))
+    out.append(fp8_nan)
+    fp8_zero = hsrows.write_fp8(root / "fp8_zero.safetensors", rows(), list(range(48)))
+    t = load_file(str(fp8_zero))
+    t["hidden_states"].view(torch.uint8)[45, 0] = 0
+    save_file(t, str(fp8_zero))
+    out.append(fp8_zero)
+    return out
+
+
+def _judged(paths: list[Path]) -> tuple[list[dict[str, Any]], list[float | None]]:
+    """Every file's report, and apart the norm statistics (float32 sums in another
+    order: equal to about 1e-7, compared with a tolerance)."""
+    reports, stats = [], []
+    for p in paths:
+        d = scan.audit_file(p).to_dict()
+        d.pop("seconds")
+        for st in d["layers"]:
+            for k in list(st):
+                if k.endswith("_norm"):
+                    stats.append(st.pop(k))
+        reports.append(d)
+    return reports, stats
+
+
+def test_every_finding_is_the_same_with_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = _damaged(tmp_path)
+    monkeypatch.setattr(kernel, "ON", False)
+    without = _judged(paths)
+    assert kernel.enable(kernel.MIN_BYTES) and kernel.ON
+    used = []
+    real = kernel.rows
+
+    def counting(raw: Any, dtype: str, *args: Any) -> bool | None:
+        odd = real(raw, dtype, *args)
+        used.append((dtype, odd is False))
+        return odd
+
+    monkeypatch.setattr(kernel, "rows", counting)
+    with_kernel = _judged(paths)
+    assert with_kernel[0] == without[0]
+    assert with_kernel[1] == pytest.approx(without[1], rel=1e-6)
+    # It ran on every format (and the damaged files' windows went the numpy way).
+    assert {d for d, ok in used if ok} == {"BF16", "F32", "F8_E4M3"}
+    verdicts = {Path(d["path"]).name: d["verdict"] for d in without[0]}
+    assert verdicts == {
+        "bf16_0.safetensors": "ok", "bf16_1.safetensors": "ok", "bf16_2.safetensors": "ok",
+        "zero.safetensors": "corrupt", "nan.safetensors": "corrupt", "inf.safetensors": "corrupt",
+        "dup.safetensors": "suspect", "big.safetensors": "ok", "f32.safetensors": "ok",
+        "fp8.safetensors": "ok", "fp8_nan.safetensors": "corrupt",
+        "fp8_zero.safetensors": "corrupt",
+    }  # fmt: skip
+
+
+def _enabled(env: dict[str, str], total: int) -> str:
+    code = f"from vllm_hsfix.audit import kernel; print(kernel.enable({total}), kernel.ON)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_kernel_is_used_only_past_min_bytes_and_can_be_switched_off() -> None:
+    env = {k: v for k, v in os.environ.items() if k != kernel.ENV}
+    assert _enabled(env, kernel.MIN_BYTES - 1) == "False False"
+    assert _enabled(env, kernel.MIN_BYTES) == "True True"
+    assert _enabled({**env, kernel.ENV: "0"}, kernel.MIN_BYTES) == "False False"
