@@ -85,12 +85,22 @@ import vllm_env  # noqa: E402
 from vllm_hsfix.demo.machine import describe_cpu  # noqa: E402  (stdlib only)
 
 FULL = ["0.24.0", "0.25.0"]
+# pytest-xdist for the runs that start no engine: most of those tests start a Python
+# process that imports vLLM (10-15 s of one core each), so two at a time on two cores
+# halve them (0.24.0's 503 such tests: about 670 s one at a time, 340 s with two
+# workers). One file per worker (--dist loadfile): a file's module fixtures are built
+# once. The engine and image runs stay one at a time: each already uses every core.
+XDIST = ["-n", str(max(1, min(4, os.cpu_count() or 1))), "--dist", "loadfile"]
 SUBSET = ["0.17.0", "0.22.0", "0.32.0"]
 # Full releases whose CI row runs only what can differ by release: the release-sensitive
 # tests and every end-to-end test, not the release-independent rest (CLI, activation,
 # audit, repair units), which runs on 0.24.0. ``--extended`` (or ``--releases``) runs
 # them whole. CI time: this round's cuts (docs/testing.md).
 LEAN = ["0.25.0"]
+# e2e files a LEAN row leaves out: the user's own script (its fixed-release claim, that
+# vllm-hsfix changes nothing there, is test_e2e's byte-identical run on the same
+# release; 54 s). ``--extended`` runs them.
+LEAN_E2E_LEFT_OUT = ["tests/test_user_script.py"]
 RELEASE_TESTS = [
     "tests/test_matrix.py",
     "tests/test_probes.py",
@@ -125,14 +135,24 @@ PY312_RELEASES = ["0.24.0"]
 PY312_EXTENDED = ["0.25.0"]  # --extended adds it (CI time: this round's cuts, docs/testing.md)
 PY312_MARKERS = "not e2e and not image and not gpu_image and not ray and not speculators"
 # What the py3.12 rows run (besides their one e2e test): the product's code paths on the
-# Python of vLLM's images: every patch's release-sensitive tests except the fork/reload
-# hardening ones, the start-up line, the CLI, detection, provenance. Left out to keep
-# CI under 45 minutes cold (``--py312-all`` runs everything; all passed on 3.12 in the
-# run the README reports): test_hardening and test_activation (subprocess-heavy, about
-# 3 minutes), the audit tests (numpy only), the GPU check's CPU dry run, the image and
+# Python of vLLM's images: the patches' release-sensitive tests that run the patched
+# code (scatter, connector, CPU zeroing, CPU build, hazards), the start-up line, the
+# CLI, detection, provenance. Left out to keep CI under 45 minutes cold (``--py312-all``
+# runs everything; all passed on 3.12 in the run the README reports): test_hardening and
+# test_activation (subprocess-heavy, about 3 minutes), the release-code shape checks
+# (test_matrix, test_probes, test_patch_wraps, test_hazards_atomic: they read vLLM's
+# files, the same on every Python, and the static rows parse the targets on 3.10-3.13;
+# about 55 s), the audit tests (numpy only), the GPU check's CPU dry run, the image and
 # process-tree tests (they run on the main Python).
+PY312_LEFT_OUT = (
+    "tests/test_hardening.py",
+    "tests/test_matrix.py",
+    "tests/test_probes.py",
+    "tests/test_patch_wraps.py",
+    "tests/test_hazards_atomic.py",
+)
 PY312_TESTS = [
-    *[t for t in RELEASE_TESTS if t != "tests/test_hardening.py"],
+    *[t for t in RELEASE_TESTS if t not in PY312_LEFT_OUT],
     "tests/test_startup_line.py",
     "tests/test_cli.py",
     "tests/test_detect.py",
@@ -520,11 +540,19 @@ def main() -> int:
         row = Row(release, main_python, vllm_env.TORCH_FOR_RELEASE[release], suite)
         rows.append(row)
         if lean:
-            pytest_into(row, py, ["-m", marker + " and not e2e", *RELEASE_TESTS], env, user)
+            args_ = ["-m", marker + " and not e2e", *XDIST, *RELEASE_TESTS]
+            pytest_into(row, py, args_, env, user)
             if not args.fast:
-                pytest_into(row, py, ["-m", marker + " and e2e"], env, user, part="-e2e")
+                skip = [f"--ignore={f}" for f in LEAN_E2E_LEFT_OUT]
+                pytest_into(row, py, ["-m", marker + " and e2e", *skip], env, user, part="-e2e")
             continue
-        pytest_into(row, py, ["-m", marker, *files], env, user)
+        if files:  # a subset release: release-sensitive tests only, none of them e2e
+            pytest_into(row, py, ["-m", marker, *XDIST, *files], env, user)
+            continue
+        # A whole row: what needs no engine in parallel, the engine and image runs after
+        # it one at a time (each uses both cores).
+        pytest_into(row, py, ["-m", marker + " and not e2e and not image", *XDIST], env, user)
+        pytest_into(row, py, ["-m", marker + " and (e2e or image)"], env, user, part="-e2e")
     if "py3.12" in groups:
         for release in py312_releases:
             # The py3.12 engine run: --extended only (CI time, this round's measurement).
@@ -542,7 +570,7 @@ def main() -> int:
             env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
             env["VLLM_HSFIX_EXPECT_RELEASE"] = release
             files = [] if args.py312_all else PY312_TESTS
-            pytest_into(row, py, ["-m", PY312_MARKERS, *files], env, user)
+            pytest_into(row, py, ["-m", PY312_MARKERS, *XDIST, *files], env, user)
             if one_e2e:
                 pytest_into(row, py, [PY312_E2E[release]], env, user, part="-e2e")
     if "speculators" in groups:

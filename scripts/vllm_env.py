@@ -123,7 +123,10 @@ TORCH_COMPANIONS: dict[str, list[str]] = {
 # from PyPI above; the rest are not needed by anything these environments run.
 SKIP_REQS = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp"}
 # What the test suite, the demo and the benchmarks need beyond vLLM's own requirements.
-TOOLS = ["pytest>=8", "pytest-timeout", "ruff", "wrapt", "packaging", "build", "twine", "uv"]
+TOOLS = [
+    "pytest>=8", "pytest-timeout", "pytest-xdist", "ruff", "wrapt", "packaging", "build", "twine",
+    "uv",
+]  # fmt: skip
 # The static-test venvs: exactly these (and their dependencies), from STATIC_LOCK.
 STATIC_LOCK = LOCKS / "static.txt"
 # The Ray venv (``audit --ray`` on a real local cluster): Ray, numpy, tqdm, pytest.

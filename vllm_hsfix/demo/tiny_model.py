@@ -20,6 +20,7 @@ reference start from the same values). A stamp file makes re-builds free.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -146,9 +147,19 @@ def build(path: str | Path, kind: str = "hybrid", seed: int = 0) -> Path:
     key = json.dumps({"kind": kind, "seed": seed, "v": _VERSION})
     if _stamp_ok(path, key):
         return path
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = _BUILDERS[kind]().to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    (path / ".vllm-hsfix-model").write_text(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per model (parallel test workers, two demos at once): the
+    # others wait, then find it built.
+    with open(path.parent / f".{path.name}.build-lock", "w") as lock:
+        with contextlib.suppress(ImportError, OSError):
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _stamp_ok(path, key):
+            return path
+        path.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(seed)
+        model = _BUILDERS[kind]().to(torch.bfloat16)
+        model.save_pretrained(path, safe_serialization=True)
+        (path / ".vllm-hsfix-model").write_text(key)
     return path
