@@ -2,8 +2,9 @@
 
 Run after every file has been scanned: the ``[n_aux, hidden]`` majority, per aux layer
 the files whose median row norm is a robust outlier, and the shared-prefix consistency
-check (:mod:`.prefix`). They read only each file's :class:`.reports.Sketch` (the
-reports themselves may already be written out and gone) and return their findings by
+check (:mod:`.prefix`). They read only each file's :class:`.reports.Sketch` and the
+prefix sketches kept in columns (:class:`.prefix.Store`; the reports themselves may
+already be written out and gone) and return their findings by
 file index, plus what they compared against, for the report's ``dataset`` section.
 """
 
@@ -97,11 +98,16 @@ def dataset_pass(files: list[Sketch], findings: Findings) -> dict[str, Any]:
 
 
 def prefix_pass(
-    files: list[Sketch], findings: Findings, tick: prefix.Tick | None = None
+    files: list[Sketch],
+    findings: Findings,
+    store: prefix.Store,
+    positions: Any,
+    tick: prefix.Tick | None = None,
 ) -> dict[str, Any]:
-    """Cross-file shared-prefix consistency (:mod:`.prefix`); findings are corrupt.
-    ``tick(n)`` reports progress in files."""
-    result = prefix.check([f.prefix for f in files], tick)
+    """Cross-file shared-prefix consistency (:mod:`.prefix`) over the files' sketches in
+    ``store`` (``positions``: a stored file's index in ``files``, -1 for none); findings
+    are corrupt. ``tick(n)`` reports progress in files."""
+    result = prefix.check(store, positions, len(files), tick)
     for index, finding in sorted(result.findings.items()):
         problem = Problem("prefix_mismatch", CORRUPT, prefix.describe(finding))
         add_finding(findings, files, index, problem)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from . import records
+from . import prefix, records
 from .dataset import Findings, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
 from .incremental import State
@@ -122,6 +122,7 @@ def audit_paths(
     stats = [_stat(p) for p in files]
     full: list[FileReport | None] = [None] * len(files)
     sketches: list[Sketch | None] = [None] * len(files)
+    prefixes = prefix.Store()  # each file's prefix sketches, in columns
 
     def take(i: int, rep: FileReport, cached: bool = False) -> None:
         if store is not None and not cached and rep.verdict != PENDING:
@@ -130,7 +131,8 @@ def audit_paths(
             emit(records.file_record(rep, cached))
         if rep.verdict != PENDING:
             sketches[i] = Sketch.of(rep)
-        rep.prefix = None  # the sketch holds it now
+            prefixes.add(i, rep.prefix)
+        rep.prefix = None  # the store holds it now
         if keep or rep.verdict == PENDING:
             full[i] = rep
 
@@ -190,12 +192,16 @@ def audit_paths(
     findings: Findings = {}
     dataset: dict = {}
     if group:
+        import numpy as np
+
         bar = progress("norms", len(group))
         dataset = dataset_pass(group, findings)  # type: ignore[arg-type]
         bar.update(len(group))
         bar.close()
         bar = progress("prefix", len(group))
-        dataset["prefix"] = prefix_pass(group, findings, bar.update)  # type: ignore[arg-type]
+        positions = np.full(len(files), -1, dtype=np.int64)
+        positions[judged] = np.arange(len(judged))
+        dataset["prefix"] = prefix_pass(group, findings, prefixes, positions, bar.update)  # type: ignore[arg-type]
         bar.close()
         if reference is not None:
             _reference_pass(group, findings, reference, dataset, progress)  # type: ignore[arg-type]

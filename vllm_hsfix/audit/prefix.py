@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -199,26 +198,89 @@ def _consensus(rows: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
     return sample[members].mean(axis=0), spread
 
 
-def check(prefixes: list[PrefixData | None], tick: Tick | None = None) -> PrefixResult:
+class _Columns:
+    """The contributions of the files of one ``[n_aux, hidden]`` shape, in columns
+    grown by half again when full: about 3.4 KB a file with 3 aux layers (the float16
+    sketches), with no object per file."""
+
+    def __init__(self, n_aux: int) -> None:
+        self.n_aux = n_aux
+        self.n = 0
+        self._alloc(256)
+
+    def _alloc(self, cap: int) -> None:
+        import numpy as np
+
+        old = None if self.n == 0 else self.__dict__.copy()
+        self.index = np.zeros(cap, dtype=np.int64)  # the file's index in the audit
+        self.length = np.zeros(cap, dtype=np.uint8)  # its number of prefix token ids
+        self.tokens = np.full((cap, PREFIX_ROWS), -1, dtype=np.int64)  # -1: past its end
+        self.units = np.zeros((cap, PREFIX_ROWS, self.n_aux, SKETCH_DIM), dtype=np.float16)
+        self.norms = np.zeros((cap, PREFIX_ROWS, self.n_aux), dtype=np.float32)
+        self.sound = np.zeros((cap, PREFIX_ROWS, self.n_aux), dtype=bool)
+        if old is not None:
+            for name in ("index", "length", "tokens", "units", "norms", "sound"):
+                getattr(self, name)[: self.n] = old[name][: self.n]
+
+    def append(self, index: int, p: PrefixData) -> None:
+        if self.n == len(self.index):
+            self._alloc(self.n + self.n // 2)
+        r, k = self.n, len(p.token_ids)
+        self.index[r], self.length[r] = index, k
+        self.tokens[r, :k] = p.token_ids
+        self.units[r, :k] = p.sketches
+        self.norms[r, :k] = p.norms
+        self.sound[r, :k] = p.sound
+        self.n += 1
+
+
+class Store:
+    """Every file's contribution to the check, kept in columns per shape as the files
+    are judged (the reports themselves can then be dropped): :func:`check` reads it."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[int, int], _Columns] = {}
+
+    def add(self, index: int, p: PrefixData | None) -> None:
+        """File ``index``'s contribution (None or no token ids: nothing to compare)."""
+        if p is None or not p.token_ids:
+            return
+        cols = self._shapes.get(p.shape_key)
+        if cols is None:
+            cols = self._shapes[p.shape_key] = _Columns(p.shape_key[0])
+        cols.append(index, p)
+
+    def shapes(self) -> list[_Columns]:
+        return list(self._shapes.values())
+
+
+def check(
+    store: Store, positions: NDArray[Any], total: int, tick: Tick | None = None
+) -> PrefixResult:
     """Compare the shared-prefix rows of every group of files; see the module docstring.
-    ``tick(n)`` is called as each set of like-shaped files is done (progress)."""
+    ``positions[index]`` is a stored file's position in the result's numbering (-1: left
+    out); ``total`` files take part. ``tick(n)`` as each set of like-shaped files is
+    done (progress)."""
     import numpy as np
 
     result = PrefixResult()
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for i, p in enumerate(prefixes):
-        if p is not None and p.token_ids:
-            by_shape.setdefault(p.shape_key, []).append(i)
-        elif tick:
-            tick(1)
-    for idx in by_shape.values():
-        order = sorted(idx, key=lambda i: prefixes[i].token_ids)  # type: ignore[union-attr]
-        data = [prefixes[i] for i in order]
-        lcp = np.array(
-            [_common(a.token_ids, b.token_ids) for a, b in pairwise(data)],  # type: ignore[union-attr]
-            dtype=np.int64,
-        )
-        units, norms, sound = _stacked(data)  # type: ignore[arg-type]
+    taking = 0
+    for cols in store.shapes():
+        rows = np.flatnonzero(positions[cols.index[: cols.n]] >= 0)
+        taking += len(rows)
+        if len(rows) < 2:
+            if tick:
+                tick(len(rows))
+            continue
+        # Sorted by token ids (-1 pads a short prefix, so it sorts before its extensions,
+        # as tuples do); a neighbour's common prefix, capped by both lengths.
+        tok = cols.tokens[rows]
+        order = rows[np.lexsort(tuple(tok[:, c] for c in range(PREFIX_ROWS - 1, -1, -1)))]
+        tok = cols.tokens[order]
+        length = cols.length[order].astype(np.int64)
+        same = np.cumprod(tok[1:] == tok[:-1], axis=1).sum(axis=1)
+        lcp = np.minimum(same, np.minimum(length[1:], length[:-1]))
+        where = positions[cols.index[order]]
         checked = np.zeros(len(order), dtype=bool)
         for depth in range(1, PREFIX_ROWS + 1):
             if not len(lcp) or lcp.max(initial=0) < depth:
@@ -232,41 +294,15 @@ def check(prefixes: list[PrefixData | None], tick: Tick | None = None) -> Prefix
                 checked[s:e] = True
                 result.groups += 1
                 p = depth - 1
-                rows = units[s:e, p].astype(np.float32) * norms[s:e, p, :, None]
-                _check_group(result, rows, sound[s:e, p], order[s:e], p)
+                sel = order[s:e]
+                group_rows = cols.units[sel, p].astype(np.float32) * cols.norms[sel, p, :, None]
+                _check_group(result, group_rows, cols.sound[sel, p], where[s:e].tolist(), p)
         result.checked += int(checked.sum())
         if tick:
-            tick(len(idx))
+            tick(len(rows))
+    if tick and total > taking:
+        tick(total - taking)  # files with nothing to compare
     return result
-
-
-def _stacked(data: list[PrefixData]) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any]]:
-    """All files' sketches as arrays: unit vectors [files, PREFIX_ROWS, n_aux,
-    SKETCH_DIM] (float16, as the files gave them), norms and soundness [files,
-    PREFIX_ROWS, n_aux]; rows past a file's end are unsound. A group is then a slice,
-    not a Python loop over its files; its float32 rows (unit x norm) are made per group,
-    so the driver holds half the bytes a float32 copy of every file's rows would take."""
-    import numpy as np
-
-    n_aux = data[0].shape_key[0]
-    units = np.zeros((len(data), PREFIX_ROWS, n_aux, SKETCH_DIM), dtype=np.float16)
-    norms = np.zeros((len(data), PREFIX_ROWS, n_aux), dtype=np.float32)
-    sound = np.zeros((len(data), PREFIX_ROWS, n_aux), dtype=bool)
-    for i, d in enumerate(data):
-        k = len(d.token_ids)
-        units[i, :k] = d.sketches
-        norms[i, :k] = d.norms
-        sound[i, :k] = d.sound
-    return units, norms, sound
-
-
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):  # up to the shorter one
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _check_group(

@@ -150,11 +150,12 @@ class FileReport:
         return cls(**d, layers=layers, problems=problems)
 
 
-@dataclass
+@dataclass(slots=True)
 class Sketch:
-    """What the dataset pass needs of one file, and no more: the per-file report can be
-    written out (``--jsonl``) and dropped, so memory grows with these (about 3 KB a
-    file, the prefix sketches), not with the reports. Also what ``--state`` keeps."""
+    """What the dataset pass needs of one file besides its prefix sketches (those go
+    into :class:`.prefix.Store`, in columns), and no more: the per-file report can be
+    written out (``--jsonl``) and dropped, so memory grows with these, not with the
+    reports."""
 
     path: str
     verdict: str
@@ -163,7 +164,6 @@ class Sketch:
     n_aux: int | None
     hidden: int | None
     medians: tuple[float | None, ...]
-    prefix: PrefixData | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, rep: FileReport) -> Sketch:
@@ -175,7 +175,6 @@ class Sketch:
             n_aux=rep.n_aux,
             hidden=rep.hidden,
             medians=tuple(st.median_norm for st in rep.layers),
-            prefix=rep.prefix,
         )
 
     def add(self, problem: Problem) -> None:
