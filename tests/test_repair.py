@@ -16,7 +16,7 @@ import pytest
 from conftest import clean_env
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, journal, replace, targets
+from vllm_hsfix.repair import command, journal, replace, taking, targets
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -266,7 +266,7 @@ def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
         hs_file(d / f"g{i:02d}.safetensors", seed=i)
     odd = hs_file(d / "odd.safetensors", seed=40, scale=1000.0)
     args = argparse.Namespace(paths=[str(d)], from_audit=None, workers=1, no_progress=True)
-    counts = command.Counts()
+    counts = taking.Counts()
     counts.replaced.append(str(odd))
     assert command._finish(args, [str(odd)], counts, str(tmp_path / "s.audit")) == 0
     out = capsys.readouterr().out

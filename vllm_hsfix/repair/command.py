@@ -31,13 +31,13 @@ import time
 from typing import Any
 
 from .. import detect, enginelog
-from ..audit import format as fmt
 from ..audit.pipeline import audit_paths
 from ..audit.progress import SILENT, Factory, for_stream
 from ..audit.reports import CORRUPT, OK, SUSPECT
-from . import compare, guard, replace, settings
+from . import compare, guard, settings
 from ._run import BADARG, DONE, FILE, GUARD
-from .journal import Journal, sha256
+from .journal import Journal
+from .taking import Counts, Taker
 from .targets import Target, from_audit_output, read_target, shard
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
@@ -124,18 +124,6 @@ def _aux(args: argparse.Namespace, targets: list[Target]) -> tuple[int, ...] | s
     )
 
 
-class Counts:
-    def __init__(self) -> None:
-        self.replaced: list[str] = []
-        self.skipped: dict[str, str] = {}  # path -> why
-        self.refused: dict[str, str] = {}  # path -> why the new file was not installed
-        self.right: dict[str, float | None] = {}  # path -> distance: old file kept, right
-        self.earlier: set[str] = set()  # replaced by an earlier run (the journal says so)
-
-    def skip(self, path: str, why: str) -> None:
-        self.skipped[path] = why
-
-
 def _start_engine(
     job: dict[str, Any], workdir: str, log_path: str, extra_env: dict[str, str]
 ) -> subprocess.Popen[str]:
@@ -162,34 +150,6 @@ def _start_engine(
 def log_path(state: str) -> str:
     """Where vLLM's log of a repair goes: next to the journal (kept if the run fails)."""
     return os.path.abspath(os.path.splitext(state)[0] + ".vllm.log")
-
-
-def _endpoint_stamp_problem(path: str) -> str | None:
-    """``--endpoint``: the server's files must say vllm-hsfix made them (provenance)."""
-    try:
-        _, header, _, _, _ = fmt.read_layout(path)
-    except (fmt.BadFile, OSError):
-        return None  # unreadable: the replacement's own check refuses it, with the reason
-    meta = header.get("__metadata__") or {}
-    patches = meta.get("vllm_hsfix.patches")
-    vllm = meta.get("vllm_hsfix.vllm", "")
-    if patches is None:
-        return (
-            "the server's files carry no vllm-hsfix provenance: run vllm serve with "
-            "vllm-hsfix installed and VLLM_HSFIX_PROVENANCE=1"
-        )
-    if patches == "none" and not _fixed_release(vllm):
-        return f"the server (vLLM {vllm}) wrote a file with no vllm-hsfix patch applied"
-    return None
-
-
-def _fixed_release(version: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release >= (0, 25)
-    except InvalidVersion:
-        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -341,6 +301,7 @@ def _regenerate(
         }
         t0 = time.monotonic()
         proc = _start_engine(job, work, log, extra_env)
+        taker = Taker(args, root, journal, counts)
         bar = None
         ready = t0
         bad_args: list[tuple[str, str]] = []
@@ -367,13 +328,15 @@ def _regenerate(
                     bar = progress("repair", len(targets), sum(t.tokens for t in targets))
                 elif line.startswith(FILE):
                     index, produced = json.loads(line[len(FILE) :])
-                    t = targets[index]
-                    _take(args, t, produced, root, journal, counts)
-                    if bar:
-                        bar.update(1, t.tokens)
+                    taker.take(targets[index], produced)
+                    for t in taker.drain():
+                        if bar:
+                            bar.update(1, t.tokens)
                 elif line.startswith(DONE) and bar:
                     # The regeneration's own time, apart from vLLM's shutdown that follows
                     # (about 5 s on vLLM's CPU build, whatever the dataset's size).
+                    for t in taker.drain(wait=True):
+                        bar.update(1, t.tokens)
                     bar.close()
                     bar = None
                     took = time.monotonic() - ready
@@ -385,6 +348,8 @@ def _regenerate(
                     )
             code = proc.wait()
         finally:
+            taker.drain(wait=True)  # every file put in place is in the journal
+            taker.close()
             if bar:
                 bar.close()
             if proc.poll() is None:
@@ -406,38 +371,6 @@ def _regenerate(
     with contextlib.suppress(OSError):
         os.unlink(log)  # kept only when the run failed
     return None
-
-
-def _take(
-    args: argparse.Namespace,
-    t: Target,
-    produced: str | None,
-    root: str | None,
-    journal: Journal,
-    counts: Counts,
-) -> None:
-    if produced is None:
-        counts.refused[t.path] = "vLLM wrote no file for it"
-        return
-    if args.endpoint:
-        problem = _endpoint_stamp_problem(produced)
-        if problem:
-            counts.refused[t.path] = problem
-            return
-    try:
-        replace.check_new(produced, t)
-        dist = compare.distance(t.path, produced)
-        if dist is not None and dist < compare.TOLERANCE:
-            # Right after all: the old file stays byte for byte (an audit false alarm).
-            counts.right[t.path] = dist
-            journal.replaced(t.path, sha256(t.path), os.path.getsize(t.path), "right")
-            return
-        digest, size = replace.install(produced, t, args.backup, root)
-    except replace.Refused as exc:
-        counts.refused[t.path] = str(exc)
-        return
-    journal.replaced(t.path, digest, size)
-    counts.replaced.append(t.path)
 
 
 def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_state: str) -> int:
