@@ -20,7 +20,9 @@
      release; ``scripts/vllm_env.py skeletons``), each joined with ``:``.
    - one row per release (the main runs, on this Python): the tests that concern the
      release, as the patch table says (markers ``applies(patch_id)`` and
-     ``fixed_upstream(patch_id)``, read by ``tests/conftest.py``).
+     ``fixed_upstream(patch_id)``, read by ``tests/conftest.py``). What starts no engine
+     runs in parallel workers (``XDIST``: pytest-xdist, one file per worker), then the
+     ``e2e`` and ``image`` tests one at a time (a second pytest run, same row).
    - ``0.24.0 py3.12`` / ``0.25.0 py3.12``: the whole suite minus the ``e2e`` and
      ``image`` tests, plus one e2e test (``PY312_E2E``: one engine run of the
      ``hybrid-mp`` case on 0.24.0; 0.25.0's e2e tests stay on the main Python, where
