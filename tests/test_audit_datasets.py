@@ -71,6 +71,12 @@ def test_directories_expand_recursively_and_skip_locks(tmp_path: Path) -> None:
     lock = tmp_path / "d" / "b.safetensors.lock"
     files = pipeline.expand_paths([tmp_path / "d", a, lock])
     assert files == [str(a), str(b)]
+    # One file named twice (another spelling, a link to it) is audited once, under
+    # the first name given.
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(b)
+    again = pipeline.expand_paths([a, str(tmp_path / "d" / "." / "b.safetensors"), link, b])
+    assert again == [str(a), str(link)]
     with pytest.raises(FileNotFoundError):
         pipeline.expand_paths([tmp_path / "nope"])
 

@@ -7,7 +7,9 @@ there: every check below sees values, whatever the format). Per row only a few n
 are kept (squared norm, a cheap key, zero / non-finite flags): from them come the zero,
 NaN/Inf, duplicate (:mod:`.repeats`) and near-zero findings and the per-layer norm
 statistics. The first rows are also kept as they stream by, as the shared-prefix
-check's input (:mod:`.prefix`).
+check's input (:mod:`.prefix`). Where the compiled kernel is on (:mod:`.kernel`: numba,
+large audits) a window's squared norms and keys come from it in one pass, and only a
+window with a zero or non-finite row goes through the numpy blocks above.
 
 :func:`audit_file` never raises: whatever goes wrong becomes a ``corrupt`` finding.
 """
