@@ -146,3 +146,26 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
         pipeline.audit_paths([tmp_path], workers=1)
     assert command.main([str(tmp_path)]) == 2
     assert "cannot run" in capsys.readouterr().err
+
+
+def test_a_report_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
+    """Reports travel from the workers (pool and Ray) pickled as plain tuples: every
+    field, the layer statistics, the findings (with their hazard) and the prefix
+    sketches come back as they were."""
+    import pickle
+
+    import numpy as np
+
+    f = hs_file(tmp_path / "z.safetensors", seed=3, edit=lambda h, i: h[2, 1].zero_())
+    rep = scan.audit_file(f)
+    rep.problems[0].hazard = "torn-files"
+    rep.provenance = {"vllm_hsfix.version": "x"}
+    assert rep.layers and rep.problems and rep.prefix is not None
+    back = pickle.loads(pickle.dumps(rep))
+    assert type(back) is reports.FileReport
+    assert back.to_dict() == rep.to_dict()
+    assert back.layers == rep.layers and back.problems == rep.problems
+    assert back.provenance == rep.provenance
+    assert back.prefix.token_ids == rep.prefix.token_ids
+    for name in ("sketches", "norms", "sound"):
+        assert np.array_equal(getattr(back.prefix, name), getattr(rep.prefix, name))

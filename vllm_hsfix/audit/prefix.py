@@ -274,8 +274,11 @@ def check(
             continue
         # Sorted by token ids (-1 pads a short prefix, so it sorts before its extensions,
         # as tuples do); a neighbour's common prefix, capped by both lengths.
+        # Ties (the same first token ids) in the files' input order, whatever order the
+        # workers returned them in: the consensus sample is the same every run.
         tok = cols.tokens[rows]
-        order = rows[np.lexsort(tuple(tok[:, c] for c in range(PREFIX_ROWS - 1, -1, -1)))]
+        keys = (cols.index[rows], *(tok[:, c] for c in range(PREFIX_ROWS - 1, -1, -1)))
+        order = rows[np.lexsort(keys)]
         tok = cols.tokens[order]
         length = cols.length[order].astype(np.int64)
         same = np.cumprod(tok[1:] == tok[:-1], axis=1).sum(axis=1)
