@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from support.hsfiles import A, H, T, hs_file, write_raw
 
-from vllm_hsfix.audit import reports, scan
+from vllm_hsfix.audit import reports, scan, window
 
 
 def only(rep: reports.FileReport, code: str) -> reports.Problem:
@@ -262,7 +262,7 @@ def test_small_windows_give_the_same_answers(
     path = hs_file(tmp_path / "w.safetensors", tokens=300, hidden=96, edit=edit)
     default = scan.audit_file(path)
     monkeypatch.setattr(scan, "CHUNK_BYTES", 96 * 2 * 3 * 7)  # 7 tokens per window
-    monkeypatch.setattr(scan, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
+    monkeypatch.setattr(window, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
     small = scan.audit_file(path)
     assert default.verdict == small.verdict == "corrupt"
     assert (small.zero_rows, small.duplicate_rows, small.nan_count) == (2, 1, 1)

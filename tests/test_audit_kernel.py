@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from support import hsrows
 from support.hsfiles import hs_file
 
-from vllm_hsfix.audit import kernel, scan
+from vllm_hsfix.audit import kernel, scan, window
 
 pytest.importorskip("numba")
 
@@ -60,7 +60,7 @@ def test_the_kernels_squared_norms_are_torchs(dtype: str, hidden: int, tmp_path:
         cast = torch.bfloat16 if dtype == "bf16" else torch.float32
         save_file({"hidden_states": rows.to(cast), "token_ids": torch.arange(30)}, str(path))
     raw, name, factor = _stored(path)
-    cols, mult = scan._key_columns(hidden)
+    cols, mult = window.key_columns(hidden)
     sumsq, keys = np.zeros(len(raw)), np.zeros(len(raw), np.uint64)
     assert kernel.rows(raw, name, factor, cols, mult, sumsq, keys) is False
     want = (_values(path) ** 2).sum(dim=-1).reshape(-1).numpy()

@@ -5,7 +5,7 @@ Each takes one window of stored rows and fills, per row ``i``: ``sumsq[i]``, the
 its squared values accumulated in float32 (numba may reorder the sum to vectorise it,
 as BLAS does; no other fast-math assumption, so NaN and Inf propagate as IEEE says),
 and ``keys[i]``, the scan's row key: the wrapping sum of ``mult[k]`` times the unsigned
-bits of the value in column ``cols[k]`` (what :func:`.scan._row_keys` computes). Each
+bits of the value in column ``cols[k]`` (what :func:`.window.row_keys` computes). Each
 returns whether a row needs the closer look of the numpy path (a zero or non-finite
 sum); the window is then redone there.
 """
@@ -29,6 +29,15 @@ def _odd(s: Any) -> bool:  # pragma: no cover - compiled
 
 
 @numba.njit(**_OPTS)
+def _key(bits: Any, cols: Any, mult: Any) -> Any:  # pragma: no cover - compiled
+    """One row's key from its values' unsigned bits ``bits`` [hidden]."""
+    key = np.uint64(0)
+    for k in range(len(cols)):
+        key += np.uint64(bits[cols[k]]) * mult[k]
+    return key
+
+
+@numba.njit(**_OPTS)
 def bf16(raw: Any, cols: Any, mult: Any, sumsq: Any, keys: Any) -> bool:  # pragma: no cover
     """``raw``: uint16 [n, hidden], the stored bf16 bits (the high half of a float32)."""
     n, h = raw.shape
@@ -43,10 +52,7 @@ def bf16(raw: Any, cols: Any, mult: Any, sumsq: Any, keys: Any) -> bool:  # prag
             acc += val[j] * val[j]
         sumsq[i] = acc
         odd |= _odd(acc)
-        key = np.uint64(0)
-        for k in range(len(cols)):
-            key += np.uint64(raw[i, cols[k]]) * mult[k]
-        keys[i] = key
+        keys[i] = _key(raw[i], cols, mult)
     return odd
 
 
@@ -62,10 +68,7 @@ def f32(raw: Any, cols: Any, mult: Any, sumsq: Any, keys: Any) -> bool:  # pragm
             acc += raw[i, j] * raw[i, j]
         sumsq[i] = acc
         odd |= _odd(acc)
-        key = np.uint64(0)
-        for k in range(len(cols)):
-            key += np.uint64(bits[i, cols[k]]) * mult[k]
-        keys[i] = key
+        keys[i] = _key(bits[i], cols, mult)
     return odd
 
 

@@ -1,6 +1,6 @@
 """Every row's squared norm in one compiled pass, where numba is installed.
 
-The scan's numpy path (:mod:`.decode` then :func:`.scan._block_rows`) widens each
+The scan's numpy path (:mod:`.decode`, then the blocks of :mod:`.window`) widens each
 block to float32 and then reduces it: three passes over every value, which held the
 audit to about a third of ``cat``'s speed. vLLM requires numba (every vLLM image has
 it), so there the rows' squared norms come from one loop per row that reads the stored

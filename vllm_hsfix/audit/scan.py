@@ -7,9 +7,8 @@ there: every check below sees values, whatever the format). Per row only a few n
 are kept (squared norm, a cheap key, zero / non-finite flags): from them come the zero,
 NaN/Inf, duplicate (:mod:`.repeats`) and near-zero findings and the per-layer norm
 statistics. The first rows are also kept as they stream by, as the shared-prefix
-check's input (:mod:`.prefix`). Where the compiled kernel is on (:mod:`.kernel`: numba,
-large audits) a window's squared norms and keys come from it in one pass, and only a
-window with a zero or non-finite row goes through the numpy blocks above.
+check's input (:mod:`.prefix`). What a window of rows gives (the per-row numbers, by
+the compiled kernel or numpy blocks) is :mod:`.window`.
 
 :func:`audit_file` never raises: whatever goes wrong becomes a ``corrupt`` finding.
 """
@@ -21,14 +20,12 @@ import io
 import math
 import os
 import time
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import kernel, prefix, repeats, signatures
+from . import prefix, repeats, signatures, window
 from .decode import Rows, Whole, read_scales
 from .format import (
     FP8,
-    HIDDEN_INT,
     HIDDEN_KEY,
     LOCK_SUFFIX,
     SCALES_KEY,
@@ -52,160 +49,8 @@ CHUNK_BYTES = 4 * 1024 * 1024
 # Files up to this size are read whole with one read() (what ``cat`` does) instead of
 # window by window (fewer system calls).
 WHOLE_FILE_BYTES = 8 * 1024 * 1024
-# float32 working block: conversion and the row sums stay in the CPU caches.
-BLOCK_BYTES = 1024 * 1024
-# Rows up to this width get their squared norm from BLAS's dot (single-threaded up to
-# 10,000 values in OpenBLAS; threads that spin would slow parallel workers 10x, see
-# :func:`.prefix.sketch_rows`); wider rows from einsum.
-DOT_MAX_WIDTH = 8192
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
-# Row samples that make up the cheap per-row key; equal keys are then confirmed with a
-# blake2b digest of the whole row, so the key only has to be fast, not strong.
-KEY_SAMPLES = 16
-
-
-@lru_cache(maxsize=16)
-def _key_columns(hidden: int) -> tuple[NDArray[Any], NDArray[Any]]:
-    """The sampled columns and odd multipliers of the row key (same for every file of
-    one width: computed once per process, not once per file)."""
-    import numpy as np
-
-    cols = np.unique(np.linspace(0, hidden - 1, min(hidden, KEY_SAMPLES)).round().astype(np.intp))
-    mult = np.random.default_rng(0x5EED).integers(1, 2**63, size=len(cols), dtype=np.uint64)
-    mult |= np.uint64(1)
-    return cols, mult
-
-
-def _row_keys(ints: NDArray[Any], cols: NDArray[Any], mult: NDArray[Any]) -> NDArray[Any]:
-    """Cheap 64-bit key per row from a few sampled elements (wrapping multiply-add).
-
-    Identical rows always get identical keys; different rows almost never do, and when
-    they do the full-row digest that follows tells them apart."""
-    import numpy as np
-
-    sample = ints[:, cols].astype(np.uint64)
-    sample *= mult
-    return sample.sum(axis=1, dtype=np.uint64)
-
-
-class _Scan:
-    """Per-file row arrays: O(rows) small numbers, never O(file bytes), plus a float32
-    copy of the first ``head_rows`` rows, taken as they stream by (the prefix check's
-    input; no second read of the file)."""
-
-    def __init__(self, n_rows: int, head_rows: int = 0, hidden: int = 0) -> None:
-        import numpy as np
-
-        self.head = np.zeros((min(head_rows, n_rows), hidden), dtype=np.float32)
-        self.sumsq = np.zeros(n_rows, dtype=np.float64)
-        self.keys = np.zeros(n_rows, dtype=np.uint64)
-        self.zero = np.zeros(n_rows, dtype=bool)
-        self.bad = np.zeros(n_rows, dtype=bool)
-        self.nan = 0
-        self.inf = 0
-
-
-def _block_rows(scan: _Scan, row0: int, work: NDArray[Any]) -> None:
-    """Squared norms, zero and non-finite rows of one block of float rows.
-
-    The fast path is one dot per row; only blocks with a zero or non-finite sum
-    look at values again (to tell an all-zero row from underflow, and NaN/Inf from
-    overflow of large finite values)."""
-    import numpy as np
-
-    n = work.shape[0]
-    vecdot = getattr(np, "vecdot", None)  # numpy >= 2.0
-    if vecdot is not None and work.shape[1] <= DOT_MAX_WIDTH:
-        s = vecdot(work, work)  # one BLAS dot per row: 3x einsum's speed
-    else:
-        s = np.einsum("ij,ij->i", work, work)
-    out = scan.sumsq[row0 : row0 + n]
-    out[:] = s
-    fin = np.isfinite(s)
-    if not fin.all():
-        idx = np.flatnonzero(~fin)
-        sub = work[idx]
-        nan = np.isnan(sub)
-        inf = np.isinf(sub)
-        scan.nan += int(nan.sum())
-        scan.inf += int(inf.sum())
-        rowbad = (nan | inf).any(axis=1)
-        scan.bad[row0 + idx[rowbad]] = True
-        out[idx[rowbad]] = np.nan
-        big = ~rowbad  # finite values whose squares overflowed the working precision
-        if big.any():
-            out[idx[big]] = np.square(sub[big].astype(np.float64)).sum(axis=1)
-    zc = s == 0
-    if zc.any():
-        idx = np.flatnonzero(zc)
-        sub = work[idx]
-        allzero = ~(sub != 0).any(axis=1)
-        scan.zero[row0 + idx[allzero]] = True
-        tiny = ~allzero  # non-zero values whose squares underflowed
-        if tiny.any():
-            out[idx[tiny]] = np.square(sub[tiny].astype(np.float64)).sum(axis=1)
-
-
-def _scan_rows(
-    scan: _Scan,
-    raw: NDArray[Any],
-    rows: Rows,
-    row0: int,
-    cols: NDArray[Any],
-    mult: NDArray[Any],
-) -> None:
-    """Scan stored rows ``raw`` ([n, hidden], rows ``row0``... of the file) block by
-    block: values, then the per-row numbers of :func:`_block_rows`."""
-    import numpy as np
-
-    if kernel.ON and _kernel_rows(scan, raw, rows, row0, cols, mult):
-        return
-    n_rows, hidden = raw.shape
-    block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
-    buf = rows.buffer(min(block, n_rows))
-    stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
-    if stored is not None:  # keys of stored values: the whole window in one go
-        scan.keys[row0 : row0 + n_rows] = _row_keys(stored, cols, mult)
-    # Overflow is expected and handled (squares past float32 are summed again in
-    # float64; F64 values past float32 make an unsound head row): no warnings.
-    with np.errstate(all="ignore"):
-        for b in range(0, n_rows, block):
-            e = min(n_rows, b + block)
-            work, ints = rows.block(raw[b:e], row0 + b, buf)
-            if row0 + b < len(scan.head):
-                take = min(len(scan.head), row0 + e) - (row0 + b)
-                scan.head[row0 + b : row0 + b + take] = work[:take]
-            if stored is None:  # fp8: keys of the de-quantized values
-                scan.keys[row0 + b : row0 + e] = _row_keys(ints, cols, mult)
-            _block_rows(scan, row0 + b, work)
-
-
-def _kernel_rows(
-    scan: _Scan,
-    raw: NDArray[Any],
-    rows: Rows,
-    row0: int,
-    cols: NDArray[Any],
-    mult: NDArray[Any],
-) -> bool:
-    """The window's squared norms and row keys from the compiled kernel
-    (:mod:`.kernel`), its head rows as the numpy path keeps them. False when the kernel
-    cannot take this format here or a row needs the closer look of
-    :func:`_block_rows` (a zero or non-finite sum): the numpy path then does the
-    window again, overwriting what the kernel filled."""
-    n = raw.shape[0]
-    factor = rows.factor(row0, n) if rows.fp8 else None
-    stored = raw.view(HIDDEN_INT["BF16"]) if rows.dtype == "BF16" else raw
-    sumsq, keys = scan.sumsq[row0 : row0 + n], scan.keys[row0 : row0 + n]
-    odd = kernel.rows(stored, rows.dtype, factor, cols, mult, sumsq, keys)
-    if odd is None or odd:
-        return False
-    if row0 < len(scan.head):
-        take = min(len(scan.head) - row0, n)
-        work, _ = rows.block(raw[:take], row0, rows.buffer(take))
-        scan.head[row0 : row0 + take] = work[:take]
-    return True
 
 
 def _read_exact(f: Any, view: memoryview) -> None:
@@ -241,27 +86,27 @@ def _scan_hidden(
     n_rows = n_tokens * n_aux
     row_bytes = rows.row_bytes
     with_prefix = token_ids is not None and len(token_ids) == n_tokens
-    scan = _Scan(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
-    cols, mult = _key_columns(hidden)
+    scan = window.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
+    cols, mult = window.key_columns(hidden)
     if whole is not None:
         base, blob = whole
         raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
-        _scan_rows(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
+        window.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
     else:
         # A window at a time into one reused buffer: the resident set stays at one
         # window whatever the file size. Whole tokens per window, so a window never
         # splits a token's rows.
         tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
-        window = np.empty(tokens_per_window * n_aux * row_bytes, dtype=np.uint8)
+        buffer = np.empty(tokens_per_window * n_aux * row_bytes, dtype=np.uint8)
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)
             for t0 in range(0, n_tokens, tokens_per_window):
                 t1 = min(n_tokens, t0 + tokens_per_window)
                 n = (t1 - t0) * n_aux
-                part = window[: n * row_bytes]
+                part = buffer[: n * row_bytes]
                 _read_exact(f, memoryview(part))
                 raw = part.view(rows.raw_dtype).reshape(n, hidden)
-                _scan_rows(scan, raw, rows, t0 * n_aux, cols, mult)
+                window.fill(scan, raw, rows, t0 * n_aux, cols, mult)
 
     rep.nan_count, rep.inf_count = scan.nan, scan.inf
     zero = scan.zero.reshape(n_tokens, n_aux)

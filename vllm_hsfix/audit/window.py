@@ -1,0 +1,181 @@
+"""One window of a file's stored rows -> the few numbers per row the checks need.
+
+Per row: the squared norm, a cheap key (sampled columns; equal keys are confirmed by
+:mod:`.repeats`), and whether it is all zero or holds NaN/Inf. They come from the
+compiled kernel (:mod:`.kernel`: numba, large audits) in one pass over the stored
+bits, or from numpy: each window converted in small float32 blocks by :mod:`.decode`
+(fp8 rows de-quantized there), then reduced (:func:`_block_rows`). A window with a zero
+or non-finite row always takes the numpy path, which tells an all-zero row from
+underflow and NaN/Inf from overflow. The first rows of a file are also kept as values
+(:attr:`RowNumbers.head`), the shared-prefix check's input.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from . import kernel
+from .decode import Rows
+from .format import HIDDEN_INT
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+# float32 working block: conversion and the row sums stay in the CPU caches.
+BLOCK_BYTES = 1024 * 1024
+# Rows up to this width get their squared norm from BLAS's dot (single-threaded up to
+# 10,000 values in OpenBLAS; threads that spin would slow parallel workers 10x, see
+# :func:`.prefix.sketch_rows`); wider rows from einsum.
+DOT_MAX_WIDTH = 8192
+# Row samples that make up the cheap per-row key; equal keys are then confirmed with a
+# blake2b digest of the whole row, so the key only has to be fast, not strong.
+KEY_SAMPLES = 16
+
+
+@lru_cache(maxsize=16)
+def key_columns(hidden: int) -> tuple[NDArray[Any], NDArray[Any]]:
+    """The sampled columns and odd multipliers of the row key (same for every file of
+    one width: computed once per process, not once per file)."""
+    import numpy as np
+
+    cols = np.unique(np.linspace(0, hidden - 1, min(hidden, KEY_SAMPLES)).round().astype(np.intp))
+    mult = np.random.default_rng(0x5EED).integers(1, 2**63, size=len(cols), dtype=np.uint64)
+    mult |= np.uint64(1)
+    return cols, mult
+
+
+def row_keys(ints: NDArray[Any], cols: NDArray[Any], mult: NDArray[Any]) -> NDArray[Any]:
+    """Cheap 64-bit key per row from a few sampled elements (wrapping multiply-add).
+
+    Identical rows always get identical keys; different rows almost never do, and when
+    they do the full-row digest that follows tells them apart."""
+    import numpy as np
+
+    sample = ints[:, cols].astype(np.uint64)
+    sample *= mult
+    return sample.sum(axis=1, dtype=np.uint64)
+
+
+class RowNumbers:
+    """One file's per-row numbers, filled window by window: O(rows) small numbers,
+    never O(file bytes), plus a float32 copy of the first ``head_rows`` rows, taken as
+    they stream by (the prefix check's input; no second read of the file)."""
+
+    def __init__(self, n_rows: int, head_rows: int = 0, hidden: int = 0) -> None:
+        import numpy as np
+
+        self.head = np.zeros((min(head_rows, n_rows), hidden), dtype=np.float32)
+        self.sumsq = np.zeros(n_rows, dtype=np.float64)
+        self.keys = np.zeros(n_rows, dtype=np.uint64)
+        self.zero = np.zeros(n_rows, dtype=bool)
+        self.bad = np.zeros(n_rows, dtype=bool)
+        self.nan = 0
+        self.inf = 0
+
+
+def _block_rows(nums: RowNumbers, row0: int, work: NDArray[Any]) -> None:
+    """Squared norms, zero and non-finite rows of one block of float rows.
+
+    The fast path is one dot per row; only blocks with a zero or non-finite sum
+    look at values again (to tell an all-zero row from underflow, and NaN/Inf from
+    overflow of large finite values)."""
+    import numpy as np
+
+    n = work.shape[0]
+    vecdot = getattr(np, "vecdot", None)  # numpy >= 2.0
+    if vecdot is not None and work.shape[1] <= DOT_MAX_WIDTH:
+        s = vecdot(work, work)  # one BLAS dot per row: 3x einsum's speed
+    else:
+        s = np.einsum("ij,ij->i", work, work)
+    out = nums.sumsq[row0 : row0 + n]
+    out[:] = s
+    fin = np.isfinite(s)
+    if not fin.all():
+        idx = np.flatnonzero(~fin)
+        sub = work[idx]
+        nan = np.isnan(sub)
+        inf = np.isinf(sub)
+        nums.nan += int(nan.sum())
+        nums.inf += int(inf.sum())
+        rowbad = (nan | inf).any(axis=1)
+        nums.bad[row0 + idx[rowbad]] = True
+        out[idx[rowbad]] = np.nan
+        big = ~rowbad  # finite values whose squares overflowed the working precision
+        if big.any():
+            out[idx[big]] = np.square(sub[big].astype(np.float64)).sum(axis=1)
+    zc = s == 0
+    if zc.any():
+        idx = np.flatnonzero(zc)
+        sub = work[idx]
+        allzero = ~(sub != 0).any(axis=1)
+        nums.zero[row0 + idx[allzero]] = True
+        tiny = ~allzero  # non-zero values whose squares underflowed
+        if tiny.any():
+            out[idx[tiny]] = np.square(sub[tiny].astype(np.float64)).sum(axis=1)
+
+
+def fill(
+    nums: RowNumbers,
+    raw: NDArray[Any],
+    rows: Rows,
+    row0: int,
+    cols: NDArray[Any],
+    mult: NDArray[Any],
+) -> None:
+    """Fill ``nums`` for stored rows ``raw`` ([n, hidden], rows ``row0``... of the
+    file): from the kernel where it is on and every row is plain, else block by block,
+    values then the per-row numbers of :func:`_block_rows`."""
+    import numpy as np
+
+    if kernel.ON and _kernel_rows(nums, raw, rows, row0, cols, mult):
+        return
+    n_rows, hidden = raw.shape
+    block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
+    buf = rows.buffer(min(block, n_rows))
+    stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
+    if stored is not None:  # keys of stored values: the whole window in one go
+        nums.keys[row0 : row0 + n_rows] = row_keys(stored, cols, mult)
+    # Overflow is expected and handled (squares past float32 are summed again in
+    # float64; F64 values past float32 make an unsound head row): no warnings.
+    with np.errstate(all="ignore"):
+        for b in range(0, n_rows, block):
+            e = min(n_rows, b + block)
+            work, ints = rows.block(raw[b:e], row0 + b, buf)
+            _keep_head(nums, row0 + b, work)
+            if stored is None:  # fp8: keys of the de-quantized values
+                nums.keys[row0 + b : row0 + e] = row_keys(ints, cols, mult)
+            _block_rows(nums, row0 + b, work)
+
+
+def _kernel_rows(
+    nums: RowNumbers,
+    raw: NDArray[Any],
+    rows: Rows,
+    row0: int,
+    cols: NDArray[Any],
+    mult: NDArray[Any],
+) -> bool:
+    """The window's squared norms and row keys from the compiled kernel
+    (:mod:`.kernel`), its head rows as the numpy path keeps them. False when the kernel
+    cannot take this format here or a row needs the closer look of
+    :func:`_block_rows` (a zero or non-finite sum): the numpy path then does the
+    window again, overwriting what the kernel filled."""
+    n = raw.shape[0]
+    factor = rows.factor(row0, n) if rows.fp8 else None
+    stored = raw.view(HIDDEN_INT["BF16"]) if rows.dtype == "BF16" else raw
+    sumsq, keys = nums.sumsq[row0 : row0 + n], nums.keys[row0 : row0 + n]
+    odd = kernel.rows(stored, rows.dtype, factor, cols, mult, sumsq, keys)
+    if odd is None or odd:
+        return False
+    if row0 < len(nums.head):  # the head rows as values: decoded by the numpy path
+        take = min(len(nums.head) - row0, n)
+        _keep_head(nums, row0, rows.block(raw[:take], row0, rows.buffer(take))[0])
+    return True
+
+
+def _keep_head(nums: RowNumbers, row0: int, work: NDArray[Any]) -> None:
+    """Keep the rows of ``work`` (values of rows ``row0``...) that fall in the head."""
+    take = min(len(nums.head) - row0, len(work))
+    if take > 0:
+        nums.head[row0 : row0 + take] = work[:take]
