@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from . import prefix, records
 from .dataset import Findings, dataset_pass, prefix_pass
@@ -91,12 +92,18 @@ def check_file(path: str | os.PathLike[str]) -> FileReport:
     return locked(p) or audit_file(p)
 
 
-def _stat(path: str) -> tuple[int, int]:
-    try:
-        st = os.stat(path)
-        return st.st_size, st.st_mtime_ns
-    except OSError:
-        return 0, 0
+def _stats(files: list[str]) -> tuple[Any, Any]:
+    """Each file's size and mtime (ns) as two int64 arrays (0, 0 where it is gone)."""
+    import numpy as np
+
+    sizes, mtimes = np.zeros(len(files), np.int64), np.zeros(len(files), np.int64)
+    for i, p in enumerate(files):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        sizes[i], mtimes[i] = st.st_size, st.st_mtime_ns
+    return sizes, mtimes
 
 
 def audit_paths(
@@ -126,24 +133,24 @@ def audit_paths(
     emit = on_record or (lambda r: None)
     streaming = on_record is not None  # build records only for someone who reads them
     store = State(os.fspath(state)) if state is not None else None
-    stats = [_stat(p) for p in files]
+    sizes, mtimes = _stats(files)
     full: list[FileReport | None] = [None] * len(files)
     sketches: list[Sketch | None] = [None] * len(files)
-    prefixes = prefix.Store()  # each file's prefix sketches, in columns
+    prefixes = prefix.Store()  # each file's prefix sketches: ids here, rows on disk
 
     def take(i: int, rep: FileReport, cached: bool = False) -> None:
         if store is not None and not cached and rep.verdict != PENDING:
-            store.put(rep, *stats[i])
+            store.put(rep, int(sizes[i]), int(mtimes[i]))
         if streaming:
             emit(records.file_record(rep, cached))
         if rep.verdict != PENDING:
-            sketches[i] = Sketch.of(rep)
+            sketches[i] = Sketch.of(rep, files[i])
             prefixes.add(i, rep.prefix)
         rep.prefix = None  # the store holds it now
         if keep or rep.verdict == PENDING:
             full[i] = rep
 
-    scan_bar = progress("scan", len(files), sum(s for s, _ in stats))
+    scan_bar = progress("scan", len(files), int(sizes.sum()))
 
     def scanned(i: int, rep: FileReport, cached: bool = False) -> None:
         take(i, rep, cached)
@@ -154,7 +161,7 @@ def audit_paths(
     for i, p in enumerate(files):
         # A file still being written is found where it is judged: in the workers for
         # the files they scan, here for the ones the state would supply.
-        cached = store.lookup(p, *stats[i]) if store is not None else None
+        cached = store.lookup(p, int(sizes[i]), int(mtimes[i])) if store is not None else None
         if cached is None:
             todo.append(i)
         elif (pending := locked(p)) is not None:
@@ -165,7 +172,7 @@ def audit_paths(
     backend = "local"
     if todo:
         paths_todo = [files[i] for i in todo]
-        sizes = [stats[i][0] for i in todo]
+        todo_sizes = sizes[todo].tolist()
 
         def on_result(k: int, rep: FileReport) -> None:
             scanned(todo[k], rep)
@@ -176,13 +183,13 @@ def audit_paths(
 
                 cluster = on_ray.connect(None if ray is True else str(ray))
                 try:
-                    n = on_ray.run_ray(cluster, paths_todo, sizes, on_result)
+                    n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result)
                 finally:
                     cluster.shutdown()
                 backend = "ray"
             else:
                 n = max(1, min(n, len(todo)))
-                run_pool(paths_todo, sizes, n, on_result)
+                run_pool(paths_todo, todo_sizes, n, on_result)
         finally:
             scan_bar.close()
             if store is not None:
@@ -208,7 +215,8 @@ def audit_paths(
         bar = progress("prefix", len(group))
         positions = np.full(len(files), -1, dtype=np.int64)
         positions[judged] = np.arange(len(judged))
-        dataset["prefix"] = prefix_pass(group, findings, prefixes, positions, bar.update)  # type: ignore[arg-type]
+        with prefixes:  # its temporary files go now
+            dataset["prefix"] = prefix_pass(group, findings, prefixes, positions, bar.update)  # type: ignore[arg-type]
         bar.close()
         if reference is not None:
             _reference_pass(group, findings, reference, dataset, progress)  # type: ignore[arg-type]
@@ -233,7 +241,7 @@ def audit_paths(
         backend=backend,
         reused=reused,
         verdicts=verdicts,
-        total_bytes=sum(s for s, _ in stats),
+        total_bytes=int(sizes.sum()),
     )
     if store is not None and store.note:
         report.dataset["state_note"] = store.note

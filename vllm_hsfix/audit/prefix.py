@@ -7,13 +7,15 @@ chat-templated datasets start every prompt with the same template tokens. Files 
 vLLM 0.24.0 filled from other blocks' memory look like real hidden states (no zeros,
 no NaN, plausible norms) but disagree with every correct file on those rows.
 
-How it stays near disk speed and bounded in memory on 100k files:
+How it stays near disk speed and bounded in memory on 10^6 files:
 
 * while a worker scans a file it also keeps its first ``PREFIX_ROWS`` token ids and a
   random projection (``SKETCH_DIM`` numbers, fixed seed) of each of those rows: about
-  3 KB per file instead of the rows themselves. A Gaussian projection preserves
+  4 KB per file instead of the rows themselves. A Gaussian projection preserves
   distances to within ~1/sqrt(``SKETCH_DIM``) relative error, far below the gap between
-  agreeing rows (bf16 batch noise, measured 0.00-0.07) and wrong ones (1.0 and more);
+  agreeing rows (bf16 batch noise, measured 0.00-0.07) and wrong ones (1.0 and more).
+  The driver keeps the token ids in memory and the sketches on disk until this pass
+  (:mod:`.prefix_columns`), which reads them back a group chunk at a time;
 * files are sorted by those token ids; neighbours' longest common prefixes give, for
   every position p, the groups of files that share tokens 0..p (a trie, walked as runs
   of the sorted order);
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+from .prefix_columns import Columns
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -170,6 +174,39 @@ class PrefixResult:
         }
 
 
+class Store:
+    """Every file's contribution to the check, by ``[n_aux, hidden]`` shape, as the files
+    are judged (the reports themselves can then be dropped): :func:`check` reads it.
+    Token ids stay in memory, sketches go to disk (:mod:`.prefix_columns`);
+    :meth:`close` (or the end of the process) removes the temporary files."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[int, int], Columns] = {}
+
+    def add(self, index: int, p: PrefixData | None) -> None:
+        """File ``index``'s contribution (None or no token ids: nothing to compare)."""
+        if p is None or not p.token_ids:
+            return
+        cols = self._shapes.get(p.shape_key)
+        if cols is None:
+            cols = Columns(p.shape_key[0], PREFIX_ROWS, SKETCH_DIM)
+            self._shapes[p.shape_key] = cols
+        cols.append(index, p.token_ids, p.sketches, p.norms, p.sound)
+
+    def shapes(self) -> list[Columns]:
+        return list(self._shapes.values())
+
+    def close(self) -> None:
+        for cols in self._shapes.values():
+            cols.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _distance(a: NDArray[Any], b: NDArray[Any]) -> NDArray[Any]:
     """Symmetric relative L2 distance between rows (last axis)."""
     import numpy as np
@@ -178,16 +215,21 @@ def _distance(a: NDArray[Any], b: NDArray[Any]) -> NDArray[Any]:
     return np.linalg.norm(a - b, axis=-1) / np.maximum(scale, 1e-12)
 
 
-def _consensus(rows: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
-    """A strict majority of ``rows`` that agree with each other, averaged; else None.
-    Also returns the largest distance seen inside the agreeing set."""
+def _sample(n: int) -> NDArray[Any]:
+    """Which of ``n`` rows form the consensus sample: up to ``CONSENSUS_SAMPLE``, evenly
+    spread over the group (in its sorted order)."""
     import numpy as np
 
-    n = len(rows)
-    if n < 2:
+    return np.unique(np.linspace(0, n - 1, min(n, CONSENSUS_SAMPLE)).round().astype(int))
+
+
+def _consensus(sample: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
+    """A strict majority of the ``sample`` rows that agree with each other, averaged;
+    else None. Also returns the largest distance seen inside the agreeing set."""
+    import numpy as np
+
+    if len(sample) < 2:
         return None, 0.0
-    pick = np.linspace(0, n - 1, min(n, CONSENSUS_SAMPLE)).round().astype(int)
-    sample = rows[np.unique(pick)]
     d = _distance(sample[:, None, :], sample[None, :, :])
     agree = d < TOLERANCE
     best = int(agree.sum(axis=1).argmax())
@@ -196,62 +238,6 @@ def _consensus(rows: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
         return None, 0.0
     spread = float(d[np.ix_(members, members)].max())
     return sample[members].mean(axis=0), spread
-
-
-class _Columns:
-    """The contributions of the files of one ``[n_aux, hidden]`` shape, in columns
-    grown by half again when full: about 3.4 KB a file with 3 aux layers (the float16
-    sketches), with no object per file."""
-
-    def __init__(self, n_aux: int) -> None:
-        self.n_aux = n_aux
-        self.n = 0
-        self._alloc(256)
-
-    def _alloc(self, cap: int) -> None:
-        import numpy as np
-
-        old = None if self.n == 0 else self.__dict__.copy()
-        self.index = np.zeros(cap, dtype=np.int64)  # the file's index in the audit
-        self.length = np.zeros(cap, dtype=np.uint8)  # its number of prefix token ids
-        self.tokens = np.full((cap, PREFIX_ROWS), -1, dtype=np.int64)  # -1: past its end
-        self.units = np.zeros((cap, PREFIX_ROWS, self.n_aux, SKETCH_DIM), dtype=np.float16)
-        self.norms = np.zeros((cap, PREFIX_ROWS, self.n_aux), dtype=np.float32)
-        self.sound = np.zeros((cap, PREFIX_ROWS, self.n_aux), dtype=bool)
-        if old is not None:
-            for name in ("index", "length", "tokens", "units", "norms", "sound"):
-                getattr(self, name)[: self.n] = old[name][: self.n]
-
-    def append(self, index: int, p: PrefixData) -> None:
-        if self.n == len(self.index):
-            self._alloc(self.n + self.n // 2)
-        r, k = self.n, len(p.token_ids)
-        self.index[r], self.length[r] = index, k
-        self.tokens[r, :k] = p.token_ids
-        self.units[r, :k] = p.sketches
-        self.norms[r, :k] = p.norms
-        self.sound[r, :k] = p.sound
-        self.n += 1
-
-
-class Store:
-    """Every file's contribution to the check, kept in columns per shape as the files
-    are judged (the reports themselves can then be dropped): :func:`check` reads it."""
-
-    def __init__(self) -> None:
-        self._shapes: dict[tuple[int, int], _Columns] = {}
-
-    def add(self, index: int, p: PrefixData | None) -> None:
-        """File ``index``'s contribution (None or no token ids: nothing to compare)."""
-        if p is None or not p.token_ids:
-            return
-        cols = self._shapes.get(p.shape_key)
-        if cols is None:
-            cols = self._shapes[p.shape_key] = _Columns(p.shape_key[0])
-        cols.append(index, p)
-
-    def shapes(self) -> list[_Columns]:
-        return list(self._shapes.values())
 
 
 def check(
@@ -282,6 +268,7 @@ def check(
         tok = cols.tokens[order]
         length = cols.length[order].astype(np.int64)
         same = np.cumprod(tok[1:] == tok[:-1], axis=1).sum(axis=1)
+        del tok, keys
         lcp = np.minimum(same, np.minimum(length[1:], length[:-1]))
         where = positions[cols.index[order]]
         checked = np.zeros(len(order), dtype=bool)
@@ -296,10 +283,8 @@ def check(
                     continue
                 checked[s:e] = True
                 result.groups += 1
-                p = depth - 1
-                sel = order[s:e]
-                group_rows = cols.units[sel, p].astype(np.float32) * cols.norms[sel, p, :, None]
-                _check_group(result, group_rows, cols.sound[sel, p], where[s:e].tolist(), p)
+                _check_group(result, cols, order[s:e], where[s:e], depth - 1)
+        cols.release()
         result.checked += int(checked.sum())
         if tick:
             tick(len(rows))
@@ -308,33 +293,53 @@ def check(
     return result
 
 
+# Files of one group compared at a time: bounds what a group of 10^6 files (every file
+# shares the chat template's first token) holds in memory to a few megabytes.
+GROUP_CHUNK = 1 << 14
+
+
 def _check_group(
     result: PrefixResult,
-    rows: NDArray[Any],
-    sound: NDArray[Any],
-    indices: list[int],
+    cols: Columns,
+    sel: NDArray[Any],
+    where: NDArray[Any],
     position: int,
 ) -> None:
-    """One group at one position: ``rows`` [files, n_aux, SKETCH_DIM], ``sound``
-    [files, n_aux]."""
+    """One group at one position: files ``sel`` (rows of ``cols``), ``where`` their
+    indices in the result. Per aux layer, a consensus from a sample of the group's
+    sound rows, then every sound row against it, a chunk of the group at a time."""
     import numpy as np
 
-    consensus_missing = False
-    for aux in range(rows.shape[1]):
-        ok = sound[:, aux]
-        if ok.sum() < 2:
+    sound = cols.sound[sel, position]  # [files, n_aux]
+    size = len(sel)
+    refs: list[NDArray[Any] | None] = []
+    live: list[int] = []  # the aux layers with at least two sound rows
+    for aux in range(cols.n_aux):
+        ok = np.flatnonzero(sound[:, aux])
+        if len(ok) < 2:
+            refs.append(None)
             continue
-        ref, spread = _consensus(rows[ok, aux])
-        if ref is None:
-            consensus_missing = True
-            for k in np.flatnonzero(ok):
-                _flag(result, indices[k], position, aux, None, len(indices))
-            continue
-        result.max_agreeing_distance = max(result.max_agreeing_distance, spread)
-        dist = _distance(rows[:, aux], ref[None, :])
-        for k in np.flatnonzero(ok & (dist >= TOLERANCE)):
-            _flag(result, indices[k], position, aux, float(dist[k]), len(indices))
-    result.no_consensus_groups += int(consensus_missing)
+        live.append(aux)
+        ref, spread = _consensus(cols.rows(sel[ok[_sample(len(ok))]], position)[:, aux])
+        refs.append(ref)
+        if ref is not None:
+            result.max_agreeing_distance = max(result.max_agreeing_distance, spread)
+    result.no_consensus_groups += int(any(refs[a] is None for a in live))
+    compare = [a for a in live if refs[a] is not None]
+    for c0 in range(0, size if live else 0, GROUP_CHUNK):
+        c1 = min(c0 + GROUP_CHUNK, size)
+        rows = cols.rows(sel[c0:c1], position) if compare else None
+        for aux in live:  # per file, the first aux layer that disagrees is reported
+            ok = sound[c0:c1, aux]
+            ref = refs[aux]
+            if ref is None:  # no consensus: none of them can be trusted
+                for k in np.flatnonzero(ok):
+                    _flag(result, int(where[c0 + k]), position, aux, None, size)
+                continue
+            assert rows is not None
+            dist = _distance(rows[:, aux], ref[None, :])
+            for k in np.flatnonzero(ok & (dist >= TOLERANCE)):
+                _flag(result, int(where[c0 + k]), position, aux, float(dist[k]), size)
 
 
 def _flag(
