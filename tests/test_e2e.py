@@ -23,7 +23,7 @@ from conftest import CACHE, cli_rows_as_declared, declared_all
 from support import experiments
 from support.e2eruns import result, summary
 
-from vllm_hsfix.demo import e2e
+from vllm_hsfix.demo import cpu_support, e2e
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
@@ -36,7 +36,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _needs_cpu_moe() -> None:
-    ok, why = e2e.cpu_moe_support()
+    ok, why = cpu_support.cpu_moe_support()
     if not ok:
         pytest.skip(why)
 

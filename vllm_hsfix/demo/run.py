@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import e2e, repair_case, script_run
+from . import cpu_support, e2e, repair_case, script_run, tiny_model
 
 
 def _say(msg: str) -> None:
@@ -132,6 +132,12 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     scripts: list[script_run.ScriptRun] = []
     skipped: dict[str, str] = {}
     for name in cases:
+        if name == REPAIR_CASE or (name in e2e.CASES and e2e.CASES[name].kind.startswith("hybrid")):
+            ok, why = cpu_support.cpu_hybrid_support(tiny_model.build(models / "models" / "hybrid"))
+            if not ok:
+                skipped[name] = why
+                _say(f"{name}: skipped: {why}")
+                continue
         if name == REPAIR_CASE:
             _say(
                 "repair: the chat prompts written by the release without the fix, then "
@@ -155,7 +161,7 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             continue
         case = e2e.CASES[name]
         if case.kind == "hybrid-moe":
-            ok, why = e2e.cpu_moe_support()
+            ok, why = cpu_support.cpu_moe_support()
             if not ok:
                 skipped[name] = why
                 _say(f"{name}: skipped: {why}")

@@ -9,7 +9,7 @@
 * ``hybrid-moe``: Qwen3-Next (``Qwen3NextForCausalLM``), the layout of Qwen3.5/3.6-A3B at
   toy size. vLLM's Qwen3-Next needs an MoE block; routing goes to all experts (2 of 2)
   so bf16 vs fp32 routing cannot flip between vLLM and the reference. Runs only where
-  vLLM's CPU MoE kernels exist (``e2e.cpu_moe_support``).
+  vLLM's CPU MoE kernels exist (``cpu_support.cpu_moe_support``).
 * ``dense``: Qwen3 (``Qwen3ForCausalLM``), the control with one KV-cache group.
 
 No tokenizer is written: vLLM runs with ``skip_tokenizer_init=True`` and token-id

@@ -9,6 +9,7 @@ patch id                     applied on      platform  target
 ``abort-before-scheduling``  0.24.0 - 0.30.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
 ``cpu-connector-save``       0.22.0 - 0.33.x cpu       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
 ``cpu-sampler-fp64-flag``    0.23.0 - 0.24.x cpu       ``vllm.utils.cpu_triton_utils.sample_recovered_tokens_kernel``
+``cpu-gdn-wide-conv-state``  0.22.0 - 0.25.x cpu       ``vllm._custom_ops.causal_conv1d_fwd_cpu`` (and ``causal_conv1d_update_cpu``)
 ``atomic-writes``            0.22.0 - 0.33.x any       ``...example_hidden_states_connector.ExampleHiddenStatesConnector._write_tensors``
 ``cpu-dist-name``            0.17.0 - 0.33.x cpu       ``vllm.entrypoints.cli.main.main`` (and ``vllm_hsfix_dist.pth`` at interpreter start)
 ===========================  ==============  ========  ======================================
@@ -35,6 +36,11 @@ is left alone until it has been read. ``cpu-sampler-fp64-flag`` backports vLLM P
 46069 (0.25.0): 0.23.0 made the rejection sampler pass ``USE_FP64_GUMBEL`` to a kernel
 whose CPU stand-in rejects it, so every CPU engine with a speculative method dies at
 start-up.
+
+``cpu-gdn-wide-conv-state`` backports the effect of vLLM PR 46090 (0.26.0) for
+vLLM's CPU build on CPUs with AMX: with a speculative method a gated-delta-net layer's
+conv state is wider than its native kernels accept, and the engine dies on the first
+prompt of a hybrid verifier (Qwen3.5/3.6); the kernels get the window they read.
 
 ``abort-before-scheduling`` backports the effect of vLLM PR 56841 (0.31.0): a request
 aborted before it was ever scheduled made 0.24.0-0.30.x's ``request_finished`` raise
@@ -314,6 +320,33 @@ PATCHES: tuple[PatchSpec, ...] = (
         other_platforms=(
             "not vLLM's CPU build: CUDA builds run the Triton kernel, which takes the keyword, "
             "and never import the CPU stand-ins"
+        ),
+    ),
+    PatchSpec(
+        id="cpu-gdn-wide-conv-state",
+        module="vllm._custom_ops",
+        attribute="causal_conv1d_fwd_cpu",
+        first="0.22.0",
+        fixed_in="0.26.0",
+        not_needed=(
+            "not needed before 0.22.0: vLLM's CPU build has no native (AMX) path for "
+            "gated-delta-net convolutions there"
+        ),
+        why=(
+            "with a speculative method (extract_hidden_states: one speculative token) a "
+            "gated-delta-net layer's conv state is width-1+num_spec positions wide; on CPUs "
+            "with AMX its native conv kernels take exactly width-1 and the engine dies on "
+            "the first prompt (CHECK_EQ(conv_states_val.size(2), width - 1)); stage the "
+            "batch's first width-1 positions through the release's kernels and write them "
+            "back, the positions upstream's wide-state path uses"
+        ),
+        upstream="vllm-project/vllm#46090",
+        impl="vllm_hsfix.patches.cpu_gdn_wide_conv_state",
+        wraps=("causal_conv1d_fwd_cpu", "causal_conv1d_update_cpu"),
+        platform=CPU,
+        other_platforms=(
+            "not vLLM's CPU build: CUDA builds run these layers through Triton/FLA kernels "
+            "that take the wide state"
         ),
     ),
     PatchSpec(

