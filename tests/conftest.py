@@ -133,6 +133,8 @@ ENGINE_MARKERS = ("e2e", "speculators")
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not INSTALL.present or not any(item.get_closest_marker(m) for m in ENGINE_MARKERS):
         return
+    if item.get_closest_marker("dense_engine"):
+        return  # no gated-delta-net layers in its engine runs
     ok, why = _hybrid_support()
     if not ok:
         pytest.skip(why)

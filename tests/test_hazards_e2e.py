@@ -41,7 +41,7 @@ from support.procs import marked_json, run_child
 from vllm_hsfix import hazards, releases
 from vllm_hsfix.patches import by_id
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
 
 PATCH = by_id("abort-before-scheduling")
 

@@ -55,7 +55,7 @@ from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e
 from vllm_hsfix.patches import by_id
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
 
 PATCH = by_id("abort-before-scheduling")
 DISABLE = {"VLLM_HSFIX_DISABLED_PATCHES": PATCH.id}

@@ -24,7 +24,7 @@ from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e, script_run
 from vllm_hsfix.patches import by_id
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
 
 # release -> (text in an exception line, connector functions in its traceback), measured
 # with this script without vllm-hsfix (torch 2.11.0 from PyPI, no CUDA driver):
