@@ -109,7 +109,10 @@ def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: Re
             for batch in batches(sizes, workers)
         }
         for fut in as_completed(futures):
-            batch = futures[fut]
+            # Popped, so the future and the reports it holds go once they are handed on
+            # (kept in the dict, every file's report stayed until the pool closed: 6 KB
+            # a file of the driver's memory on small files).
+            batch = futures.pop(fut)
             try:
                 reps = fut.result()
             except Exception:
@@ -118,6 +121,7 @@ def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: Re
             for i, rep in zip(batch, reps, strict=True):
                 got += 1
                 on_result(i, rep)
+            del reps, fut
     # A worker that dies breaks the whole pool, so every file still in flight lands
     # here: retry each alone, and only then decide which ones kill a worker.
     crashed: dict[int, BaseException] = {}

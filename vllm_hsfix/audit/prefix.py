@@ -294,8 +294,9 @@ def check(
 
 
 # Files of one group compared at a time: bounds what a group of 10^6 files (every file
-# shares the chat template's first token) holds in memory to a few megabytes.
-GROUP_CHUNK = 1 << 14
+# shares the chat template's first token) holds in memory, its rows and the pages of
+# the sketch file they map, to a few megabytes.
+GROUP_CHUNK = 2048
 
 
 def _check_group(

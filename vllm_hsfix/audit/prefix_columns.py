@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 _CHUNK = 1024  # records gathered before one write to the spill file
 # Rows read back through the map before its pages are handed back (madvise): they stay
-# in the page cache, but not in this process's resident memory.
-_RELEASE_EVERY = 1 << 16
+# in the page cache, but leave this process's resident set (each row read maps the
+# page of its record: a group of 15,000 files mapped 50 MB before this).
+_RELEASE_EVERY = 2048
 
 
 class Columns:
@@ -127,12 +128,16 @@ class Columns:
 
         if self._map is None:
             self._open()
-        recs = self._map[sel]
+        # Only this position's numbers (the fields are strided views of the map): a
+        # whole record is 16 positions, and a group can hold every file.
+        # The position first (a strided view), then the files: indexing both at once
+        # copied the files' whole records first (50 MB for a group of 16k files).
+        units = self._map["units"][:, position][sel].astype(np.float32)
+        out = units * self._map["norms"][:, position][sel][:, :, None]
         self._read += len(sel)
         if self._read >= _RELEASE_EVERY:
             self.release()
-        units = recs["units"][:, position].astype(np.float32)
-        return units * recs["norms"][:, position, :, None]
+        return out
 
     def _open(self) -> None:
         import numpy as np
