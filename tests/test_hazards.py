@@ -146,17 +146,24 @@ def test_assess_a_documented_hazard() -> None:
 
 
 def test_assess_the_cpu_amx_gdn_hazard() -> None:
-    """Documented, a dead process, only GDN hybrids on vLLM's CPU build with AMX (the
-    status line says so through ``models``); exposed on 0.22-0.25, fixed in 0.26.0."""
+    """Patched by ``cpu-gdn-wide-conv-state``, a dead process otherwise, only GDN hybrids
+    on vLLM's CPU build with AMX (the status line says so through ``models``); 0.22-0.25,
+    fixed in 0.26.0; not affected where the patch is not needed (the CUDA wheel)."""
     h = hazards.by_id("cpu-amx-gdn-conv-state")
-    assert (h.action, h.loses, h.first, h.fixed_in, h.ends) == (
-        "documented", "process", "0.22.0", "0.26.0", None
+    assert (h.action, h.patch, h.loses, h.first, h.fixed_in, h.ends) == (
+        "patch", "cpu-gdn-wide-conv-state", "process", "0.22.0", "0.26.0", None
     )  # fmt: skip
     assert h.releases == ">=0.22.0,<0.26.0"
     assert "GDN" in h.models and "AMX" in h.models and "CPU build" in h.models
     assert "46090" in h.upstream
+    got = hazards.assess(h, "0.24.0", {"cpu-gdn-wide-conv-state": "applied"})
+    assert got["state"] == "patched" and got["loses"] == "process"
+    got = hazards.assess(h, "0.24.0", {"cpu-gdn-wide-conv-state": "disabled"})
+    assert got["state"] == "open"
+    got = hazards.assess(h, "0.24.0", {"cpu-gdn-wide-conv-state": "not-needed"})
+    assert got["state"] == "not-affected"
     got = hazards.assess(h, "0.24.0", {"abort-before-scheduling": "applied"})
-    assert got["state"] == "exposed" and got["reason"] == h.workaround
+    assert got["state"] == "open" and "missing" in got["reason"]
     assert got["loses"] == "process" and got["models"] == h.models
     assert hazards.assess(h, "0.21.0", {})["state"] == "not-affected"
     assert hazards.assess(h, "0.26.0", {})["state"] == "fixed-upstream"

@@ -12,9 +12,11 @@ through the product's code, as a user's would. What is left, each for its reason
 
 * the AMX probe ``torch.cpu._is_amx_tile_supported`` (process-wide, answers False):
   hazard ``cpu-amx-gdn-conv-state`` of ``vllm_hsfix.hazards`` (vLLM 0.22-0.25's CPU
-  GDN attention on an AMX CPU, documented there, not patched), so that the tiny hybrid
-  models' runs behave like those on a CPU without AMX wherever they run. Dense models
-  never reach it.
+  GDN attention on an AMX CPU; patched since by ``cpu-gdn-wide-conv-state``), so that
+  the tiny hybrid models' runs take vLLM's torch paths, as on a CPU without AMX,
+  wherever they run. It cannot reach vLLM's C++ kernels that pick AMX themselves
+  (``chunk_gated_delta_rule_cpu``: SIGILL on an AMX Xeon, ``cpu_support``). Dense
+  models never reach it.
 * a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``): a
   measurement for the demo's table, which changes nothing in the run.
 

@@ -96,6 +96,8 @@ def assess(
         return {**out, "state": NOT_AFFECTED, "reason": f"vLLM {version} is not {hazard.releases}"}
     if hazard.action == PATCH:
         code = patch_codes.get(hazard.patch, "missing")
+        if code == "not-needed":  # its patch's target is not affected here (platform)
+            return {**out, "state": NOT_AFFECTED, "reason": f"patch {hazard.patch}: {code}"}
         if code in PATCH_IN_PLACE:
             return {**out, "state": PATCHED, "reason": f"patch {hazard.patch}: {code}"}
         return {**out, "state": OPEN, "reason": f"patch {hazard.patch} is {code}"}

