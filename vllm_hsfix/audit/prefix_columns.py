@@ -118,7 +118,8 @@ class Columns:
                     self._spill = None
         if self._spill is None:
             self._held.append(part.copy())
-        self._chunk[: self._filled] = 0  # a short prefix leaves zeros past its end
+        # No clearing: a record's positions past its file's prefix are never read (a
+        # group at position p holds only files with more than p token ids).
         self._filled = 0
 
     def rows(self, sel: NDArray[Any], position: int) -> NDArray[Any]:
@@ -128,10 +129,9 @@ class Columns:
 
         if self._map is None:
             self._open()
-        # Only this position's numbers (the fields are strided views of the map): a
-        # whole record is 16 positions, and a group can hold every file.
-        # The position first (a strided view), then the files: indexing both at once
-        # copied the files' whole records first (50 MB for a group of 16k files).
+        # Only this position's numbers: the position first (a strided view of the map),
+        # then the files; indexing both at once copied the files' whole records (16
+        # positions each) first, 50 MB for a group of 16k files.
         units = self._map["units"][:, position][sel].astype(np.float32)
         out = units * self._map["norms"][:, position][sel][:, :, None]
         self._read += len(sel)
