@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import CACHE
 
-from vllm_hsfix.demo import e2e
+from vllm_hsfix.demo import e2e, machine
 
 _RESULTS: dict[tuple[str, bool, int], e2e.Result] = {}
 
@@ -29,5 +29,5 @@ def summary(r: e2e.Result) -> str:
     return (
         f"{r.requests_correct}/{r.requests} requests and {r.rows_correct}/{r.rows} rows "
         f"correct, {r.rows_nan} NaN rows {r.nan_rows_by_aux}, {r.rows_zero} zero rows, "
-        f"{r.steps} engine steps, {r.wall_s:.0f} s on {e2e.describe_cpu(r.cpu)}"
+        f"{r.steps} engine steps, {r.wall_s:.0f} s on {machine.describe_cpu(r.cpu)}"
     )

@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import cpu_support, e2e, repair_case, script_run, tiny_model
+from . import cpu_support, e2e, machine, repair_case, script_run, tiny_model
 
 
 def _say(msg: str) -> None:
@@ -108,6 +108,19 @@ def script_verdict(runs: list[script_run.ScriptRun], cpu_build: bool) -> tuple[i
     return 0, "user script: fails without vllm-hsfix, every row right with it"
 
 
+def _runs_here(name: str, models: Path) -> tuple[bool, str]:
+    """Whether vLLM's CPU build can run case ``name``'s model on this machine, and why
+    not (:mod:`.cpu_support`): hybrids (the repair case's too), MoE hybrids."""
+    kind = "hybrid" if name == REPAIR_CASE else getattr(e2e.CASES.get(name), "kind", "")
+    if kind.startswith("hybrid"):
+        ok, why = cpu_support.cpu_hybrid_support(tiny_model.build(models / "hybrid"))
+        if not ok:
+            return ok, why
+    if kind == "hybrid-moe":
+        return cpu_support.cpu_moe_support()
+    return True, ""
+
+
 def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     from .. import detect
     from ..plan import in_release_range
@@ -123,21 +136,20 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     fixed = not in_release_range(inst.parsed, ">=0.17.0,<0.25.0")
     root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
     models = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
-    cpu = e2e.cpu_info()
+    cpu = machine.cpu_info()
     _say(f"vLLM {inst.version} ({inst.distribution}); work dir {root}")
-    _say(f"CPU: {e2e.describe_cpu(cpu)}")
+    _say(f"CPU: {machine.describe_cpu(cpu)}")
     _say("building the tiny dense hybrid verifier (Qwen3.5 text stack, 4 layers, random weights)")
     results = []
     repairs: list[repair_case.RepairRun] = []
     scripts: list[script_run.ScriptRun] = []
     skipped: dict[str, str] = {}
     for name in cases:
-        if name == REPAIR_CASE or (name in e2e.CASES and e2e.CASES[name].kind.startswith("hybrid")):
-            ok, why = cpu_support.cpu_hybrid_support(tiny_model.build(models / "models" / "hybrid"))
-            if not ok:
-                skipped[name] = why
-                _say(f"{name}: skipped: {why}")
-                continue
+        ok, why = _runs_here(name, models / "models")
+        if not ok:
+            skipped[name] = why
+            _say(f"{name}: skipped: {why}")
+            continue
         if name == REPAIR_CASE:
             _say(
                 "repair: the chat prompts written by the release without the fix, then "
@@ -160,12 +172,6 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
                 scripts.append(run)
             continue
         case = e2e.CASES[name]
-        if case.kind == "hybrid-moe":
-            ok, why = cpu_support.cpu_moe_support()
-            if not ok:
-                skipped[name] = why
-                _say(f"{name}: skipped: {why}")
-                continue
         for patched in (False, True):
             _say(
                 f"{name}: {case.note}; vllm-hsfix {'ACTIVE' if patched else 'disabled'} "
@@ -208,7 +214,7 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
         )
     else:
         print(
-            f"\nvLLM {inst.version} on {e2e.describe_cpu(cpu)}\n"
+            f"\nvLLM {inst.version} on {machine.describe_cpu(cpu)}\n"
             f"reference: transformers fp32 forward, a row is correct when its relative L2 "
             f"error < {e2e.THRESHOLD}\n"
         )
