@@ -26,6 +26,7 @@ vLLM or the rest of the package.
 
 from __future__ import annotations
 
+from ..codes import Code
 from .model import (
     ACTIONS,
     CHECKED,
@@ -96,7 +97,7 @@ def assess(
         return {**out, "state": NOT_AFFECTED, "reason": f"vLLM {version} is not {hazard.releases}"}
     if hazard.action == PATCH:
         code = patch_codes.get(hazard.patch, "missing")
-        if code == "not-needed":  # its patch's target is not affected here (platform)
+        if code == Code.NOT_NEEDED.word:  # its patch's target is not affected here
             return {**out, "state": NOT_AFFECTED, "reason": f"patch {hazard.patch}: {code}"}
         if code in PATCH_IN_PLACE:
             return {**out, "state": PATCHED, "reason": f"patch {hazard.patch}: {code}"}
