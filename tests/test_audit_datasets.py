@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.hsfiles import A, H, hs_file, write_raw
 
-from vllm_hsfix.audit import command, parallel, pipeline, reports, scan
+from vllm_hsfix.audit import batched, command, parallel, pipeline, reports, scan
 
 # ----------------------------------------------------------------- datasets
 
@@ -97,17 +97,17 @@ def test_workers_do_not_change_the_answers(tmp_path: Path) -> None:
         pipeline.audit_paths([tmp_path], workers=0)
 
 
-_REAL_AUDIT_FILE = scan.audit_file
+_REAL_AUDIT_FILES = batched.audit_files
 
 
-def _dies_on_boom(path: str) -> reports.FileReport:
+def _dies_on_boom(paths: list[str]) -> list[reports.FileReport]:
     """Stands in for a worker killed mid-file (SIGBUS on a file shrunk under its map)."""
-    if "boom" in os.fspath(path):
+    if any("boom" in os.fspath(p) for p in paths):
         os._exit(3)
-    return _REAL_AUDIT_FILE(path)
+    return _REAL_AUDIT_FILES(paths)
 
 
-def _always_dies(path: str) -> reports.FileReport:
+def _always_dies(paths: list[str]) -> list[reports.FileReport]:
     os._exit(3)
 
 
@@ -127,7 +127,7 @@ def test_a_worker_crash_is_pinned_on_its_file(
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     boom = hs_file(tmp_path / "boom.safetensors", seed=9)
     _fork_workers(monkeypatch)
-    monkeypatch.setattr(parallel, "audit_file", _dies_on_boom)
+    monkeypatch.setattr(batched, "audit_files", _dies_on_boom)
     report = pipeline.audit_paths([tmp_path], workers=2)
     by = {f.path: f for f in report.files}
     assert by[str(boom)].verdict == "corrupt" and by[str(boom)].codes() == ["unreadable"]
@@ -141,7 +141,7 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
 ) -> None:
     hs_file(tmp_path / "g.safetensors")
     _fork_workers(monkeypatch)
-    monkeypatch.setattr(parallel, "audit_file", _always_dies)
+    monkeypatch.setattr(batched, "audit_files", _always_dies)
     with pytest.raises(RuntimeError, match="cannot run"):
         pipeline.audit_paths([tmp_path], workers=1)
     assert command.main([str(tmp_path)]) == 2

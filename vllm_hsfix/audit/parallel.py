@@ -15,9 +15,8 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 
-from . import kernel
+from . import batched, blas, kernel
 from .reports import CORRUPT, FileReport
-from .scan import audit_file, locked
 
 ResultFn = Callable[[int, FileReport], None]
 
@@ -58,7 +57,8 @@ def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     decides whether this worker uses the compiled kernel (:func:`.kernel.enable`)."""
     if total_bytes:
         kernel.enable(total_bytes)
-    return [locked(p) or audit_file(p) for p in paths]
+    with blas.single_thread():  # whole products for the prefix sketches (:mod:`.blas`)
+        return batched.audit_files(paths)
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from . import blas
 from .prefix_columns import Columns
 
 if TYPE_CHECKING:
@@ -68,10 +69,14 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
 def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
     """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM].
 
-    Stacked on purpose: one small product per token stays single-threaded in BLAS. A
-    single 2-D product is twice as fast alone, but large enough for OpenBLAS to start
-    its threads, which spin: two workers on two cores then ran 10x slower (measured)."""
-    return rows @ sketch_matrix(rows.shape[-1])
+    One 2-D product where BLAS runs on one thread (:mod:`.blas`, the audit's workers);
+    elsewhere one small product per token, which stays single-threaded in BLAS: a whole
+    product is large enough for OpenBLAS to start its threads, which spin (two workers
+    on two cores then ran 10x slower, measured)."""
+    matrix = sketch_matrix(rows.shape[-1])
+    if blas.on():
+        return (rows.reshape(-1, rows.shape[-1]) @ matrix).reshape(*rows.shape[:-1], SKETCH_DIM)
+    return rows @ matrix
 
 
 @dataclass
@@ -117,12 +122,18 @@ def from_head(
     """One file's contribution (:mod:`.scan` calls this): the first rows' sketches and
     token ids; ``head`` holds those rows as the scan saw them ([tokens x n_aux, hidden],
     float32), ``zero`` / ``bad`` [tokens, n_aux] mark the rows already judged."""
-    import numpy as np
-
     n_tokens, n_aux, hidden = shape
     k = min(n_tokens, PREFIX_ROWS)
-    rows = head.reshape(k, n_aux, hidden)
-    sound = ~(zero[:k] | bad[:k])
+    unit, norms, sound = sketch_heads(head.reshape(k, n_aux, hidden), ~(zero[:k] | bad[:k]))
+    return PrefixData(tuple(token_ids[:k].tolist()), unit, norms, sound, (n_aux, hidden))
+
+
+def sketch_heads(rows: NDArray[Any], sound: NDArray[Any]) -> tuple[Any, Any, Any]:
+    """Head rows ``[positions, n_aux, hidden]`` (float32; of one file or of many files'
+    heads stacked) and which are ``sound`` -> the sketches as float16 unit vectors, their
+    float32 norms (0 where not sound) and ``sound`` (also False where the norm overflowed)."""
+    import numpy as np
+
     if not sound.all():  # unsound rows must not reach the sketch (NaN would spread)
         rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
     # Unit vectors in float16 (half the transfer from the workers) and the norms in
@@ -131,17 +142,11 @@ def from_head(
         sketch = sketch_rows(rows)
         norms = np.sqrt(np.einsum("...i,...i->...", sketch, sketch))
         finite = np.isfinite(norms)
-        sound &= finite
+        sound = sound & finite
         unit = sketch / np.where(norms > 0, norms, 1.0)[..., None]
     if not finite.all():
         unit = np.nan_to_num(unit)
-    return PrefixData(
-        token_ids=tuple(token_ids[:k].tolist()),
-        sketches=unit.astype(np.float16),
-        norms=np.where(sound, norms, 0.0).astype(np.float32),
-        sound=sound,
-        shape_key=(n_aux, hidden),
-    )
+    return unit.astype(np.float16), np.where(sound, norms, 0.0).astype(np.float32), sound
 
 
 @dataclass

@@ -50,6 +50,9 @@ class Columns:
             ]
         )
         self._chunk = np.zeros(_CHUNK, self.record)
+        # The chunk's two fields as arrays, made once: a record taken out of the chunk
+        # per file, then its fields, cost 10 of the 12 us an append took.
+        self._units, self._norms = self._chunk["units"], self._chunk["norms"]
         self._filled = 0
         self._written = 0  # records in the spill file
         self._spill: IO[bytes] | None = None
@@ -90,9 +93,8 @@ class Columns:
         self.index[r], self.length[r] = index, k
         self.tokens[r, :k] = token_ids
         self.sound[r, :k] = sound
-        rec = self._chunk[self._filled]
-        rec["units"][:k] = units
-        rec["norms"][:k] = norms
+        self._units[self._filled, :k] = units
+        self._norms[self._filled, :k] = norms
         self._filled += 1
         self.n += 1
         if self._filled == _CHUNK:
@@ -105,7 +107,7 @@ class Columns:
         part = self._chunk[: self._filled]
         if self._spill is not None:
             try:
-                data = memoryview(part.tobytes())
+                data = memoryview(part.view(np.uint8))  # no copy
                 while data:  # an unbuffered write may take part of it
                     data = data[self._spill.write(data) or 0 :]
                 self._written += len(part)

@@ -20,7 +20,8 @@ import io
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from . import prefix, repeats, signatures, window
 from .decode import Rows, Whole, read_scales
@@ -40,6 +41,8 @@ from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+T = TypeVar("T")
 
 # Bytes of rows read at once into one reused buffer (larger files are read window by
 # window, so the resident set stays near this size whatever the file size). Reads, not
@@ -138,6 +141,11 @@ def _scan_hidden(
     if with_prefix and n_tokens:
         rep.prefix = prefix.from_head(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
+    near_zero(rep)
+
+
+def near_zero(rep: FileReport) -> None:
+    """The file's near-zero count and finding, from its layers' statistics."""
     rep.near_zero_rows = sum(st.near_zero_rows for st in rep.layers)
     if rep.near_zero_rows:
         layers = {st.aux: st.near_zero_rows for st in rep.layers if st.near_zero_rows}
@@ -172,29 +180,16 @@ def _layer_stats(
         mean = np.add.reduce(norms, axis=0, keepdims=True) / n
         dev = norms - mean
         dev *= dev
-        values = zip(
+        return sound_layer_stats(
+            n,
             med.tolist(),
             mean[0].tolist(),
             np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
             srt[0].tolist(),
             srt[-1].tolist(),
             (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
-            strict=True,
+            dups,
         )
-        return [
-            LayerStats(
-                aux=a,
-                count=len(norms),
-                mean_norm=_finite(mean),
-                std_norm=_finite(std),
-                median_norm=_finite(m),
-                min_norm=_finite(lo),
-                max_norm=_finite(hi),
-                duplicate_rows=dups[a],
-                near_zero_rows=int(nz),
-            )
-            for a, (m, mean, std, lo, hi, nz) in enumerate(values)
-        ]
     out = []
     for a in range(n_aux):
         v = norms[:, a][~skip[:, a]]
@@ -223,7 +218,60 @@ def _layer_stats(
     return out
 
 
+def sound_layer_stats(
+    count: int,
+    med: list[float],
+    mean: list[float],
+    std: list[float],
+    lo: list[float],
+    hi: list[float],
+    near: list[int],
+    dups: list[int],
+) -> list[LayerStats]:
+    """Each aux layer's statistics when every row of the file is sound: one value per
+    layer in each list (what :func:`_layer_stats` and :mod:`.batched` compute)."""
+    return [
+        LayerStats(
+            aux=a,
+            count=count,
+            mean_norm=_finite(mean[a]),
+            std_norm=_finite(std[a]),
+            median_norm=_finite(med[a]),
+            min_norm=_finite(lo[a]),
+            max_norm=_finite(hi[a]),
+            duplicate_rows=dups[a],
+            near_zero_rows=int(near[a]),
+        )
+        for a in range(len(med))
+    ]
+
+
+class Prepared(NamedTuple):
+    """A file whose header and keys were read and found sound, its rows not yet seen:
+    what :func:`scan_rows` (or :mod:`.batched`, for many small files) takes."""
+
+    path: str
+    offset: int  # where hidden_states starts in the file
+    rows: Rows
+    shape: tuple[int, int, int]  # tokens, n_aux, hidden
+    token_ids: NDArray[Any] | None
+    whole: Whole | None  # the file's data when it was read whole
+
+
+def scan_rows(rep: FileReport, prep: Prepared) -> None:
+    """The row checks of one prepared file."""
+    _scan_hidden(rep, prep.path, prep.offset, prep.rows, prep.shape, prep.token_ids, prep.whole)
+
+
 def _audit_into(rep: FileReport, path: str) -> None:
+    prep = prepare(rep, path)
+    if prep is not None:
+        scan_rows(rep, prep)
+
+
+def prepare(rep: FileReport, path: str) -> Prepared | None:
+    """Read ``path``'s header (and, when small, the whole file) and judge its layout and
+    keys into ``rep``; the rows to scan next, or None when there are none to scan."""
     blob: Any = None
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
@@ -248,7 +296,7 @@ def _audit_into(rep: FileReport, path: str) -> None:
         rep.add(layout.code, layout.severity, layout.detail)
     hs_ok, ti_ok = check_keys(rep, tensors)
     if layout is not None and layout.code == "truncated":
-        return  # the data the header points at is not all there: reading it hits EOF
+        return None  # the data the header points at is not all there: reading it hits EOF
     whole: Whole | None = None
     if blob is not None:
         if len(blob) != size - data_start:
@@ -273,7 +321,8 @@ def _audit_into(rep: FileReport, path: str) -> None:
             scales = read_scales(path, tensors, data_start, whole)
             _check_scale_values(rep, scales)
         rows = Rows(hs["dtype"], shape[2], shape[1], scales)
-        _scan_hidden(rep, path, offset, rows, shape, token_ids, whole)
+        return Prepared(path, offset, rows, shape, token_ids, whole)
+    return None
 
 
 def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
@@ -343,17 +392,28 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
     t0 = time.perf_counter()
     p = os.fspath(path)
     rep = FileReport(path=p)
+    guarded(rep, _audit_into, rep, p)
+    return conclude(rep, t0)
+
+
+def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
+    """``fn(*args)``, whatever goes wrong in it a finding of ``rep`` (then None)."""
     try:
-        _audit_into(rep, p)
+        return fn(*args)
     except BadFile as exc:
         detail = exc.detail
-        if exc.code == "truncated" and os.path.exists(p + LOCK_SUFFIX):
+        if exc.code == "truncated" and os.path.exists(rep.path + LOCK_SUFFIX):
             detail += " (a .lock file sits beside it: the writer may still be running)"
         rep.add(exc.code, exc.severity, detail)
     except OSError as exc:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
         rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
+    return None
+
+
+def conclude(rep: FileReport, t0: float) -> FileReport:
+    """The last step of every file's audit: its findings' hazards, its time."""
     signatures.attribute(rep)
     rep.seconds = time.perf_counter() - t0
     return rep
