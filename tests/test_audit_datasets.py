@@ -169,3 +169,35 @@ def test_a_report_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
     assert back.prefix.token_ids == rep.prefix.token_ids
     for name in ("sketches", "norms", "sound"):
         assert np.array_equal(getattr(back.prefix, name), getattr(rep.prefix, name))
+
+
+def test_a_workers_batch_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
+    """What a worker hands back (``parallel.run_batch``: packed as columns, one byte
+    string per prefix array for the whole batch) comes back as the same reports: clean
+    and damaged files, one without a prefix sketch, one of another shape."""
+    import pickle
+
+    import numpy as np
+
+    paths = [
+        hs_file(tmp_path / "a.safetensors", seed=1),
+        hs_file(tmp_path / "z.safetensors", seed=3, edit=lambda h, i: h[2, 1].zero_()),
+        write_raw(tmp_path / "junk.safetensors", b"junk" * 9),
+        hs_file(tmp_path / "w.safetensors", seed=4, tokens=5, n_aux=2, hidden=128),
+        hs_file(tmp_path / "b.safetensors", seed=5, tokens=40),
+    ]
+    got = parallel.run_batch([str(p) for p in paths])
+    back = pickle.loads(pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL))
+    assert [type(r) for r in back] == [reports.FileReport] * len(paths)
+    assert [r.to_dict() for r in back] == [r.to_dict() for r in got]
+    assert [r.verdict for r in back] == ["ok", "corrupt", "corrupt", "ok", "ok"]
+    assert [r.prefix is None for r in back] == [False, False, True, False, False]
+    for b, r in zip(back, got, strict=True):
+        assert b.layers == r.layers and b.problems == r.problems
+        if r.prefix is not None:
+            assert b.prefix.token_ids == r.prefix.token_ids
+            assert b.prefix.shape_key == r.prefix.shape_key
+            for name in ("sketches", "norms", "sound"):
+                want = getattr(r.prefix, name)
+                assert np.array_equal(getattr(b.prefix, name), want)
+                assert getattr(b.prefix, name).dtype == want.dtype

@@ -15,7 +15,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 
-from . import batched, blas, kernel
+from . import batched, blas, kernel, wire
 from .reports import CORRUPT, FileReport
 
 ResultFn = Callable[[int, FileReport], None]
@@ -58,7 +58,7 @@ def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     if total_bytes:
         kernel.enable(total_bytes)
     with blas.single_thread():  # whole products for the prefix sketches (:mod:`.blas`)
-        return batched.audit_files(paths)
+        return wire.Reports(batched.audit_files(paths))  # pickled as columns
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:

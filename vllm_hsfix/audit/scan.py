@@ -19,6 +19,7 @@ import contextlib
 import io
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 T = TypeVar("T")
+_local = threading.local()  # the window buffer (:func:`_window_buffer`)
 
 # Bytes of rows read at once into one reused buffer (larger files are read window by
 # window, so the resident set stays near this size whatever the file size). Reads, not
@@ -100,7 +102,7 @@ def _scan_hidden(
         # window whatever the file size. Whole tokens per window, so a window never
         # splits a token's rows.
         tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
-        buffer = np.empty(tokens_per_window * n_aux * row_bytes, dtype=np.uint8)
+        buffer = _window_buffer(tokens_per_window * n_aux * row_bytes)
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)
             for t0 in range(0, n_tokens, tokens_per_window):
@@ -155,6 +157,18 @@ def near_zero(rep: FileReport) -> None:
             f"{rep.near_zero_rows} rows have a norm under {NEAR_ZERO_FRACTION:g} x their "
             f"layer's median (per aux layer {layers})",
         )
+
+
+def _window_buffer(nbytes: int) -> NDArray[Any]:
+    """This thread's window buffer, at least ``nbytes``: one for every file, not a fresh
+    one per file (a fresh 4 MB buffer is new pages, faulted in and zeroed by the
+    kernel on first touch: a cost per byte read, as large as the read itself)."""
+    import numpy as np
+
+    buf = getattr(_local, "window", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.window = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def _layer_stats(
