@@ -174,3 +174,26 @@ def test_the_kernel_is_used_only_past_min_bytes_and_can_be_switched_off() -> Non
     assert _enabled(env, kernel.MIN_BYTES - 1) == "False False"
     assert _enabled(env, kernel.MIN_BYTES) == "True True"
     assert _enabled({**env, kernel.ENV: "0"}, kernel.MIN_BYTES) == "False False"
+
+
+def test_the_fp8_kernel_squares_every_byte_value() -> None:
+    """Every float8_e4m3fn byte (normal, subnormal, both signs, zero) in rows the kernel
+    squares from its bits: the sums are the exact squares of the format's values (torch's
+    own decode), scaled; a NaN byte makes its row odd."""
+    if not kernel.available():
+        pytest.skip("the compiled kernel does not load here")
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = every[(every & 0x7F) != 0x7F]  # 254 bytes: all but the two NaNs
+    raw = torch.stack([finite, finite.flip(0), finite.roll(7)]).numpy()
+    values = torch.from_numpy(raw.copy()).view(torch.float8_e4m3fn).double()
+    scale = np.array([1.0, 2.0**-20, 3.5], dtype=np.float32)
+    want = (values**2).sum(dim=1).numpy() * scale.astype(np.float64) ** 2
+    cols, mult = window.key_columns(raw.shape[1])
+    sumsq, keys = np.zeros(3), np.zeros(3, np.uint64)
+    factor = scale * np.float32(2.0**120)
+    assert kernel.rows(raw, "F8_E4M3", factor, cols, mult, sumsq, keys) is False
+    np.testing.assert_allclose(sumsq, want, rtol=1e-6)
+    nan_row = raw.copy()
+    nan_row[1, 100] = 0xFF
+    assert kernel.rows(nan_row, "F8_E4M3", factor, cols, mult, sumsq, keys) is True
+    assert np.isnan(sumsq[1]) and not np.isnan(sumsq[0])

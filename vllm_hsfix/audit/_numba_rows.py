@@ -72,8 +72,6 @@ def f32(raw: Any, cols: Any, mult: Any, sumsq: Any, keys: Any) -> bool:  # pragm
 
 @numba.njit(**_OPTS)
 def fp8(
-    pairs: Any,
-    squares: Any,
     values: Any,
     raw: Any,
     factor: Any,
@@ -85,27 +83,40 @@ def fp8(
     """``raw``: float8_e4m3fn bytes [n, hidden]; ``factor`` [n]: each row's scale x
     2**120 (``values`` [256] holds each byte's value x 2**-120, as in :mod:`.decode`).
 
-    The bytes' squares come from tables, two bytes a lookup (``pairs`` [65536]: the sum
-    of both bytes' squares, index ``first | second << 8``; ``squares`` [256] for an odd
-    last byte), summed in float32 and scaled once: widening every byte to float32 ran at
-    a third of the speed. NaN bytes (0x7F / 0xFF) have NaN squares, so the row's sum is
-    NaN; a sum past float32 is flagged too (the numpy path decides those rows). The keys
-    sample the de-quantized values' bits."""
+    Each byte's magnitude is built as float32 bits, the way :mod:`.decode` does, but
+    with the exponent bias added so that every value is a normal float32 equal to the
+    fp8 value itself: ``(b & 0x7F) << 20`` plus 120 in the exponent field gives
+    ``(1 + m/8) 2**(e-7)`` for the normal bytes (``e >= 1``) and ``(1 + m/8) 2**-7``
+    for the subnormal ones, whose value ``(m/8) 2**-6`` is twice that minus ``2**-7``
+    (exact). Integer operations, a select and a multiply-add per byte, which the
+    compiler vectorises (the tables these replaced took a load per byte or pair of
+    bytes: 3.9 -> 10.6 GB/s on the same EPYC, in cache). The squares are summed in
+    float32 and scaled once; a NaN byte (0x7F / 0xFF) makes the row's sum NaN, a sum
+    past float32 is flagged too (the numpy path decides those rows). The keys sample
+    the de-quantized values' bits."""
     n, h = raw.shape
-    half = h // 2
+    tmp = np.empty(h, np.uint32)
+    mag = tmp.view(np.float32)
+    half = np.float32(2.0**-7)
+    bias = np.uint32(120 << 23)
     one = np.empty(1, np.float32)
     one_bits = one.view(np.uint32)
     odd = False
     for i in range(n):
         r = raw[i]
+        for j in range(h):
+            tmp[j] = ((np.uint32(r[j]) & np.uint32(0x7F)) << np.uint32(20)) + bias
         acc = np.float32(0.0)
-        for j in range(half):
-            acc += pairs[np.int32(r[2 * j]) | (np.int32(r[2 * j + 1]) << np.int32(8))]
-        if h % 2:
-            acc += squares[r[h - 1]]
+        nan = np.int32(0)
+        for j in range(h):
+            b = np.int32(r[j]) & np.int32(0x7F)
+            f = mag[j]
+            v = np.float32(2.0) * (f - half) if b < 8 else f
+            acc += v * v
+            nan += np.int32(b == 0x7F)
         f = factor[i]
         s = np.float64(f) * 2.0**-120
-        total = np.float64(acc) * s * s
+        total = np.float64(acc) * s * s if nan == 0 else np.nan
         sumsq[i] = total
         odd |= not (total > 0.0 and total < _F32_MAX)
         key = np.uint64(0)
