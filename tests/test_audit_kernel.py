@@ -197,3 +197,32 @@ def test_the_fp8_kernel_squares_every_byte_value() -> None:
     nan_row[1, 100] = 0xFF
     assert kernel.rows(nan_row, "F8_E4M3", factor, cols, mult, sumsq, keys) is True
     assert np.isnan(sumsq[1]) and not np.isnan(sumsq[0])
+
+
+def test_the_prefix_rows_the_kernel_decodes_are_the_numpy_decodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first rows the prefix check keeps come from the kernel's decode where it is
+    on: the same float32 values as the numpy decode, bit for bit (so the same sketches),
+    for BF16 and fp8 (F32 is kept as stored either way)."""
+    paths = _damaged(tmp_path)
+    monkeypatch.setattr(kernel, "ON", False)
+    without = [scan.audit_file(p).prefix for p in paths]
+    assert kernel.enable(kernel.MIN_BYTES) and kernel.ON
+    decoded = []
+    real = kernel.values
+
+    def counting(raw: Any, dtype: str, *args: Any) -> bool:
+        done = real(raw, dtype, *args)
+        decoded.append((dtype, done))
+        return done
+
+    monkeypatch.setattr(kernel, "values", counting)
+    with_kernel = [scan.audit_file(p).prefix for p in paths]
+    assert {d for d, done in decoded if done} == {"BF16", "F8_E4M3"}
+    for path, a, b in zip(paths, without, with_kernel, strict=True):
+        assert (a is None) == (b is None), path
+        if a is not None:
+            assert a.token_ids == b.token_ids
+            for name in ("sketches", "norms", "sound"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=path.name)

@@ -125,3 +125,36 @@ def fp8(
             key += np.uint64(one_bits[0]) * mult[k]
         keys[i] = key
     return odd
+
+
+@numba.njit(**_OPTS)
+def bf16_values(raw: Any, factor: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """``raw``: uint16 [n, hidden] bf16 bits -> their float32 values in ``out``."""
+    bits = out.view(np.uint32)
+    n, h = raw.shape
+    for i in range(n):
+        for j in range(h):
+            bits[i, j] = np.uint32(raw[i, j]) << np.uint32(16)
+
+
+@numba.njit(**_OPTS)
+def fp8_values(raw: Any, factor: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """``raw``: float8_e4m3fn bytes [n, hidden] -> their values times the row's scale
+    (``factor`` [n]: scale x 2**120) in ``out`` (float32), built from the bits as in
+    :func:`fp8`; the product is rounded once, as the numpy decode's is."""
+    n, h = raw.shape
+    bits = out.view(np.uint32)
+    half = np.float32(2.0**-7)
+    bias = np.uint32(120 << 23)
+    for i in range(n):
+        s = np.float32(factor[i] * np.float32(2.0**-120))
+        r = raw[i]
+        for j in range(h):
+            bits[i, j] = ((np.uint32(r[j]) & np.uint32(0x7F)) << np.uint32(20)) + bias
+        for j in range(h):
+            b = np.int32(r[j])
+            m = b & np.int32(0x7F)
+            f = out[i, j]
+            v = (np.float32(2.0) * (f - half) if m < 8 else f) * s
+            v = -v if b & np.int32(0x80) else v
+            out[i, j] = np.float32(np.nan) if m == 0x7F else v

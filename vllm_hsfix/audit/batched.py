@@ -35,9 +35,9 @@ from .scan import (
     sound_layer_stats,
 )
 
-# Files up to this size take the group pass (past it a file's own numpy calls are a
-# small part of its time), and a group holds at most this many bytes of rows.
-MAX_FILE_BYTES = 1024 * 1024
+# A group holds at most this many bytes of rows. (Only files read whole take the group
+# pass: up to :data:`.scan.WHOLE_FILE_BYTES`; past that a file's own numpy calls are a
+# small part of its time.)
 MAX_GROUP_BYTES = 32 * 1024 * 1024
 # Stored row formats the group pass takes (fp8 rows carry per-file scales, F64 is rare:
 # those go through the per-file path).
@@ -85,7 +85,6 @@ def _takes(rep: FileReport, prep: Prepared) -> bool:
         and not rep.problems
         and prep.rows.dtype in DTYPES
         and n_tokens > 0
-        and rep.bytes <= MAX_FILE_BYTES
         and prep.token_ids is not None
         and len(prep.token_ids) == n_tokens
     )

@@ -58,9 +58,19 @@ def _compiled() -> Any:
         k.f32(np.zeros((1, 2), np.float32), c, m, s, kk)
         values = _fp8_values()
         k.fp8(values, np.zeros((1, 3), np.uint8), np.ones(1, np.float32), c, m, s, kk)
+        k.bf16_values(np.zeros((1, 2), np.uint16), None, np.zeros((1, 2), np.float32))
+        k.fp8_values(
+            np.zeros((1, 2), np.uint8), np.ones(1, np.float32), np.zeros((1, 2), np.float32)
+        )
     except Exception:
         return None
-    return {"BF16": k.bf16, "F32": k.f32, "F8_E4M3": partial(k.fp8, values)}
+    return {
+        "BF16": k.bf16,
+        "F32": k.f32,
+        "F8_E4M3": partial(k.fp8, values),
+        "values BF16": k.bf16_values,
+        "values F8_E4M3": k.fp8_values,
+    }
 
 
 def _fp8_values() -> NDArray[Any]:
@@ -108,3 +118,16 @@ def rows(
             return None
         return bool(fns[dtype](raw, factor, cols, mult, sumsq, keys))  # values bound
     return bool(fns[dtype](raw, cols, mult, sumsq, keys))
+
+
+def values(raw: NDArray[Any], dtype: str, factor: NDArray[Any] | None, out: NDArray[Any]) -> bool:
+    """The float32 values of the stored rows ``raw`` (as for :func:`rows`) into ``out``
+    [n, hidden]: the rows the prefix check keeps, decoded in one compiled pass where the
+    kernel is loaded (the numpy decode made and copied temporary blocks per file: as
+    long as the fp8 kernel's pass over the whole file). False where it cannot here."""
+    fns = _compiled()
+    fn = None if fns is None else fns.get("values " + dtype)
+    if fn is None or (dtype == "F8_E4M3" and factor is None):
+        return False
+    fn(raw, factor, out)
+    return True

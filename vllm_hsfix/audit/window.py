@@ -168,9 +168,13 @@ def _kernel_rows(
     odd = kernel.rows(stored, rows.dtype, factor, cols, mult, sumsq, keys)
     if odd is None or odd:
         return False
-    if row0 < len(nums.head):  # the head rows as values: decoded by the numpy path
+    if row0 < len(nums.head):  # the head rows as values (compiled where it can be)
         take = min(len(nums.head) - row0, n)
-        _keep_head(nums, row0, rows.block(raw[:take], row0, rows.buffer(take))[0])
+        head = nums.head[row0 : row0 + take]
+        if not kernel.values(
+            stored[:take], rows.dtype, None if factor is None else factor[:take], head
+        ):
+            _keep_head(nums, row0, rows.block(raw[:take], row0, rows.buffer(take))[0])
     return True
 
 
