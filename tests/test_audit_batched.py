@@ -154,7 +154,7 @@ def test_small_groups_and_a_group_pass_that_fails_lose_nothing(
     corpus: dict[str, tuple[Path, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     paths = [str(p) for p, _ in corpus.values()]
-    monkeypatch.setattr(batched, "MAX_GROUP_BYTES", 40_000)  # a few files a group
+    monkeypatch.setattr(batched, "MAX_GROUP_BYTES", 40_000)  # a file or two a group
     _compare(batched.audit_files(paths), paths)
     calls = []
     real = batched.sound_layer_stats
