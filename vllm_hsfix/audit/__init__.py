@@ -14,6 +14,8 @@ or torch):
 
 Modules, lowest first (each imports only modules above it in this list):
 
+* ``prefix_columns``: where the prefix sketches wait for the dataset pass (on disk).
+* ``blas``: one BLAS thread while a worker judges its files.
 * ``prefix``: the shared-prefix consistency check (row sketches, consensus per group).
 * ``reference``: ``--reference``: recompute a sample with transformers and compare.
 * ``reports``: findings, the verdicts, per-file reports, sketches, per-run reports.
@@ -21,10 +23,15 @@ Modules, lowest first (each imports only modules above it in this list):
 * ``records``: the run as a stream of JSON records (``--jsonl``).
 * ``format``: the layouts the connectors write (plain, fp8): header, keys, dtypes, token ids.
 * ``decode``: rows as values, in one place (fp8 de-quantized with its per-token scales).
+* ``kernel``: the compiled per-row pass (numba) for large audits.
+* ``window``: one window of a file's rows -> the few numbers per row the checks need.
 * ``incremental``: ``--state``: per-file results kept between runs.
 * ``repeats``: rows repeated across token ids or aux layers (keys confirmed on the rows).
+* ``signatures``: which findings name a known hazard of the register.
 * ``scan``: one file: header and keys, then every row streamed (``audit_file``).
-* ``parallel``: ``audit_file`` over many files in batches in worker processes.
+* ``batched``: a worker's small files of one shape judged as one array (else ``scan``).
+* ``wire``: a worker's reports on their way to the driver, as columns.
+* ``parallel``: ``batched`` over many files in batches in worker processes.
 * ``on_ray``: the same batches as Ray tasks across a cluster (``--ray``).
 * ``dataset``: cross-file checks after the scan: shape majority, norm outliers, prefixes.
 * ``pipeline``: ``audit_paths``: paths -> files -> scan -> dataset pass -> records.

@@ -1,4 +1,4 @@
-"""Running :func:`.scan.audit_file` over many files in worker processes, in batches.
+"""Judging many files in worker processes, in batches (:func:`.batched.audit_files`).
 
 The pool is the one part of the audit with process-level concerns: the start method
 (fork where it is safe, else forkserver or spawn), numpy loaded before forking so the
@@ -52,8 +52,9 @@ def batches(sizes: Sequence[int], workers: int) -> list[list[int]]:
 
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
-    """One task: judge each file (``pending`` while its writer holds the lock, else
-    ``audit_file``, which never raises). ``total_bytes``: the whole audit's size, which
+    """One task: judge each file (``pending`` while its writer holds the lock; small
+    files of one shape as one array, :mod:`.batched`; never raises), the reports packed
+    for the trip to the driver (:mod:`.wire`). ``total_bytes``: the whole audit's size, which
     decides whether this worker uses the compiled kernel (:func:`.kernel.enable`)."""
     if total_bytes:
         kernel.enable(total_bytes)
