@@ -270,10 +270,12 @@ def check(
         tok = cols.tokens[rows]
         keys = (cols.index[rows], *(tok[:, c] for c in range(PREFIX_ROWS - 1, -1, -1)))
         order = rows[np.lexsort(keys)]
+        del tok, keys  # (each copy of the ids is 128 bytes a file: one at a time)
         tok = cols.tokens[order]
         length = cols.length[order].astype(np.int64)
-        same = np.cumprod(tok[1:] == tok[:-1], axis=1).sum(axis=1)
-        del tok, keys
+        # uint8 counts (at most PREFIX_ROWS): int64 ones were another 128 bytes a file.
+        same = np.cumprod(tok[1:] == tok[:-1], axis=1, dtype=np.uint8).sum(axis=1)
+        del tok
         lcp = np.minimum(same, np.minimum(length[1:], length[:-1]))
         where = positions[cols.index[order]]
         checked = np.zeros(len(order), dtype=bool)
