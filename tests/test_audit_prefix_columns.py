@@ -141,9 +141,15 @@ def test_the_same_verdicts_when_the_disk_fills_up_half_way(
     assert len(writes) == 4  # three chunks on disk, then the full disk, then memory
 
 
+@pytest.mark.parametrize("dense", [1, 1 << 20], ids=["cell-reads", "block-reads"])
 def test_the_same_verdicts_when_huge_groups_are_read_a_chunk_at_a_time(
-    data: list[prefix.PrefixData], expected: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+    data: list[prefix.PrefixData],
+    expected: tuple[Any, ...],
+    monkeypatch: pytest.MonkeyPatch,
+    dense: int,
 ) -> None:
+    """Groups compared 7 files at a time, their sketches read cell by cell or a
+    position's whole block per chunk."""
     monkeypatch.setattr(prefix, "GROUP_CHUNK", 7)
-    monkeypatch.setattr(prefix_columns, "_RELEASE_EVERY", 5)  # pages handed back often
+    monkeypatch.setattr(prefix_columns, "_DENSE", dense)
     assert summary(run_check(data)) == expected

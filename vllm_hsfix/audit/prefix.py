@@ -291,7 +291,6 @@ def check(
                 checked[s:e] = True
                 result.groups += 1
                 _check_group(result, cols, order[s:e], where[s:e], depth - 1)
-        cols.release()
         result.checked += int(checked.sum())
         if tick:
             tick(len(rows))
@@ -301,8 +300,7 @@ def check(
 
 
 # Files of one group compared at a time: bounds what a group of 10^6 files (every file
-# shares the chat template's first token) holds in memory, its rows and the pages of
-# the sketch file they map, to a few megabytes.
+# shares the chat template's first token) holds in memory to a few megabytes.
 GROUP_CHUNK = 2048
 
 
@@ -334,6 +332,10 @@ def _check_group(
             result.max_agreeing_distance = max(result.max_agreeing_distance, spread)
     result.no_consensus_groups += int(any(refs[a] is None for a in live))
     compare = [a for a in live if refs[a] is not None]
+    # Every file against the consensus in the order they were stored: a chunk of the
+    # group is then a few blocks of the sketch file, not a read per file.
+    stored = np.argsort(sel, kind="stable")
+    sel, where, sound = sel[stored], where[stored], sound[stored]
     for c0 in range(0, size if live else 0, GROUP_CHUNK):
         c1 = min(c0 + GROUP_CHUNK, size)
         rows = cols.rows(sel[c0:c1], position) if compare else None
