@@ -173,7 +173,7 @@ class Columns:
         if self._spill is None:
             held = self._held or [np.zeros((self.positions, _CHUNK), self.cell)]
             self._memory = np.stack(held)
-            self._held = [self._memory]
+            self._held = list(self._memory)  # chunk by chunk, as appended
         else:
             self._spill.flush()
         self._ready = True
