@@ -149,9 +149,9 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
 
 
 def test_a_report_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
-    """Reports travel from the workers (pool and Ray) pickled as plain tuples: every
-    field, the layer statistics, the findings (with their hazard) and the prefix
-    sketches come back as they were."""
+    """A lone report (what ``check_file`` gives a caller, who may pickle it) comes back
+    whole: every field, the layer statistics, the findings (with their hazard) and the
+    prefix sketches. (A worker's batch travels as columns: the next test.)"""
     import pickle
 
     import numpy as np

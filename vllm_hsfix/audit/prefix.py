@@ -90,27 +90,6 @@ class PrefixData:
     sound: Any  # bool [len(token_ids), n_aux]
     shape_key: tuple[int, int]  # (n_aux, hidden): only like files are compared
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickled as raw bytes (the worker pool and Ray carry one per file): numpy's
-        own pickling of three small arrays cost more than the rest of a small file's
-        report, in the worker and again in the driver."""
-        import numpy as np
-
-        arrays = (self.sketches, self.norms, self.sound)
-        if not all(isinstance(a, np.ndarray) for a in arrays):
-            return object.__reduce_ex__(self, protocol)
-        packed = tuple((a.dtype.str, a.shape, a.tobytes()) for a in arrays)
-        return (_unpickle, (self.token_ids, packed, self.shape_key))
-
-
-def _unpickle(token_ids: tuple[int, ...], packed: Any, shape_key: tuple[int, int]) -> PrefixData:
-    import numpy as np
-
-    sketches, norms, sound = (
-        np.frombuffer(raw, dtype=dtype).reshape(shape).copy() for dtype, shape, raw in packed
-    )
-    return PrefixData(token_ids, sketches, norms, sound, shape_key)
-
 
 def from_head(
     head: NDArray[Any],
