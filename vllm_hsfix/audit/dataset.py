@@ -2,28 +2,32 @@
 
 Run after every file has been scanned: the ``[n_aux, hidden]`` majority, per aux layer
 the files whose median row norm is a robust outlier, and the shared-prefix consistency
-check (:mod:`.prefix`). They read only each file's :class:`.reports.Sketch` and the
-prefix sketches kept in columns (:class:`.prefix.Store`; the reports themselves may
-already be written out and gone) and return their findings by
+check (:mod:`.prefix`). They read only the columns of :class:`.ledger.Ledger` and the
+prefix sketches kept in :class:`.prefix.Store` (the reports themselves may already be
+written out and gone), each over all files at once, and return their findings by
 file index, plus what they compared against, for the report's ``dataset`` section.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import prefix
-from .reports import CORRUPT, SUSPECT, Problem, Sketch
+from .reports import CORRUPT, SUSPECT, Problem
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from .ledger import Ledger
 
 Findings = dict[int, list[Problem]]
 
 
-def add_finding(findings: Findings, files: list[Sketch], i: int, problem: Problem) -> None:
-    """Record a dataset-level finding for file ``i`` and update its sketch's verdict."""
+def add_finding(findings: Findings, ledger: Ledger, i: int, problem: Problem) -> None:
+    """Record a dataset-level finding for file ``i`` and update its verdict."""
     findings.setdefault(i, []).append(problem)
-    files[i].add(problem)
+    ledger.add(i, problem.severity)
 
 
 # Dataset pass: flag a file whose per-layer median row norm is more than OUTLIER_MADS
@@ -39,76 +43,85 @@ REL_FLOOR = 0.05
 MIN_FILES_FOR_OUTLIERS = 3
 
 
-def dataset_pass(files: list[Sketch], findings: Findings) -> dict[str, Any]:
-    """Cross-file checks, which no single file can answer: the ``[n_aux, hidden]``
-    majority, and per aux layer, files whose median row norm is a robust outlier.
-    Findings go into ``findings`` (by index into ``files``)."""
+def dataset_pass(ledger: Ledger, judged: NDArray[Any], findings: Findings) -> dict[str, Any]:
+    """Cross-file checks, which no single file can answer, over the files ``judged``
+    (indices, ascending): the ``[n_aux, hidden]`` majority, and per aux layer, files whose
+    median row norm is a robust outlier. Findings go into ``findings`` (by file index)."""
     import numpy as np
 
     info: dict[str, Any] = {"majority_shape": None, "norm_reference": []}
-    shapes = Counter((f.n_aux, f.hidden) for f in files if f.n_aux and f.hidden)
-    n_shaped = sum(shapes.values())
-    if shapes and n_shaped >= MIN_FILES_FOR_OUTLIERS:
-        (shape, n), *_ = shapes.most_common(1)
-        if n * 2 > n_shaped:
-            info["majority_shape"] = list(shape)
-            for i, f in enumerate(files):
-                if f.n_aux and f.hidden and (f.n_aux, f.hidden) != shape:
-                    detail = (
-                        f"[n_aux, hidden] = [{f.n_aux}, {f.hidden}] but {n} of {n_shaped} "
-                        f"files have {list(shape)}"
-                    )
-                    add_finding(findings, files, i, Problem("shape_outlier", SUSPECT, detail))
-    for n_aux, hidden in sorted(shapes):
-        group = [i for i, f in enumerate(files) if (f.n_aux, f.hidden) == (n_aux, hidden)]
+    shaped = judged[(ledger.n_aux[judged] > 0) & (ledger.hidden[judged] > 0)]
+    n_shaped = len(shaped)
+    if not n_shaped:
+        return info
+    pairs = np.stack([ledger.n_aux[shaped], ledger.hidden[shaped]], axis=1).astype(np.int64)
+    shapes, which, counts = np.unique(pairs, axis=0, return_inverse=True, return_counts=True)
+    which = which.reshape(-1)
+    if n_shaped >= MIN_FILES_FOR_OUTLIERS:
+        top = int(counts.argmax())
+        n = int(counts[top])
+        if n * 2 > n_shaped:  # a strict majority (unique, so ties cannot matter)
+            shape = [int(x) for x in shapes[top]]
+            info["majority_shape"] = shape
+            for k in np.flatnonzero(which != top).tolist():
+                i = int(shaped[k])
+                detail = (
+                    f"[n_aux, hidden] = [{int(pairs[k, 0])}, {int(pairs[k, 1])}] but {n} of "
+                    f"{n_shaped} files have {shape}"
+                )
+                add_finding(findings, ledger, i, Problem("shape_outlier", SUSPECT, detail))
+    for s, (n_aux, hidden) in enumerate(shapes.tolist()):  # ascending, as sorted() gives
+        group = shaped[which == s]
         for a in range(n_aux):
-            members = [
-                (i, files[i].medians[a])
-                for i in group
-                if len(files[i].medians) > a and files[i].medians[a] is not None
-            ]
+            have = group[ledger.layers[group] > a]
+            vals = ledger.medians(have, a)
+            keep = ~np.isnan(vals)
+            members, vals = have[keep], vals[keep]
             if len(members) < MIN_FILES_FOR_OUTLIERS:
                 continue
-            vals = np.array([v for _, v in members], dtype=np.float64)
             med = float(np.median(vals))
             mad = float(np.median(np.abs(vals - med)))
             scale = max(MAD_SCALE * mad, REL_FLOOR * abs(med))
-            ref = {
-                "n_aux": n_aux,
-                "hidden": hidden,
-                "aux": a,
-                "files": len(members),
-                "median": med,
-                "mad": mad,
-                "threshold": OUTLIER_MADS * scale,
-            }
-            info["norm_reference"].append(ref)
+            info["norm_reference"].append(
+                {
+                    "n_aux": n_aux,
+                    "hidden": hidden,
+                    "aux": a,
+                    "files": len(members),
+                    "median": med,
+                    "mad": mad,
+                    "threshold": OUTLIER_MADS * scale,
+                }
+            )
             if scale <= 0:
                 continue
-            for i, v in members:
-                z = abs(v - med) / scale  # type: ignore[operator]
-                if z > OUTLIER_MADS:
-                    ratio = v / med if med else math.inf  # type: ignore[operator]
-                    detail = (
-                        f"aux layer {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
-                        f"median {med:.4g} (robust z {z:.1f} > {OUTLIER_MADS:g})"
-                    )
-                    add_finding(findings, files, i, Problem("norm_outlier", SUSPECT, detail))
+            z = np.abs(vals - med) / scale
+            for k in np.flatnonzero(z > OUTLIER_MADS).tolist():
+                v = float(vals[k])
+                ratio = v / med if med else math.inf
+                detail = (
+                    f"aux layer {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
+                    f"median {med:.4g} (robust z {float(z[k]):.1f} > {OUTLIER_MADS:g})"
+                )
+                add_finding(
+                    findings, ledger, int(members[k]), Problem("norm_outlier", SUSPECT, detail)
+                )
     return info
 
 
 def prefix_pass(
-    files: list[Sketch],
+    ledger: Ledger,
+    judged: NDArray[Any],
     findings: Findings,
     store: prefix.Store,
     positions: Any,
     tick: prefix.Tick | None = None,
 ) -> dict[str, Any]:
     """Cross-file shared-prefix consistency (:mod:`.prefix`) over the files' sketches in
-    ``store`` (``positions``: a stored file's index in ``files``, -1 for none); findings
-    are corrupt. ``tick(n)`` reports progress in files."""
-    result = prefix.check(store, positions, len(files), tick)
-    for index, finding in sorted(result.findings.items()):
+    ``store`` (``positions``: a stored file's position in ``judged``, -1 for none);
+    findings are corrupt. ``tick(n)`` reports progress in files."""
+    result = prefix.check(store, positions, len(judged), tick)
+    for k, finding in sorted(result.findings.items()):
         problem = Problem("prefix_mismatch", CORRUPT, prefix.describe(finding))
-        add_finding(findings, files, index, problem)
-    return result.summary(len(files))
+        add_finding(findings, ledger, int(judged[k]), problem)
+    return result.summary(len(judged))

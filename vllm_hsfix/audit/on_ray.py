@@ -66,9 +66,9 @@ def run_ray(ray: Any, files: list[str], sizes: Sequence[int], on_result: ResultF
     """Scan ``files`` as Ray tasks; ``on_result(index, report)`` per file as each task
     finishes. Returns the number of CPUs the cluster offered (the "workers")."""
     cpus = cluster_cpus(ray)
-    total = sum(sizes)  # the workers decide on the compiled kernel from it
+    total = int(sum(sizes))  # the workers decide on the compiled kernel from it
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES)(run_batch)
-    pending: dict[Any, list[int]] = {}
+    pending: dict[Any, range] = {}
     for batch in batches(sizes, cpus):
         pending[task.remote([files[i] for i in batch], total)] = batch
     singles: list[int] = []

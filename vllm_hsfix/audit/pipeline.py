@@ -6,9 +6,9 @@ also used by the command to answer "nothing to audit" before any work starts.
 
 The run is a stream (:mod:`.records`): each file's record goes to ``on_record`` as soon
 as the per-file checks judge it, then one update per file a dataset-level check
-changed, then the summary. Only the small :class:`.reports.Sketch` of each file stays
-in memory for the dataset pass, unless ``keep`` asks for the full reports too (what
-``--json`` and ``--csv`` print).
+changed, then the summary. Only each file's few columns of :class:`.ledger.Ledger` and
+its prefix token ids stay in memory for the dataset pass, unless ``keep`` asks for the
+full reports too (what ``--json`` and ``--csv`` print).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from . import prefix, records
 from .dataset import Findings, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
 from .incremental import State
+from .ledger import Ledger
 from .parallel import default_workers, run_pool
 from .progress import SILENT, Factory
-from .reports import CORRUPT, PENDING, UNSUPPORTED, AuditReport, FileReport, Sketch
+from .reports import CORRUPT, PENDING, AuditReport, FileReport
 from .scan import locked
 
 RecordFn = Callable[[records.Record], None]
@@ -125,6 +126,8 @@ def audit_paths(
     again). ``on_record``: each record as it is made (:mod:`.records`). ``keep``: keep
     every full report in the result (else only verdicts). Raises ``FileNotFoundError``
     for a missing path and ``ValueError`` for ``workers`` < 1."""
+    import numpy as np
+
     t0 = time.perf_counter()
     files = expand_paths(paths)
     n = default_workers() if workers is None else workers
@@ -135,7 +138,7 @@ def audit_paths(
     store = State(os.fspath(state)) if state is not None else None
     sizes, mtimes = _stats(files)
     full: list[FileReport | None] = [None] * len(files)
-    sketches: list[Sketch | None] = [None] * len(files)
+    ledger = Ledger(len(files))  # what the dataset pass reads of each judged file
     prefixes = prefix.Store()  # each file's prefix sketches: ids here, rows on disk
 
     def take(i: int, rep: FileReport, cached: bool = False) -> None:
@@ -144,7 +147,7 @@ def audit_paths(
         if streaming:
             emit(records.file_record(rep, cached))
         if rep.verdict != PENDING:
-            sketches[i] = Sketch.of(rep, files[i])
+            ledger.put(i, rep)
             prefixes.add(i, rep.prefix)
         rep.prefix = None  # the store holds it now
         if keep or rep.verdict == PENDING:
@@ -156,26 +159,29 @@ def audit_paths(
         take(i, rep, cached)
         scan_bar.update(1, rep.bytes)
 
-    todo: list[int] = []
+    fresh = np.ones(len(files), dtype=bool)  # to scan: not supplied by the state
     reused = 0
-    for i, p in enumerate(files):
-        # A file still being written is found where it is judged: in the workers for
-        # the files they scan, here for the ones the state would supply.
-        cached = store.lookup(p, int(sizes[i]), int(mtimes[i])) if store is not None else None
-        if cached is None:
-            todo.append(i)
-        elif (pending := locked(p)) is not None:
-            scanned(i, pending)
-        else:
-            reused += 1
-            scanned(i, cached, cached=True)
+    if store is not None:
+        for i, p in enumerate(files):
+            # A file still being written is found where it is judged: in the workers
+            # for the files they scan, here for the ones the state would supply.
+            cached = store.lookup(p, int(sizes[i]), int(mtimes[i]))
+            if cached is None:
+                continue
+            fresh[i] = False
+            if (pending := locked(p)) is not None:
+                scanned(i, pending)
+            else:
+                reused += 1
+                scanned(i, cached, cached=True)
+    todo = np.flatnonzero(fresh)  # an array: no int object per file for the whole run
     backend = "local"
-    if todo:
-        paths_todo = [files[i] for i in todo]
-        todo_sizes = sizes[todo].tolist()
+    if len(todo):
+        paths_todo = [files[i] for i in todo.tolist()]
+        todo_sizes = sizes[todo]
 
         def on_result(k: int, rep: FileReport) -> None:
-            scanned(todo[k], rep)
+            scanned(int(todo[k]), rep)
 
         try:
             if ray is not None and ray is not False:
@@ -191,6 +197,7 @@ def audit_paths(
                 n = max(1, min(n, len(todo)))
                 run_pool(paths_todo, todo_sizes, n, on_result)
         finally:
+            del paths_todo, todo_sizes
             scan_bar.close()
             if store is not None:
                 store.save()
@@ -201,38 +208,35 @@ def audit_paths(
 
     # Files of a format the audit does not know have no rows read: they take no part
     # in the cross-file checks (their verdict stays ``unsupported``).
-    judged = [i for i, s in enumerate(sketches) if s is not None and s.verdict != UNSUPPORTED]
-    group = [sketches[i] for i in judged]
+    judged = ledger.judged()
     findings: Findings = {}
     dataset: dict = {}
-    if group:
-        import numpy as np
-
-        bar = progress("norms", len(group))
-        dataset = dataset_pass(group, findings)  # type: ignore[arg-type]
-        bar.update(len(group))
+    if len(judged):
+        bar = progress("norms", len(judged))
+        dataset = dataset_pass(ledger, judged, findings)
+        bar.update(len(judged))
         bar.close()
-        bar = progress("prefix", len(group))
+        bar = progress("prefix", len(judged))
         positions = np.full(len(files), -1, dtype=np.int64)
         positions[judged] = np.arange(len(judged))
         with prefixes:  # its temporary files go now
-            dataset["prefix"] = prefix_pass(group, findings, prefixes, positions, bar.update)  # type: ignore[arg-type]
+            dataset["prefix"] = prefix_pass(
+                ledger, judged, findings, prefixes, positions, bar.update
+            )
         bar.close()
         if reference is not None:
-            _reference_pass(group, findings, reference, dataset, progress)  # type: ignore[arg-type]
-    for k, problems in sorted(findings.items()):
-        i = judged[k]
-        sk = sketches[i]
-        assert sk is not None
+            _reference_pass(files, ledger, judged, findings, reference, dataset, progress)
+    final = ledger.verdicts()
+    for i, problems in sorted(findings.items()):
         if full[i] is not None:
             for pr in problems:
                 full[i].add(pr.code, pr.severity, pr.detail)  # type: ignore[union-attr]
-        emit(records.update_record(sk.path, sk.verdict, problems))
+        emit(records.update_record(files[i], final[i], problems))  # type: ignore[arg-type]
 
-    verdicts = []
-    for i, p in enumerate(files):
-        sk, rep = sketches[i], full[i]
-        verdicts.append((p, sk.verdict if sk is not None else rep.verdict))  # type: ignore[union-attr]
+    verdicts = [
+        (p, v if v is not None else full[i].verdict)  # type: ignore[union-attr]
+        for i, (p, v) in enumerate(zip(files, final, strict=True))
+    ]
     report = AuditReport(
         files=[r for r in full if r is not None] if keep else [],
         wall_s=time.perf_counter() - t0,
@@ -250,7 +254,9 @@ def audit_paths(
 
 
 def _reference_pass(
-    group: list[Sketch],
+    files: list[str],
+    ledger: Ledger,
+    judged: Any,
     findings: Findings,
     ref: Reference,
     dataset: dict,
@@ -261,10 +267,10 @@ def _reference_pass(
     from .dataset import add_finding
     from .reports import Problem
 
-    readable = [k for k, s in enumerate(group) if s.n_tokens]
+    readable = judged[ledger.n_tokens[judged] > 0].tolist()
     if not readable:
         return
-    paths = [group[k].path for k in readable]
+    paths = [files[i] for i in readable]
     bar = progress("reference", len(reference.sample(paths, ref.sample)))
     try:
         results, summary = reference.check(
@@ -272,9 +278,9 @@ def _reference_pass(
         )
     finally:
         bar.close()
-    index = {group[k].path: k for k in readable}
+    index = dict(zip(paths, readable, strict=True))
     for r in results:
         if not r.ok:
             problem = Problem("reference_mismatch", CORRUPT, r.describe(ref.model_dir))
-            add_finding(findings, group, index[r.path], problem)
+            add_finding(findings, ledger, index[r.path], problem)
     dataset["reference"] = summary

@@ -249,7 +249,7 @@ def check(
         tok = cols.tokens[rows]
         keys = (cols.index[rows], *(tok[:, c] for c in range(PREFIX_ROWS - 1, -1, -1)))
         order = rows[np.lexsort(keys)]
-        del tok, keys  # (each copy of the ids is 128 bytes a file: one at a time)
+        del tok, keys  # (each copy of the ids is 64-128 bytes a file: one at a time)
         tok = cols.tokens[order]
         length = cols.length[order].astype(np.int64)
         # uint8 counts (at most PREFIX_ROWS): int64 ones were another 128 bytes a file.

@@ -1,18 +1,18 @@
 """Where the files' prefix sketches wait for the dataset pass: token ids in memory, rows on disk.
 
-The shared-prefix check (:mod:`.prefix`, whose ``Store`` holds one :class:`Columns`
-per shape) needs every file's first token ids (to sort and group the files) and, per
-group, the sketches of one position. The token ids stay in memory (about 200 bytes a
-file); the sketches (about 4 KB a file with 4 aux layers,
-16 positions) go to an unnamed temporary file per ``[n_aux, hidden]`` shape as the
-files are judged, and are read back with ``pread``, a group at a time. So the driver's
-memory no longer grows by kilobytes per file: at speculators' 10^6 files the sketches
-alone were 4-5 GB of it. The file is written a chunk of 1,024 files at a time,
-position by position within the chunk: one position of a group's files is then one
+The shared-prefix check (:mod:`.prefix`, whose ``Store`` holds one :class:`Columns` per
+shape) needs every file's first token ids (to sort and group the files) and, per group,
+the sketches of one position. The token ids stay in memory (about 120 bytes a file with
+its soundness and index: int32 ids where they fit); the sketches (about 4 KB a file with
+4 aux layers, 16 positions) go to an unnamed temporary file per ``[n_aux, hidden]``
+shape as the files are judged, and are read back with ``pread``, a group at a time. So
+the driver's memory no longer grows by kilobytes per file: at speculators' 10^6 files
+the sketches alone were 4-5 GB of it. The file is written a chunk of 1,024 files at a
+time, position by position within the chunk: one position of a group's files is then one
 block of each chunk (read whole where many of its files are wanted), not every file's
-whole record. Reads, not a memory map: mapping the page cache brought whole large
-folios into the resident set (a sample of 16 files mapped 8-12 MB; a 20,000-file audit's
-peak RSS rose 26 MB in this pass).
+whole record. Reads, not a memory map: mapping the page cache brought whole large folios
+into the resident set (a sample of 16 files mapped 8-12 MB; a 20,000-file audit's peak
+RSS rose 26 MB in this pass).
 
 The temporary files live in the system's temporary directory (``TMPDIR``) and are gone
 when the audit ends, or when the process does. Where one cannot be created or written
@@ -33,6 +33,7 @@ _CHUNK = 1024  # files gathered before one write to the spill file
 # A chunk's block at one position is read whole when at least 1/_DENSE of its files
 # are wanted (one read of 200-300 KB instead of that many small ones).
 _DENSE = 16
+_I32_MIN, _I32_END = -(2**31), 2**31
 
 
 class Columns:
@@ -69,7 +70,10 @@ class Columns:
         old = None if self.n == 0 else self.__dict__.copy()
         self.index = np.zeros(cap, dtype=np.int64)  # the file's index in the audit
         self.length = np.zeros(cap, dtype=np.uint8)  # its number of prefix token ids
-        self.tokens = np.full((cap, self.positions), -1, dtype=np.int64)  # -1: past its end
+        # -1: past its end. int32 holds every vocabulary's ids (half the memory of int64);
+        # a file whose ids do not fit widens the column (:meth:`append`).
+        dtype = np.int64 if old is not None and old["tokens"].itemsize == 8 else np.int32
+        self.tokens = np.full((cap, self.positions), -1, dtype=dtype)
         self.sound = np.zeros((cap, self.positions, self.n_aux), dtype=bool)
         if old is not None:
             for name in ("index", "length", "tokens", "sound"):
@@ -88,6 +92,9 @@ class Columns:
         if self.n == len(self.index):
             self._alloc(self.n + self.n // 2)
         r, k = self.n, len(token_ids)
+        fits = not k or _I32_MIN <= min(token_ids) <= max(token_ids) < _I32_END
+        if not fits and self.tokens.itemsize == 4:
+            self.tokens = self.tokens.astype("int64")  # not a vocabulary's ids: kept as is
         self.index[r], self.length[r] = index, k
         self.tokens[r, :k] = token_ids
         self.sound[r, :k] = sound

@@ -40,7 +40,6 @@ OK = "ok"
 PENDING = "pending"
 UNSUPPORTED = "unsupported"
 VERDICTS = (OK, SUSPECT, CORRUPT, PENDING, UNSUPPORTED)
-_VERDICT = {v: v for v in VERDICTS}  # one string per verdict, not one per unpickled report
 # Which verdict wins when a file gets findings of several severities.
 _RANK = {OK: 0, PENDING: 1, SUSPECT: 2, UNSUPPORTED: 3, CORRUPT: 4}
 # Report schema: 3 added the ``unsupported`` verdict (its count and list) and each
@@ -149,40 +148,6 @@ class FileReport:
         layers = [LayerStats(**x) for x in d.pop("layers", [])]
         problems = [Problem(**x) for x in d.pop("problems", [])]
         return cls(**d, layers=layers, problems=problems)
-
-
-@dataclass(slots=True)
-class Sketch:
-    """What the dataset pass needs of one file besides its prefix sketches (those go
-    into :class:`.prefix.Store`), and no more: the per-file report can be
-    written out (``--jsonl``) and dropped, so memory grows with these, not with the
-    reports."""
-
-    path: str
-    verdict: str
-    bytes: int
-    n_tokens: int | None
-    n_aux: int | None
-    hidden: int | None
-    medians: tuple[float | None, ...]
-
-    @classmethod
-    def of(cls, rep: FileReport, path: str | None = None) -> Sketch:
-        """``path``: the driver's own string for the file, shared rather than the copy
-        the report brought from a worker (at 10^6 files, the copies were 0.2 GB)."""
-        return cls(
-            path=rep.path if path is None else path,
-            verdict=_VERDICT.get(rep.verdict, rep.verdict),
-            bytes=rep.bytes,
-            n_tokens=rep.n_tokens,
-            n_aux=rep.n_aux,
-            hidden=rep.hidden,
-            medians=tuple(st.median_norm for st in rep.layers),
-        )
-
-    def add(self, problem: Problem) -> None:
-        """Keep the verdict in step with a dataset-level finding."""
-        self.verdict = worse(self.verdict, problem.severity)
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""Every file's part in the dataset pass, as columns: what stays in memory per file.
+
+The per-file reports are written out as they come (``--jsonl``) and dropped; the
+cross-file checks (:mod:`.dataset`) read, of each judged file, its verdict (kept in
+step with their findings), token count, ``[n_aux, hidden]`` and each aux layer's median
+row norm. One Python object per file held those in about 265 bytes (the object, a tuple
+and an int or float object per value; tracemalloc, 20,000 files): here they are numpy
+columns allocated once for every file of the audit, and the medians one growing array
+of doubles, about 60 bytes a file. A file with no verdict here (pending, or not back
+from its worker yet) takes no part.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import TYPE_CHECKING, Any
+
+from .reports import UNSUPPORTED, VERDICTS, FileReport, worse
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+_NONE = 255  # no verdict recorded
+_CODE = {v: k for k, v in enumerate(VERDICTS)}
+
+
+class Ledger:
+    """Columns for the files ``0..n-1`` of one audit (their indices in its file list)."""
+
+    def __init__(self, n: int) -> None:
+        import numpy as np
+
+        self.code = np.full(n, _NONE, dtype=np.uint8)  # index into VERDICTS
+        self.n_tokens = np.full(n, -1, dtype=np.int64)  # -1: not known (header unread)
+        self.n_aux = np.zeros(n, dtype=np.int32)  # 0: not known
+        self.hidden = np.zeros(n, dtype=np.int32)
+        self.first = np.zeros(n, dtype=np.int64)  # where its medians start in _medians
+        self.layers = np.zeros(n, dtype=np.int32)  # how many medians it has
+        self._medians = array("d")  # NaN: none (no sound row, or not finite)
+
+    def put(self, i: int, rep: FileReport) -> None:
+        """File ``i``'s judged report (anything but ``pending``)."""
+        self.code[i] = _CODE[rep.verdict]
+        self.n_tokens[i] = -1 if rep.n_tokens is None else rep.n_tokens
+        self.n_aux[i] = rep.n_aux or 0
+        self.hidden[i] = rep.hidden or 0
+        self.first[i] = len(self._medians)
+        self.layers[i] = len(rep.layers)
+        nan = math.nan
+        self._medians.extend([nan if s.median_norm is None else s.median_norm for s in rep.layers])
+
+    def add(self, i: int, severity: str) -> None:
+        """Keep file ``i``'s verdict in step with a dataset-level finding."""
+        self.code[i] = _CODE[worse(VERDICTS[self.code[i]], severity)]
+
+    def verdicts(self) -> list[str | None]:
+        """Every file's verdict (None where none was recorded), in file order."""
+        names = (*VERDICTS, *([None] * (_NONE + 1 - len(VERDICTS))))
+        return [names[c] for c in self.code.tolist()]
+
+    def judged(self) -> NDArray[Any]:
+        """The files the cross-file checks take: those with a verdict, except files of a
+        format the audit does not know (no rows were read; they stay ``unsupported``)."""
+        import numpy as np
+
+        return np.flatnonzero((self.code != _NONE) & (self.code != _CODE[UNSUPPORTED]))
+
+    def medians(self, files: NDArray[Any], aux: int) -> NDArray[Any]:
+        """Aux layer ``aux``'s median row norm of each of ``files`` (which have that
+        layer), NaN where it has none."""
+        import numpy as np
+
+        values = np.frombuffer(self._medians, dtype=np.float64)
+        return values[self.first[files] + aux]  # a copy: the array may grow again
