@@ -18,7 +18,8 @@ Modules, lowest first (each imports only modules above it in this list):
 * ``blas``: one BLAS thread while a worker judges its files.
 * ``prefix``: the shared-prefix consistency check (row sketches, consensus per group).
 * ``reference``: ``--reference``: recompute a sample with transformers and compare.
-* ``reports``: findings, the verdicts, per-file reports, sketches, per-run reports.
+* ``reports``: findings, the verdicts, per-file reports, per-run reports.
+* ``ledger``: what the dataset pass keeps of every file, as columns.
 * ``progress``: each pass's progress, tqdm on a terminal, plain lines in a log.
 * ``records``: the run as a stream of JSON records (``--jsonl``).
 * ``format``: the layouts the connectors write (plain, fp8): header, keys, dtypes, token ids.
