@@ -201,3 +201,28 @@ def test_a_workers_batch_crosses_the_process_boundary_whole(tmp_path: Path) -> N
                 want = getattr(r.prefix, name)
                 assert np.array_equal(getattr(b.prefix, name), want)
                 assert getattr(b.prefix, name).dtype == want.dtype
+
+
+def test_many_named_files_are_deduplicated_in_tens_of_bytes_each(tmp_path: Path) -> None:
+    """The command hands its expanded list back to ``audit_paths``: 20,000 named files
+    (one named twice) come back once each, in order, and finding the duplicates costs
+    tens of bytes a file at its peak (a set of (device, inode) tuples cost about 260)."""
+    import tracemalloc
+
+    import numpy as np
+
+    names = []
+    for i in range(20_000):
+        p = tmp_path / f"hs_{i}.safetensors"
+        p.touch()
+        names.append(str(p))
+    np.unique(np.zeros((3, 2), np.uint64), axis=0, return_index=True)  # numpy's own first
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = pipeline.expand_paths([*names, names[5], str(tmp_path / "." / "hs_7.safetensors")])
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert out == names
+    assert peak / len(names) < 200, f"{peak / len(names):.0f} bytes a file"
