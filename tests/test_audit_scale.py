@@ -283,6 +283,26 @@ def test_state_survives_a_killed_run_and_ignores_other_versions(tmp_path: Path) 
     assert other.reused == 0 and "every file is scanned again" in other.dataset["state_note"]
 
 
+def test_state_lines_it_cannot_read_back_are_scanned_again(tmp_path: Path) -> None:
+    """A state line that is valid JSON but not a report this version reads back (an
+    unknown verdict, an unknown field, a layer cut short, a pending verdict no run
+    stores): that file is scanned again; the run neither crashes nor trusts it."""
+    root = tmp_path / "d"
+    for i in range(5):
+        hs_file(root / f"g{i}.safetensors", seed=i)
+    state = tmp_path / "s.jsonl"
+    pipeline.audit_paths([root], workers=1, state=state)
+    header, *lines = state.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    recs[0]["report"]["verdict"] = "weird"
+    recs[1]["report"]["colour"] = "blue"
+    recs[2]["report"]["layers"][0] = {"aux": 0}
+    recs[3]["report"]["verdict"] = "pending"
+    state.write_text("\n".join([header, *map(json.dumps, recs)]) + "\n")
+    again = pipeline.audit_paths([root], workers=1, state=state)
+    assert again.reused == 1 and again.count("ok") == 5
+
+
 # ----------------------------------------------------------------- API and usage
 
 

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from .._version import __version__
 from .prefix import PrefixData
-from .reports import FileReport
+from .reports import PENDING, VERDICTS, FileReport
 
 # Bump when a per-file check changes what it reports: old states are then rescanned.
 # 2: fp8 files de-quantized (were corrupt), unknown formats ``unsupported``.
@@ -110,11 +110,16 @@ class State:
         line = self._old.get(path)
         if line is None:
             return None
-        d = json.loads(line)
-        if d.get("size") != size or d.get("mtime_ns") != mtime_ns:
+        try:
+            d = json.loads(line)
+            if d.get("size") != size or d.get("mtime_ns") != mtime_ns:
+                return None
+            rep = FileReport.from_dict(d["report"])
+            rep.prefix = _prefix_in(d.get("prefix"))
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return None  # a line this version cannot read back: the file is scanned again
+        if rep.verdict not in VERDICTS or rep.verdict == PENDING:
             return None
-        rep = FileReport.from_dict(d["report"])
-        rep.prefix = _prefix_in(d.get("prefix"))
         self._new[path] = line  # already on disk: kept at save(), not appended again
         return rep
 
