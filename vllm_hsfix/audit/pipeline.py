@@ -71,8 +71,11 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
 def _first_of_each_file(paths: list[str]) -> list[str]:
     """``paths`` without the later names of a file named more than once (two spellings,
     a link): one stat per path, the identities in two arrays. The command hands its
-    expanded list back to :func:`audit_paths`, so at 10^6 files a set of (device,
-    inode) tuples was about 150 bytes a file of the driver's peak; these are 16."""
+    expanded list back to :func:`audit_paths`: a set of (device, inode) tuples raised
+    the driver's peak by about 260 bytes a file, these arrays and their sort by about
+    115 (tracemalloc, 20,000 named files)."""
+    if len(paths) < 2:
+        return paths
     from array import array
     from itertools import compress
 
@@ -89,8 +92,6 @@ def _first_of_each_file(paths: list[str]) -> list[str]:
             continue
         dev.append(st.st_dev)
         ino.append(st.st_ino)
-    if len(paths) < 2:
-        return paths
     ident = np.stack([np.frombuffer(dev, np.uint64), np.frombuffer(ino, np.uint64)], axis=1)
     _, first = np.unique(ident, axis=0, return_index=True)
     if len(first) == len(paths):

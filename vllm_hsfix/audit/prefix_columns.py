@@ -92,8 +92,8 @@ class Columns:
         if self.n == len(self.index):
             self._alloc(self.n + self.n // 2)
         r, k = self.n, len(token_ids)
-        fits = not k or _I32_MIN <= min(token_ids) <= max(token_ids) < _I32_END
-        if not fits and self.tokens.itemsize == 4:
+        narrow = self.tokens.itemsize == 4  # once widened, no file's ids need a look
+        if narrow and k and not _I32_MIN <= min(token_ids) <= max(token_ids) < _I32_END:
             self.tokens = self.tokens.astype("int64")  # not a vocabulary's ids: kept as is
         self.index[r], self.length[r] = index, k
         self.tokens[r, :k] = token_ids
