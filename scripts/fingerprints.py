@@ -52,6 +52,9 @@ TABLE = ROOT / "vllm_hsfix" / "tested.json"
 STATED: dict[str, tuple[str, str, bool]] = {
     "scatter-clamp": ("0.17.0", "0.25.0", False),
     "hidden-group-block-size": ("0.24.0", "0.25.0", False),
+    # DeepseekV2Model captures aux states at layer inputs only from 0.18.0 (none before);
+    # PR 46973, first released in 0.25.0, adds the last layer's output.
+    "aux-final-layer": ("0.18.0", "0.25.0", False),
     "cpu-zero-blocks": ("0.22.0", "0.25.0", True),
     # Request aborted before it was scheduled: KeyError in request_finished on
     # 0.24.0-0.30.x; upstream PR 56841, first released in 0.31.0.

@@ -596,7 +596,9 @@ CUDA_SKELETON_FILES = (
 )
 SKELETON_STAMP = ".vllm-hsfix-skeleton"
 # Bump when what a skeleton holds changes, so warm caches are rebuilt.
-SKELETON_LAYOUT = 4  # 3: cpu-dist-name's cli/main.py; 4: cpu-gdn-wide-conv-state's _custom_ops.py
+# 3: cpu-dist-name's cli/main.py; 4: cpu-gdn-wide-conv-state's _custom_ops.py;
+# 5: aux-final-layer's models/deepseek_v2.py
+SKELETON_LAYOUT = 5
 
 
 def _skeleton_member(name: str) -> bool:

@@ -61,7 +61,8 @@ print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
     lines = [ln for ln in out.stderr.splitlines() if f"vllm-hsfix {__version__} pid=" in ln]
     assert len(lines) == 1, out.stderr[-3000:]
     # Logged when vLLM is imported, decided from the files: patched on import.
-    assert "on import scatter-clamp, hidden-group-block-size, cpu-zero-blocks" in lines[0]
+    on_import = "scatter-clamp, hidden-group-block-size, aux-final-layer, cpu-zero-blocks"
+    assert f"on import {on_import}" in lines[0]
     assert "role=main" in lines[0] and "vllm=0.24.0" in lines[0]
 
 

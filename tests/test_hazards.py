@@ -133,16 +133,39 @@ def test_assess_a_patched_hazard(release: str | None, codes: dict[str, str], sta
 
 
 def test_assess_a_documented_hazard() -> None:
-    h = hazards.by_id("aux-final-layer-dropped")
-    assert hazards.assess(h, "0.24.0", {})["state"] == "exposed"
-    assert hazards.assess(h, "0.24.0", {})["reason"] == h.workaround
-    assert hazards.assess(h, "0.32.0", {})["state"] == "fixed-upstream"
     torn = hazards.by_id("torn-files-in-step")
     assert hazards.assess(torn, "0.20.0", {})["state"] == "exposed"
+    assert hazards.assess(torn, "0.20.0", {})["reason"] == torn.workaround
     assert hazards.assess(torn, "0.22.0", {})["state"] == "not-affected"  # ended, not fixed
-    assert hazards.assess(h, "not a version", {})["state"] == "unknown"
+    assert hazards.assess(torn, "not a version", {})["state"] == "unknown"
     every = hazards.assess_all("0.25.0", {"abort-before-scheduling": "would-apply"})
     assert set(every) == set(hazards.HAZARD_IDS)
+
+
+@pytest.mark.parametrize(
+    ("release", "codes", "state"),
+    [
+        ("0.17.0", {}, "not-affected"),
+        ("0.18.0", {"aux-final-layer": "would-apply"}, "patched"),
+        ("0.24.0", {"aux-final-layer": "applied"}, "patched"),
+        ("0.24.0", {"aux-final-layer": "unknown-shape"}, "open"),
+        ("0.24.0", {"aux-final-layer": "disabled"}, "open"),
+        ("0.25.0", {"aux-final-layer": "upstream-fix-present"}, "fixed-upstream"),
+    ],
+)
+def test_the_final_aux_layer_hazard_is_patched_on_0_18_to_0_24(
+    release: str, codes: dict[str, str], state: str
+) -> None:
+    """PR 46973's hazard: 0.18.0-0.24.x (0.17.0 captures no aux states on the backbone),
+    patched by ``aux-final-layer``, fixed upstream in 0.25.0."""
+    h = hazards.by_id("aux-final-layer-dropped")
+    assert (h.action, h.patch, h.first, h.fixed_in) == (
+        "patch",
+        "aux-final-layer",
+        "0.18.0",
+        "0.25.0",
+    )
+    assert hazards.assess(h, release, codes)["state"] == state
 
 
 def test_assess_the_cpu_amx_gdn_hazard() -> None:

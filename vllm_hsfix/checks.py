@@ -353,3 +353,54 @@ def in_situ_scatter(fn: Any, buffer: Any) -> dict[str, Any] | None:
         }
     except Exception as exc:
         return {"ok": False, "problems": [f"check could not run: {exc!r}"]}
+
+
+def check_aux_capture(model_cls: type, num_layers: int = 4) -> list[str]:
+    """Call the live ``DeepseekV2Model.forward`` on a small stand-in model (plain
+    layers, one pipeline rank, its globals' ``get_pp_group`` answered for that rank)
+    asking for aux ids ``1, 2, num_layers``: each must be its own layer's state (the
+    input of layers 1 and 2, the last layer's output before the norm)."""
+    import types
+
+    import torch
+
+    forward = model_cls.__dict__["forward"]
+    rank = SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    glb = {**forward.__globals__, "get_pp_group": lambda: rank}
+    fn = types.FunctionType(forward.__code__, glb, "forward", forward.__defaults__)
+
+    def layer(i: int) -> Any:
+        def run(positions: Any, h: Any, r: Any, *rest: Any, **kw: Any) -> Any:
+            r = h if r is None else h + r
+            return r * 0.5 + (i + 1), r
+
+        run.use_sequence_parallel_moe = False  # type: ignore[attr-defined]
+        return run
+
+    layers = [layer(i) for i in range(num_layers)]
+    ids = torch.arange(3)
+    model = SimpleNamespace(
+        config=SimpleNamespace(),
+        layers=layers,
+        start_layer=0,
+        end_layer=num_layers,
+        aux_hidden_state_layers=(1, 2, num_layers),
+        hidden_size=1,
+        embed_input_ids=lambda x: x.float()[:, None],
+        norm=lambda h, r: (h + r, h + r),
+    )
+    out = fn(model, ids, ids, None)
+    h, r, want = ids.float()[:, None], None, []
+    for i, f in enumerate(layers):
+        if i in (1, 2):
+            want.append(h + r)
+        h, r = f(ids, h, r)
+    want.append(h + r)
+    got = out[1] if isinstance(out, tuple) else []
+    if len(got) != len(want):
+        return [f"{len(got)} aux states for {len(want)} ids"]
+    return [
+        f"aux slot {k} is not its layer's state"
+        for k, (g, w) in enumerate(zip(got, want, strict=True))
+        if not torch.equal(g, w)
+    ]

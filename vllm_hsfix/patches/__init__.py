@@ -5,6 +5,7 @@ patch id                     applied on      platform  target
 ===========================  ==============  ========  ======================================
 ``scatter-clamp``            0.17.0 - 0.24.x any       ``vllm.model_executor.models.extract_hidden_states.basic_cache``
 ``hidden-group-block-size``  0.24.0 - 0.24.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
+``aux-final-layer``          0.18.0 - 0.24.x any       ``vllm.model_executor.models.deepseek_v2.DeepseekV2Model.forward``
 ``cpu-zero-blocks``          0.22.0 - 0.24.x cpu       ``vllm.v1.worker.cpu_model_runner.CPUModelRunner._zero_block_ids``
 ``abort-before-scheduling``  0.24.0 - 0.30.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
 ``cpu-connector-save``       0.22.0 - 0.33.x cpu       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
@@ -41,6 +42,10 @@ start-up.
 vLLM's CPU build on CPUs with AMX: with a speculative method a gated-delta-net layer's
 conv state is wider than its native kernels accept, and the engine dies on the first
 prompt of a hybrid verifier (Qwen3.5/3.6); the kernels get the window they read.
+
+``aux-final-layer`` backports vLLM PR 46973 (0.25.0): on the DeepSeek-V2 backbone an
+aux id equal to ``num_hidden_layers`` now gets the last layer's output; its target is
+compiled by vLLM, so it is installed as a plain function (``_wrap.swap``), not a wrapper.
 
 ``abort-before-scheduling`` backports the effect of vLLM PR 56841 (0.31.0): a request
 aborted before it was ever scheduled made 0.24.0-0.30.x's ``request_finished`` raise
@@ -215,6 +220,28 @@ PATCHES: tuple[PatchSpec, ...] = (
             "ExampleHiddenStatesConnector._find_cache_kv_group_id (added)",
             "ExampleHiddenStatesConnector._get_cache_block_size (added)",
         ),
+    ),
+    PatchSpec(
+        id="aux-final-layer",
+        module="vllm.model_executor.models.deepseek_v2",
+        attribute="DeepseekV2Model.forward",
+        first="0.18.0",
+        fixed_in="0.25.0",
+        not_needed=(
+            "not needed before 0.18.0: DeepseekV2Model captures no aux states there, so the "
+            "family cannot be an extraction target (a start-up error, not data)"
+        ),
+        why=(
+            "on the DeepSeek-V2 backbone (DeepSeek V2/V3, Kimi K2, GLM-MoE-DSA, Mistral Large "
+            "3) aux states are captured only at decoder-layer inputs, so an aux id equal to "
+            "num_hidden_layers (speculators' default, DFlash's loss) matches nothing: N-1 "
+            "states for N ids kill the engine at the first step, or, for two ids, one state "
+            "fills both slots; capture the last layer's output before the final norm, as "
+            "upstream does"
+        ),
+        upstream="vllm-project/vllm#46973",
+        impl="vllm_hsfix.patches.aux_final_layer",
+        wraps=("DeepseekV2Model.forward",),
     ),
     PatchSpec(
         id="cpu-zero-blocks",

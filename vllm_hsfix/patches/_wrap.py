@@ -114,12 +114,16 @@ class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
         self._self_hsfix_switch.on = on
 
 
-def ours_in(obj: object, patch_id: str | None = None) -> HsfixWrapper | None:
-    """Our wrapper in ``obj``'s chain of ``__wrapped__`` (outermost first), if any."""
+def ours_in(obj: object, patch_id: str | None = None) -> Any:
+    """Our wrapper (or swapped function, see :func:`swap`) in ``obj``'s chain of
+    ``__wrapped__`` (outermost first), if any."""
     for _ in range(32):
         if obj is None:
             return None
         if type(obj) is HsfixWrapper and (patch_id is None or obj.hsfix_patch == patch_id):
+            return obj
+        swapped = getattr(obj, "__dict__", {}).get(SWAPPED) if callable(obj) else None
+        if swapped is not None and patch_id in (None, swapped):
             return obj
         # A wrapt proxy answers ``__wrapped__`` itself (it is not forwarded).
         obj = getattr(obj, "__wrapped__", None)
@@ -152,6 +156,10 @@ class Replacement:
     name: str
     original: object
     wrapper: HsfixWrapper
+
+    @property
+    def patch(self) -> str:
+        return self.wrapper.hsfix_patch
 
     def live(self) -> bool:
         """Our wrapper is reachable through the attribute and switched on."""
@@ -190,6 +198,53 @@ def wrap(owner: object, name: str, wrapper: WrapperFn, patch_id: str) -> Replace
     wrapped = HsfixWrapper(current, wrapper, patch_id)
     setattr(owner, name, wrapped)
     return Replacement(owner, name, current, wrapped)
+
+
+SWAPPED = "__hsfix_swapped__"  # set on a function :func:`swap` installed: its patch id
+
+
+@dataclass(frozen=True)
+class FunctionSwap:
+    """A method replaced by a plain function of ours (no wrapper object around it), for
+    targets that vLLM compiles with ``torch.compile(fullgraph=True)``, which cannot
+    trace through a wrapper. No switch: reverting puts the original back if ours is
+    still there, and otherwise leaves the later replacement alone with a warning."""
+
+    owner: type
+    name: str
+    original: Any
+    replacement: Any
+
+    @property
+    def patch(self) -> str:
+        return str(self.replacement.__dict__[SWAPPED])
+
+    def live(self) -> bool:
+        return self.owner.__dict__.get(self.name) is self.replacement
+
+    def restore(self) -> str:
+        if self.live():
+            setattr(self.owner, self.name, self.original)
+            return "restored"
+        log.warning(
+            "%s.%s was replaced again after vllm-hsfix patched it: leaving that in place",
+            self.owner.__name__,
+            self.name,
+        )
+        return "pass-through"
+
+
+def swap(owner: type, name: str, build: Callable[[Any], Any], patch_id: str) -> FunctionSwap:
+    """Set ``owner.name`` to ``build(original)``, marked as this patch's (and with
+    ``__wrapped__`` = the original, so probes see the release's own code)."""
+    current = owner.__dict__[name]
+    if getattr(current, "__dict__", {}).get(SWAPPED) == patch_id:
+        return FunctionSwap(owner, name, current.__wrapped__, current)
+    replacement = build(current)
+    setattr(replacement, SWAPPED, patch_id)
+    replacement.__wrapped__ = current
+    setattr(owner, name, replacement)
+    return FunctionSwap(owner, name, current, replacement)
 
 
 def call_through(fn: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

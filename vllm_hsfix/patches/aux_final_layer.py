@@ -1,0 +1,199 @@
+"""``aux-final-layer``: an aux id equal to ``num_hidden_layers`` gets the final layer's output.
+
+The fix (upstream PR 46973, vLLM 0.25.0): ``DeepseekV2Model.forward`` captures aux states
+only at decoder-layer inputs, so the id ``num_hidden_layers`` (the last layer's output,
+which speculators always asks for and DFlash's loss needs) matches nothing. Upstream
+adds, on the last pipeline rank after the layer loop and before the final norm::
+
+    if self.end_layer in self.aux_hidden_state_layers:
+        aux_hidden_states.append(hidden_states + residual)
+
+This patch inserts exactly that statement into the release's own ``forward`` (parsed from
+the installed file) at the same place and installs the result as a plain function on the
+class. Deliberate differences, and why:
+
+* the release's own body, not a copy of 0.25.0's: 0.25.0 also all-gathers states that
+  its new between-layer sequence-parallel sharding splits; 0.18-0.24 never split them
+  (their MoE gathers before the layer returns), so there is nothing to gather;
+* a plain function, not a wrapper: ``@support_torch_compile`` compiles ``forward``
+  with ``fullgraph=True`` and swaps its ``__code__``; a plain function is traced like
+  the release's own. Its file name carries this patch's id, so vLLM's compile cache
+  (keyed by the traced files) never hands a patched process an unpatched graph.
+
+No aux layers: one membership test of an empty tuple, as upstream.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+from typing import Any
+
+from .. import checks
+from ..shapes import Probe, fingerprint, method, top_level
+from ._probe import probe_live
+from ._wrap import FunctionSwap, swap
+from .hooks import Hooks
+
+PATCH_ID = "aux-final-layer"
+CLASS, METHOD = "DeepseekV2Model", "forward"
+AUX = "aux_hidden_state_layers"
+FIX = "if self.end_layer in self.{aux}:\n    {states}.append({hidden} + {residual})\n"
+
+
+def fixed_tree(fn: ast.FunctionDef, names: dict[str, Any]) -> ast.Module:
+    """``fn`` with upstream's capture inserted just before the final norm."""
+    fix = ast.parse(FIX.format(aux=AUX, **names)).body
+    body = list(fn.body)
+    at = body.index(names["norm"])
+    for stmt in fix:
+        for node in ast.walk(stmt):
+            ast.copy_location(node, names["norm"])
+    new = ast.FunctionDef(
+        name=fn.name,
+        args=fn.args,
+        body=body[:at] + fix + body[at:],
+        decorator_list=[],
+        returns=fn.returns,
+        type_comment=None,
+        **({"type_params": []} if hasattr(ast.FunctionDef(), "type_params") else {}),
+    )
+    ast.copy_location(new, fn)
+    return ast.fix_missing_locations(ast.Module(body=[new], type_ignores=[]))
+
+
+def build(original: Any, tree: ast.Module, filename: str) -> Any:
+    """The fixed ``forward``: compiled from the release's own source with the capture,
+    in the release module's globals, with the original's defaults and metadata."""
+    import functools
+    import types
+
+    fn = method(_class(tree), METHOD)
+    names = _shape(fn)
+    assert fn is not None and names is not None  # the gate passed before apply
+    label = f"{filename} (vllm-hsfix {PATCH_ID})"
+    code = compile(fixed_tree(fn, names), label, "exec")
+    lines = linecache.getlines(filename)  # tracebacks show the release's own lines
+    if lines:
+        linecache.cache[label] = (sum(map(len, lines)), None, lines, label)
+    fcode = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    new = types.FunctionType(fcode, original.__globals__, original.__name__, original.__defaults__)
+    new.__kwdefaults__ = original.__kwdefaults__
+    return functools.update_wrapper(new, original)
+
+
+# The gate: the release's forward must be the one this fix is written for.
+
+
+def _class(tree: ast.Module) -> ast.ClassDef | None:
+    node = top_level(tree, CLASS)
+    return node if isinstance(node, ast.ClassDef) else None
+
+
+def _is_aux_test(test: ast.AST, left: type) -> bool:
+    """``<left> in self.aux_hidden_state_layers``."""
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, left)
+        and [type(o) for o in test.ops] == [ast.In]
+        and ast.unparse(test.comparators[0]) == f"self.{AUX}"
+    )
+
+
+def _loop_capture(loop: ast.For) -> dict[str, str] | None:
+    """The names in the loop's ``if idx in self.aux...: A.append(H + R)``."""
+    for stmt in loop.body:
+        if isinstance(stmt, ast.If) and _is_aux_test(stmt.test, ast.Name) and stmt.body:
+            call = stmt.body[0]
+            src = ast.unparse(call)
+            head, _, rest = src.partition(".append(")
+            left, _, right = rest.rstrip(")").partition(" + ")
+            if len(stmt.body) == 1 and all(n.isidentifier() for n in (head, left, right)):
+                return {"states": head, "hidden": left, "residual": right}
+    return None
+
+
+def _shape(fn: ast.FunctionDef | None) -> dict[str, Any] | None:
+    """The loop's names and the final-norm statement, when ``fn`` is a known forward."""
+    if fn is None:
+        return None
+    loops = [s for s in fn.body if isinstance(s, ast.For)]
+    names = _loop_capture(loops[-1]) if loops else None
+    if names is None:
+        return None
+    norm = f"{names['hidden']}, _ = self.norm({names['hidden']}, {names['residual']})"
+    after = fn.body[fn.body.index(loops[-1]) + 1 :]
+    stmts = [s for s in after if ast.unparse(s) == norm]
+    if len(stmts) != 1:
+        return None
+    between = after[: after.index(stmts[0])]
+    if not all(isinstance(s, ast.If) and isinstance(s.body[-1], ast.Return) for s in between):
+        return None
+    returned = f"return ({names['hidden']}, {names['states']})"
+    if not any(returned in ast.unparse(s) for s in after):
+        return None
+    return {**names, "norm": stmts[0]}
+
+
+def _captures_final(fn: ast.FunctionDef) -> bool:
+    """Upstream's fix in any spelling: after the layer loop, a test of some id against
+    ``self.aux_hidden_state_layers``, or the ``_maybe_add_hidden_state`` mixin."""
+    loops = [i for i, s in enumerate(fn.body) if isinstance(s, ast.For)]
+    after = fn.body[loops[-1] + 1 :] if loops else []
+    if any(isinstance(s, ast.If) and _is_aux_test(s.test, ast.AST) for s in after):
+        return True
+    return "_maybe_add_hidden_state" in ast.unparse(fn)
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    """Recognise 0.18-0.24's forward (capture before each layer only) and the fixed one."""
+    fn = method(_class(tree), METHOD)
+    fps = {f"{CLASS}.{METHOD}": fingerprint(fn)}
+    if fn is None:
+        return Probe(None, detail=f"no method {CLASS}.{METHOD} in the module", fingerprints=fps)
+    if _captures_final(fn):
+        return Probe(
+            None, fixed=True, detail="the final layer's output is captured", fingerprints=fps
+        )
+    if f"self.{AUX}" not in ast.unparse(fn):
+        return Probe(None, detail=f"{CLASS}.{METHOD} captures no aux states", fingerprints=fps)
+    uses_class_cell = any(
+        isinstance(n, ast.Name) and n.id in ("super", "__class__") for n in ast.walk(fn)
+    )
+    if fn.decorator_list or uses_class_cell or _shape(fn) is None:
+        return Probe(
+            None,
+            detail=(
+                "expected an undecorated forward with `if idx in self.aux_hidden_state_layers: "
+                "A.append(H + R)` in its last loop, then only early returns, then "
+                "`H, _ = self.norm(H, R)` and `return H, A`; found another body"
+            ),
+            fingerprints=fps,
+        )
+    return Probe("pre-norm-capture", detail="aux states at layer inputs only", fingerprints=fps)
+
+
+def live_objects(module: object) -> dict[str, object]:
+    cls = getattr(module, CLASS, None)
+    return {f"{CLASS}.{METHOD}": None if cls is None else cls.__dict__.get(METHOD)}
+
+
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, live_objects)
+
+
+def apply(module: Any, shape: str, hooks: Hooks) -> list[FunctionSwap]:
+    """Install the forward with upstream's capture (``shape``: ``pre-norm-capture``)."""
+    from ..shapes import module_tree
+
+    tree = module_tree(module)
+    assert tree is not None
+    cls = getattr(module, CLASS)
+    return [swap(cls, METHOD, lambda f: build(f, tree, module.__file__), PATCH_ID)]
+
+
+def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
+    """The live ``forward`` on a small stand-in model (plain layers, one pipeline rank):
+    every aux id gets its own state, id ``num_layers`` the last layer's output."""
+    name = f"{CLASS}.{METHOD} returns one state per aux id, the final layer's included"
+    return checks.one(name, lambda: checks.check_aux_capture(getattr(module, CLASS)))
