@@ -180,7 +180,11 @@ GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
 # 0.25.0 and the fp8 failing-first case.
 SPECULATORS_RELEASES = ["0.24.0"]
 SPECULATORS_EXTENDED = ["0.25.0"]
-SPECULATORS_TESTS = ["tests/test_speculators.py"]
+SPECULATORS_TESTS = ["tests/test_speculators.py", "tests/test_aux_final_layer.py"]
+# The release whose own files are the oracle of a backport run in the speculators row
+# (tests/test_aux_final_layer.py: 0.25.0 ships PR 46973); its overlay is built for the
+# row and named in VLLM_HSFIX_ORACLE_OVERLAY.
+SPECULATORS_ORACLE = "0.25.0"
 GROUPS = ("main", "static", "py3.12", "gpu-image", "ray", "speculators", "upstream")
 # The upstream row: vLLM's own tests of each backported fix, unchanged, from the sdist of
 # the release that ships it (scripts/upstream_tests.py; the list and the reasons for
@@ -370,6 +374,8 @@ def speculators_rows(
         env = layer_env(vllm_env.env_for(overlay), layers, "speculators")
         env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
         env["VLLM_HSFIX_EXPECT_RELEASE"] = release
+        oracle = next((o for r, _, o in envs if r == SPECULATORS_ORACLE), None)
+        env["VLLM_HSFIX_ORACLE_OVERLAY"] = str(oracle or "")
         marker = "speculators" + ("" if args.extended else " and not extended")
         pytest_into(row, py, ["-m", marker, *SPECULATORS_TESTS], env, args.pytest_args)
     return rows
@@ -477,6 +483,7 @@ def main() -> int:
     needed = list(releases) if groups & {"main", "static"} else []
     if "speculators" in groups:
         needed += SPECULATORS_RELEASES + (SPECULATORS_EXTENDED if args.extended else [])
+        needed.append(SPECULATORS_ORACLE)
     needed += [STATIC_RELEASE] if "static" in groups else []
     py312_releases = PY312_RELEASES + (PY312_EXTENDED if args.extended else [])
     needed += py312_releases if "py3.12" in groups else []

@@ -277,3 +277,35 @@ def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
     assert command._finish(args, [str(odd)], counts, str(tmp_path / "s2.audit")) == 1
     out = capsys.readouterr().out
     assert f"still bad {odd}: audit says corrupt after regeneration" in out, out
+
+
+# ----------------------------------------------------------------- the engine guard
+
+
+def _status(where: Path, pid: int, role: str, patches: dict[str, str]) -> None:
+    body = {"pid": pid, "role": role, "patches": {k: {"status": v} for k, v in patches.items()}}
+    (where / f"{pid}.json").write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize(
+    ("seen", "problem"),
+    [
+        ("pending", False),  # the verifier is no DeepSeek-V2-backbone model
+        ("applied", False),
+        ("refused", True),  # a DeepSeek verifier whose forward is not the known one
+    ],
+)
+def test_the_guard_lets_a_model_family_row_stay_pending_and_no_other(
+    tmp_path: Path, seen: str, problem: bool
+) -> None:
+    """``aux-final-layer`` concerns one family of models (``PatchSpec.models``): where
+    the verifier is of another family it is never imported and stays pending; refused,
+    it stops the repair. A row of every model (the clamp) must be applied."""
+    from vllm_hsfix.repair import guard
+
+    _status(tmp_path, 11, "engine-core", {"aux-final-layer": seen, "scatter-clamp": "applied"})
+    _status(tmp_path, 12, "worker-0", {"aux-final-layer": seen, "scatter-clamp": "pending"})
+    got = guard.in_engine(str(tmp_path), ["aux-final-layer", "scatter-clamp"])
+    assert bool([p for p in got if "aux-final-layer" in p]) is problem, got
+    _status(tmp_path, 11, "engine-core", {"scatter-clamp": "pending"})
+    assert any("scatter-clamp" in p for p in guard.in_engine(str(tmp_path), ["scatter-clamp"]))

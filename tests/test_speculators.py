@@ -20,7 +20,6 @@ flags, every one.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +27,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CACHE, INSTALL, clean_env, declared
-from support import hsrows, serve
+from conftest import CACHE, clean_env, declared
+from support import hsrows
 from support import speculators as spec
 
 from vllm_hsfix.demo import tiny_model
@@ -81,49 +80,17 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return err.nan_to_num(nan=float("inf"))
 
 
+HYBRID_ARGS = ("--mamba-ssm-cache-dtype", "float32", "--language-model-only")
+
+
 def pipeline(
     work: Path, model: Path, dataset: Path, backend: str, *, off: str = "", online: bool = True
 ) -> dict[str, Any]:
-    """Serve, generate offline (and online), shut down: what happened, where."""
-    overlay = str(Path(INSTALL.location or "").parent.parent)
-    port = serve.free_port()
-    cmd, aux = spec.launcher_command(
-        model, backend, TARGET_LAYERS, work / "vllm-out",
-        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-        "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--language-model-only",
-        "--max-model-len", "512", "--enforce-eager", "--distributed-executor-backend", "mp",
+    """The tiny hybrid through speculators' pipeline (``spec.pipeline``)."""
+    return spec.pipeline(
+        work, model, dataset, backend, TARGET_LAYERS, HYBRID_ARGS,
+        off=off, with_online=online, concurrency=CONCURRENCY,
     )  # fmt: skip
-    server_env = clean_env(
-        PYTHONPATH=os.pathsep.join([overlay, spec.layer(spec.HS_LAYER)]),
-        VLLM_HSFIX_STATUS_DIR=str(work / "status"),
-        VLLM_HSFIX_DISABLED_PATCHES=off or None,
-    )
-    client_env = clean_env(
-        PYTHONPATH=os.pathsep.join([overlay, spec.layer(spec.SPEC_LAYER)]),
-        VLLM_HSFIX_DISABLE="1",  # the client is not vLLM: nothing to patch there
-    )
-    out = work / "hidden_states"
-    result: dict[str, Any] = {"aux": aux, "out": out, "online": None}
-    # speculators 0.9.0's --validate-outputs cannot check an fp8 file: it runs
-    # torch.aminmax on the raw float8_e4m3fn tensor ("aminmax_cpu" not implemented for
-    # 'Float8_e4m3fn'; files load to the CPU, GPU machines included), so every fp8 sample
-    # is skipped, with or without vllm-hsfix. The fp8 offline run goes without it.
-    validate = ["--validate-outputs"] if backend == "file" else []
-    with serve.running(cmd, server_env, work / "server.log", port) as base:
-        gen = subprocess.run(
-            [
-                sys.executable, "-m", "speculators", "generate-offline-data",
-                "--endpoint", f"{base}/v1", "--preprocessed-data", str(dataset),
-                "--output", str(out), "--concurrency", str(CONCURRENCY), *validate,
-            ],
-            env=client_env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        result["generate"] = gen
-        if online:
-            result["online"] = spec.online(
-                f"{base}/v1", dataset, backend, work / "online", CONCURRENCY
-            )
-    return result
 
 
 def offline_rows(out: Path, backend: str) -> list[torch.Tensor]:

@@ -110,3 +110,64 @@ def online(
     )  # fmt: skip
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(ds.__getitem__, range(len(ds))))
+
+
+def pipeline(
+    work: Path,
+    model: Path,
+    dataset: Path,
+    backend: str,
+    target_layers: list[int],
+    model_args: tuple[str, ...],
+    *,
+    off: str = "",
+    with_online: bool = True,
+    concurrency: int = 8,
+    server_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Serve (the launcher's command, ``model_args`` for the model), run
+    ``generate-offline-data`` (and the online path), shut down: what happened, where."""
+    import subprocess
+
+    from conftest import INSTALL, clean_env
+
+    from support import serve
+
+    overlay = str(Path(INSTALL.location or "").parent.parent)
+    port = serve.free_port()
+    cmd, aux = launcher_command(
+        model, backend, target_layers, work / "vllm-out",
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+        "--dtype", "bfloat16", *model_args,
+        "--max-model-len", "512", "--enforce-eager", "--distributed-executor-backend", "mp",
+    )  # fmt: skip
+    env = clean_env(
+        PYTHONPATH=os.pathsep.join([overlay, layer(HS_LAYER)]),
+        VLLM_HSFIX_STATUS_DIR=str(work / "status"),
+        VLLM_HSFIX_DISABLED_PATCHES=off or None,
+        **(server_env or {}),
+    )
+    client_env = clean_env(
+        PYTHONPATH=os.pathsep.join([overlay, layer(SPEC_LAYER)]),
+        VLLM_HSFIX_DISABLE="1",  # the client is not vLLM: nothing to patch there
+    )
+    out = work / "hidden_states"
+    result: dict[str, Any] = {"aux": aux, "out": out, "online": None}
+    # speculators 0.9.0's --validate-outputs cannot check an fp8 file: it runs
+    # torch.aminmax on the raw float8_e4m3fn tensor ("aminmax_cpu" not implemented for
+    # 'Float8_e4m3fn'; files load to the CPU, GPU machines included), so every fp8 sample
+    # is skipped, with or without vllm-hsfix. The fp8 offline run goes without it.
+    validate = ["--validate-outputs"] if backend == "file" else []
+    with serve.running(cmd, env, work / "server.log", port) as base:
+        gen = subprocess.run(
+            [
+                sys.executable, "-m", "speculators", "generate-offline-data",
+                "--endpoint", f"{base}/v1", "--preprocessed-data", str(dataset),
+                "--output", str(out), "--concurrency", str(concurrency), *validate,
+            ],
+            env=client_env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        result["generate"] = gen
+        if with_online:
+            result["online"] = online(f"{base}/v1", dataset, backend, work / "online", concurrency)
+    return result

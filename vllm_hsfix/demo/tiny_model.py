@@ -11,6 +11,9 @@
   so bf16 vs fp32 routing cannot flip between vLLM and the reference. Runs only where
   vLLM's CPU MoE kernels exist (``cpu_support.cpu_moe_support``).
 * ``dense``: Qwen3 (``Qwen3ForCausalLM``), the control with one KV-cache group.
+* ``deepseek-v3``: DeepSeek-V3 (``DeepseekV3ForCausalLM``, vLLM's ``DeepseekV2Model``
+  backbone), every layer dense (``first_k_dense_replace`` = all): vLLM's CPU build has
+  no MLA (run it with ``VLLM_MLA_DISABLE=1``) and its grouped-topk MoE fails on CPU.
 
 No tokenizer is written: vLLM runs with ``skip_tokenizer_init=True`` and token-id
 prompts. Token ids at or above ``TEXT_VOCAB`` are Qwen3.5's vision special tokens and
@@ -28,7 +31,7 @@ from typing import Any
 VOCAB = 512
 TEXT_VOCAB = 500  # prompt token ids stay below this (vision special ids live above)
 HIDDEN = 256
-KINDS = ("hybrid", "hybrid-moe", "dense")
+KINDS = ("hybrid", "hybrid-moe", "dense", "deepseek-v3")
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 _VERSION = 3
 
@@ -129,7 +132,41 @@ def _qwen3() -> Any:
     return Qwen3ForCausalLM(Qwen3Config(**_COMMON))
 
 
-_BUILDERS = {"hybrid": _qwen3_5, "hybrid-moe": _qwen3_next, "dense": _qwen3}
+def _deepseek_v3() -> Any:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        first_k_dense_replace=4,
+        n_routed_experts=2,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_position_embeddings=512,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+    )
+    return DeepseekV3ForCausalLM(cfg)
+
+
+_BUILDERS = {
+    "hybrid": _qwen3_5,
+    "hybrid-moe": _qwen3_next,
+    "dense": _qwen3,
+    "deepseek-v3": _deepseek_v3,
+}
 
 
 def needs_language_model_only(kind: str) -> bool:

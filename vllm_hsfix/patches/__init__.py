@@ -147,6 +147,9 @@ class PatchSpec:
     # False when no upstream fix is known: ``fixed_in`` is then the first release not
     # read yet, where the patch is left alone as unchecked (not as "fixed").
     upstream_fixed: bool = True
+    # The models whose engines import the target ("" = every extraction engine): where
+    # another model runs, the target is never imported and the patch stays pending.
+    models: str = ""
 
     def implementation(self) -> ModuleType:
         """The implementation module, checked against :class:`PatchModule` (and its
@@ -242,6 +245,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         upstream="vllm-project/vllm#46973",
         impl="vllm_hsfix.patches.aux_final_layer",
         wraps=("DeepseekV2Model.forward",),
+        models="DeepSeek-V2-backbone models (DeepseekV2Model)",
     ),
     PatchSpec(
         id="cpu-zero-blocks",

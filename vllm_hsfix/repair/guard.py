@@ -12,6 +12,8 @@ ones being repaired. So, before anything is written, twice:
    core, the workers). Every patch the preflight expected to apply must be applied in
    one of them and refused, failed or reverted in none, and the in-situ check, where
    it ran, must have passed. A process without a status file did not load vllm-hsfix.
+   A patch of one family of models (``PatchSpec.models``) may also stay pending: the
+   verifier is of another family and never imports its target.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..codes import APPLIED, FAILED, REFUSED, REVERTED, Code
+from ..codes import APPLIED, FAILED, PENDING, REFUSED, REVERTED, Code
 
 BAD_STATUSES = frozenset({REFUSED, FAILED, REVERTED})
 FRONT_END = "vllm.entrypoints.cli."
@@ -91,13 +93,16 @@ def in_engine(status_dir: str, needed: list[str], in_process: bool = False) -> l
             "no process of the vLLM engine reported vllm-hsfix's status: vllm-hsfix is not "
             "active where the model runs (is its vllm.general_plugins entry point filtered?)"
         ]
+    from ..patches import by_id
+
     problems = []
     for pid in needed:
         seen = {s["role"]: s["patches"].get(pid, {}).get("status") for s in procs}
         bad = {role: st for role, st in seen.items() if st in BAD_STATUSES}
+        other_model = by_id(pid).models and set(seen.values()) == {PENDING}
         if bad:
             problems.append(f"{pid} is {bad} in the engine")
-        elif APPLIED not in seen.values():
+        elif APPLIED not in seen.values() and not other_model:
             problems.append(f"{pid} is not applied in the engine's processes ({seen})")
     for s in procs:
         check = s.get("verify")
