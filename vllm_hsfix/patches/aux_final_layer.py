@@ -17,8 +17,9 @@ class. Deliberate differences, and why:
   (their MoE gathers before the layer returns), so there is nothing to gather;
 * a plain function, not a wrapper: ``@support_torch_compile`` compiles ``forward``
   with ``fullgraph=True`` and swaps its ``__code__``; a plain function is traced like
-  the release's own. Its file name carries this patch's id, so vLLM's compile cache
-  (keyed by the traced files) never hands a patched process an unpatched graph.
+  the release's own. Its file name and qualified name carry this patch's id, so
+  vLLM's compile caches (keyed by the traced files; the AOT one by the forward's
+  qualified name) never hand a patched process an unpatched graph, or the reverse.
 
 No aux layers: one membership test of an empty tuple, as upstream.
 """
@@ -79,7 +80,9 @@ def build(original: Any, tree: ast.Module, filename: str) -> Any:
     fcode = next(c for c in code.co_consts if isinstance(c, types.CodeType))
     new = types.FunctionType(fcode, original.__globals__, original.__name__, original.__defaults__)
     new.__kwdefaults__ = original.__kwdefaults__
-    return functools.update_wrapper(new, original)
+    functools.update_wrapper(new, original)
+    new.__qualname__ = f"{original.__qualname__} (vllm-hsfix {PATCH_ID})"
+    return new
 
 
 # The gate: the release's forward must be the one this fix is written for.
