@@ -187,11 +187,16 @@ def run_py(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def last_json(stdout: str) -> Any:
-    """The last line of ``stdout`` that is a JSON document (vLLM prints logs too)."""
-    for line in reversed(stdout.strip().splitlines()):
-        line = line.strip()
-        if line.startswith(("{", "[", '"')) or line == "null":
+def last_json(stdout: str, objects_only: bool = False) -> Any:
+    """The last line of ``stdout`` that is a JSON document (vLLM prints logs too). With
+    ``objects_only``, the last line that starts with ``{`` (for output where log lines
+    may start with ``[``)."""
+    for raw in reversed(stdout.strip().splitlines()):
+        line = raw.strip()
+        if objects_only:
+            if raw.startswith("{"):
+                return json.loads(line)
+        elif line.startswith(("{", "[", '"')) or line == "null":
             return json.loads(line)
     raise AssertionError(f"no JSON line in output:\n{stdout[-2000:]}")
 

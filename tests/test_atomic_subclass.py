@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from conftest import CONNECTOR_MODULE, declared
+from support.hsrows import NoEvent
 
 from vllm_hsfix import checks
 from vllm_hsfix.patches import by_id
@@ -37,11 +38,6 @@ def applied(patched):  # type: ignore[no-untyped-def]
     mod = importlib.import_module("hs_connectors.fp8_hidden_states_connector")
     yield mod
     sys.modules.pop("hs_connectors.fp8_hidden_states_connector", None)
-
-
-class Done:
-    def synchronize(self) -> None:
-        return None
 
 
 def test_fp8_writer_writes_a_temporary_file_then_renames(applied, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -68,7 +64,7 @@ def test_fp8_writer_writes_a_temporary_file_then_renames(applied, tmp_path, monk
         "hidden_states": torch.randn(5, 2, 8, dtype=torch.bfloat16),
         "token_ids": torch.arange(5),
     }
-    cls._write_tensors(tensors, Done(), str(final), lock_fd)
+    cls._write_tensors(tensors, NoEvent(), str(final), lock_fd)
     ((written, held),) = seen
     assert written != str(final) and written.endswith(".hsfix-tmp"), written
     assert os.path.dirname(written) == str(tmp_path)
@@ -89,7 +85,7 @@ def test_without_the_patch_the_fp8_writer_writes_the_final_path(tmp_path, monkey
     monkeypatch.setattr(mod, "save_file", lambda t, f: (seen.append(f), real(t, f))[1])
     final = tmp_path / "req.safetensors"
     tensors = {"hidden_states": torch.randn(3, 2, 8), "token_ids": torch.arange(3)}
-    mod.FP8HiddenStatesConnector._write_tensors(tensors, Done(), str(final), None)
+    mod.FP8HiddenStatesConnector._write_tensors(tensors, NoEvent(), str(final), None)
     assert seen == [str(final)]
     sys.modules.pop("hs_connectors.fp8_hidden_states_connector", None)
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import subprocess
-import sys
 
 import pytest
 from conftest import CONNECTOR_MODULE, clean_env
+from support.commands import cli
 
 pytestmark = [pytest.mark.needs_vllm]
 
@@ -40,13 +39,7 @@ def test_the_backends_are_what_status_says_they_are() -> None:
     assert not issubclass(mooncake, base)
     # mooncake finds the hidden group's block size itself (PR 46301's fix, its own code)
     assert "HiddenStateCacheSpec" in inspect.getsource(mooncake)
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("status", "--json", env=clean_env(), timeout=120)
     report = json.loads(proc.stdout)
     found = report["hs_connectors"]
     assert found["version"] == importlib.metadata.version("hs-connectors")
@@ -61,10 +54,5 @@ def test_the_backends_are_what_status_says_they_are() -> None:
         assert b["mooncake"]["patches"][pid].startswith("no")
     if "scatter-clamp" in applying:  # the model's scatter runs under every connector
         assert b["mooncake"]["patches"]["scatter-clamp"] == "yes"
-    human = subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-    ).stdout
+    human = cli("status", env=clean_env(), timeout=None).stdout
     assert "hs-connectors" in human and "fp8" in human and "mooncake" in human

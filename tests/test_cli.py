@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import AFFECTED, INSTALL, RELEASE, clean_env, declared_code
+from support.commands import cli
 
 from vllm_hsfix.patches import PATCHES
 
 pytestmark = pytest.mark.needs_vllm
-
-
-def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", *args],
-        env=env or clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_status_json_reads_the_environment_without_importing_vllm() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE, applies
 from support.extraction import kv_transfer_config, speculative_config
+from support.serve import free_port
 
 from vllm_hsfix.patches import hidden_group_block_size as patch
 
@@ -201,9 +201,7 @@ def distributed(vllm_config: Any) -> Any:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with set_current_vllm_config(vllm_config):
         ps.init_distributed_environment(
             world_size=1,

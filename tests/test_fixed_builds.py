@@ -16,11 +16,10 @@ import ast
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.commands import cli
 
 from vllm_hsfix.patches import MODULES
 
@@ -70,13 +69,7 @@ def status(root: Path, **env: str) -> tuple[int, dict]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     full["PYTHONPATH"] = os.pathsep.join([str(REPO), str(root)])
     full.update(env)
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=120,
-    )
+    out = cli("status", "--json", env=full, timeout=120)
     return out.returncode, json.loads(out.stdout)
 
 

@@ -31,7 +31,8 @@ import sys
 import textwrap
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, ROOT, clean_env
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, ROOT, clean_env, last_json
+from support.commands import cli
 
 from vllm_hsfix import tested
 
@@ -71,16 +72,6 @@ def stated() -> dict[str, str]:
     return STATED[RELEASE]
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", *args],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter, stdout and stderr in ONE pipe (so their order is the order
     things happened), unbuffered."""
@@ -93,13 +84,6 @@ def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         start_new_session=True,
     )
-
-
-def last_json(text: str) -> dict:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError(f"no JSON line in:\n{text[-3000:]}")
 
 
 def test_the_cuda_wheel_is_what_is_installed() -> None:
@@ -225,7 +209,7 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
         assert all(p in group for p in applied), line
     skipped = groups.get("skipped", "")
     assert all(f"{p} [{c}]" in skipped for p, c in want.items() if c != "apply"), line
-    got = last_json(after)
+    got = last_json(after, objects_only=True)
     assert got["by"][0] == "plugin", got
     assert got["vllm"]["distribution"] == "vllm" and got["vllm"]["cpu_build"] is False, got
     for pid, code in want.items():  # before the imports: armed, or final

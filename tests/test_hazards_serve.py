@@ -50,6 +50,7 @@ from support.abort import (
 )
 from support.lockfile import written
 from support.procs import marked_json, run_child
+from support.serve import post
 
 from vllm_hsfix import releases
 from vllm_hsfix.demo import e2e
@@ -78,14 +79,8 @@ default_on_024 = [] if RELEASE == DEFAULT_RELEASE else [pytest.mark.extended]
 def _completion(base: str, ids: list[int], max_tokens: int, timeout: float = 180) -> Any:
     body = {"model": str(model_dir()), "prompt": ids, "max_tokens": max_tokens}
     body.update(temperature=0.0, ignore_eos=True)
-    req = urllib.request.Request(
-        base + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
+        return post(base + "/v1/completions", body, timeout)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         return {"error": repr(exc)}
 

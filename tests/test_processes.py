@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import clean_env, cli_rows_as_declared, last_json, run_py
+from support.commands import cli
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
@@ -46,18 +46,8 @@ def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
     assert cli_rows_as_declared(data["patches"]) == expected()
 
 
-def _run_cli(*cmd: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "run", "--", *cmd],
-        env=env or clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_vllm_hsfix_run_reaches_the_child_and_the_grandchild() -> None:
-    out = _run_cli(sys.executable, CHILD, "--child")
+    out = cli("run", "--", sys.executable, CHILD, "--child")
     data = last_json(out.stdout)
     assert data["active"] and data["sources"][0] == "bootstrap"
     assert cli_rows_as_declared(data["patches"]) == expected()
@@ -76,7 +66,7 @@ def test_a_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
     )
     env = clean_env()
     env["PYTHONPATH"] = f"{user}{os.pathsep}{env['PYTHONPATH']}"
-    out = _run_cli(sys.executable, CHILD, "--child", env=env)
+    out = cli("run", "--", sys.executable, CHILD, "--child", env=env)
     data = last_json(out.stdout)
     pids = marker.read_text().split()
     # Once per interpreter, never twice in one: the `vllm-hsfix run` interpreter itself,
@@ -94,7 +84,7 @@ def test_a_broken_user_sitecustomize_is_reported_and_activation_goes_on(tmp_path
     (user / "sitecustomize.py").write_text("raise RuntimeError('user sitecustomize is broken')\n")
     env = clean_env()
     env["PYTHONPATH"] = f"{user}{os.pathsep}{env['PYTHONPATH']}"
-    out = _run_cli(sys.executable, CHILD, env=env)
+    out = cli("run", "--", sys.executable, CHILD, env=env)
     assert "user sitecustomize is broken" in out.stderr
     assert cli_rows_as_declared(last_json(out.stdout)["patches"]) == expected()
 

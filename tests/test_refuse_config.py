@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from conftest import CACHE, RELEASE, clean_env, last_json, run_py
+from support.commands import cli
 
 from vllm_hsfix import hazards, refuse_config
 
@@ -99,13 +98,7 @@ def test_status_names_the_check_on_the_installed_release(disabled: bool) -> None
     ``checked-at-start`` with the setting in its reason, ``exposed`` when vllm-hsfix is
     off; the exit code does not change for it."""
     env = clean_env(**({"VLLM_HSFIX_DISABLE": "1"} if disabled else {}))
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = cli("status", "--json", env=env, timeout=120)
     got = json.loads(out.stdout)["hazards"]
     want = expected_hazard(RELEASE)
     for hid in refuse_config.CHECKS:
@@ -114,13 +107,7 @@ def test_status_names_the_check_on_the_installed_release(disabled: bool) -> None
     if want is not None:
         state = "exposed" if disabled else "checked-at-start"
         assert got[want]["state"] == state and NO_PREFIX in got[want]["reason"], got[want]
-    text = subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    text = cli("status", env=env, timeout=120)
     assert text.returncode == out.returncode
     if want is not None and not disabled:
         assert re.search(rf"^  {want} +checked-at-start +a WARNING", text.stdout, re.M), text.stdout

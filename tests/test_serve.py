@@ -20,20 +20,12 @@ from pathlib import Path
 import pytest
 from conftest import CACHE, clean_env, cli_rows_as_declared, declared_all
 from support.lockfile import written
-from support.serve import free_port, serve_command
+from support.serve import free_port, post, serve_command
 
 from vllm_hsfix.demo import e2e, tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 AUX = [1, 2, 3]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +86,7 @@ def test_served_hidden_states_match_the_reference(server: dict) -> None:
     batch = e2e.prompts()
     paths = []
     for ids in batch:
-        resp = _post(
+        resp = post(
             server["base"] + "/v1/completions",
             {"model": server["model"], "prompt": ids, "max_tokens": 1},
         )
@@ -102,7 +94,7 @@ def test_served_hidden_states_match_the_reference(server: dict) -> None:
     deadline = time.monotonic() + 120
     while not all(written(p) for p in paths):
         assert time.monotonic() < deadline, "hidden-states files were not written"
-        _post(
+        post(
             server["base"] + "/v1/completions",
             {"model": server["model"], "prompt": [1, 2, 3], "max_tokens": 1},
         )

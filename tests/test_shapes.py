@@ -4,7 +4,6 @@ version. Static: no torch, no vLLM import (runs on Python 3.10-3.13)."""
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
 import shutil
@@ -14,6 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support.commands import cli
+from support.digest import digest
 
 from vllm_hsfix import shapes
 from vllm_hsfix.patches import PATCHES
@@ -163,13 +164,7 @@ def _status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     env.pop("VLLM_PLUGINS", None)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tree}"
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return cli("status", *args, env=env, timeout=120)
 
 
 def _check_fingerprints(release: str, tree: Path, entry: dict) -> int:
@@ -292,8 +287,8 @@ def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
     for release, skeleton, entry in cuda:
         recorded = entry["sha256"]
         assert recorded, release
-        for name, digest in recorded.items():
-            assert hashlib.sha256((skeleton / name).read_bytes()).hexdigest() == digest
+        for name, want in recorded.items():
+            assert digest(skeleton / name) == want
         # Files of the patches both builds run (a CPU-only patch's target may differ).
         shared = {name: recorded[name] for name in fingerprints_shared() if name in recorded}
         if CPU in table[release]["builds"]:
@@ -301,9 +296,8 @@ def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
             cpu_sha = table[release]["builds"][CPU]["sha256"]
             assert {n: cpu_sha.get(n) for n in shared} == shared, release
         if release in cpu:
-            for name, digest in shared.items():
-                got = hashlib.sha256((cpu[release] / name).read_bytes()).hexdigest()
-                assert got == digest, (release, name)
+            for name, want in shared.items():
+                assert digest(cpu[release] / name) == want, (release, name)
             compared += 1
     assert compared >= 1 or not cpu, "no release with both an overlay and a skeleton"
 

@@ -4,24 +4,25 @@ files without torch, for bare data boxes: ``support.npfiles``.
 
 * :func:`hs_file`: random normal rows, random token ids, damaged in place on request;
   :func:`make_mixed`: a small dataset of good, corrupt, suspect and junk files.
-* :func:`dataset`: chat-like files whose rows are causal the way a real model's are:
-  the row at position p is a fixed function of token ids 0..p (plus a little noise, as
-  bf16 kernels in different batches give), so files that share a prompt prefix share
-  those rows. Wrong files get rows from elsewhere, as vLLM 0.24.0's reads from other
-  blocks' memory do.
+* :func:`dataset`: chat-like files whose rows are causal the way a real model's are
+  (``support.npfiles.causal_rows``): the row at position p is a fixed function of token
+  ids 0..p (plus a little noise, as bf16 kernels in different batches give), so files
+  that share a prompt prefix share those rows. Wrong files get rows from elsewhere, as
+  vLLM 0.24.0's reads from other blocks' memory do.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from support import npfiles
+
 T, A, H = 64, 3, 256  # hs_file's default shape: tokens, aux layers, hidden size
-PREFIX_AUX, PREFIX_HIDDEN = 3, 64  # dataset's rows
-TEMPLATE = [7, 8, 9, 10, 11, 12]  # a chat template's first tokens: a shared prefix
+PREFIX_AUX, PREFIX_HIDDEN = npfiles.A, npfiles.H  # dataset's rows
+TEMPLATE = npfiles.TEMPLATE  # a chat template's first tokens: a shared prefix
 
 
 def hs_file(
@@ -67,17 +68,6 @@ def make_mixed(root: Path) -> dict[str, Path]:
     return out
 
 
-def causal_rows(ids: list[int], noise: float, seed: int) -> torch.Tensor:
-    rows = []
-    g_noise = torch.Generator().manual_seed(10_000 + seed)
-    for p in range(len(ids)):
-        key = hashlib.sha256(str(ids[: p + 1]).encode()).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
-        row = torch.randn(PREFIX_AUX, PREFIX_HIDDEN, generator=g)
-        rows.append(row * (1 + noise * torch.randn(PREFIX_AUX, PREFIX_HIDDEN, generator=g_noise)))
-    return torch.stack(rows)
-
-
 def write(path: Path, ids: list[int], hs: torch.Tensor) -> Path:
     save_file(
         {"hidden_states": hs.to(torch.bfloat16).contiguous(), "token_ids": torch.tensor(ids)},
@@ -104,7 +94,7 @@ def dataset(
         ids = (TEMPLATE if i < n_shared else []) + tail.tolist()
         if i >= n_shared:
             ids = [40_000 + i, *ids]  # a first token nobody else has
-        hs = causal_rows(ids, noise=0.02, seed=i)
+        hs = torch.from_numpy(npfiles.causal_rows(ids, seed=i, noise=0.02, hidden=PREFIX_HIDDEN))
         if i in wrong:
             hs = torch.randn(hs.shape, generator=torch.Generator().manual_seed(500 + i)) * 1.1
         paths.append(write(root / f"f{i:03d}.safetensors", ids, hs * scale))

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-TEMPLATE = [7, 8, 9, 10, 11, 12]  # a chat template's first tokens: a shared prefix
+from support import npfiles
+
+TEMPLATE = npfiles.TEMPLATE  # a chat template's first tokens: a shared prefix
 AUX = [1, 2, 3, 4]  # the tiny hybrid has 4 layers: 4 is speculators' appended last layer
 
 
