@@ -10,6 +10,8 @@ about 0.2 relative error per row.
   (target layers ``[1, 2, 3]``, ``num_hidden_layers`` appended) and ``speculators
   generate-offline-data --validate-outputs``, 16 prompts of mixed lengths at concurrency 8;
 * aux ids ``[2, 4]`` through the plain engine (the case that fails silently);
+* a Kimi-K2-style config (``model_type: kimi_k2``, which vLLM 0.24 reads as a DeepSeek-V3
+  config on the same backbone), the same weights, aux ids ``[1, 2, 3, 4]``;
 * failing first: without the row, ``[1, 2, 3, 4]`` kills the worker at the first
   prefill and ``[2, 4]`` writes one state into both slots.
 
@@ -160,6 +162,19 @@ def test_two_ids_get_their_own_layers(
     assert isinstance(got, list), got
     for have, want in zip(rows(got), oracle, strict=True):
         assert worst(have, want[:, [1, 3]]) < SAME and copies(have) == []
+
+
+def test_a_kimi_k2_config_runs_on_the_same_backbone_and_is_fixed_too(
+    oracle: list[torch.Tensor], tmp_path: Path
+) -> None:
+    """Kimi K2's ``model_type`` (vLLM reads it as a DeepSeek-V3 config), the same
+    weights: the launcher's four ids give 0.25.0's DeepSeek-V3 files."""
+    kimi = tiny_model.build(CACHE / "models" / "kimi-k2", "kimi-k2")
+    assert json.loads((kimi / "config.json").read_text())["model_type"] == "kimi_k2"
+    got = engine(tmp_path, kimi, ALL)
+    assert isinstance(got, list), got
+    for have, want in zip(rows(got), oracle, strict=True):
+        assert worst(have, want) < SAME and copies(have) == []
 
 
 def test_without_the_row_two_ids_share_one_state(written_without: list[Path]) -> None:

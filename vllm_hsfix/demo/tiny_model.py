@@ -14,6 +14,8 @@
 * ``deepseek-v3``: DeepSeek-V3 (``DeepseekV3ForCausalLM``, vLLM's ``DeepseekV2Model``
   backbone), every layer dense (``first_k_dense_replace`` = all): vLLM's CPU build has
   no MLA (run it with ``VLLM_MLA_DISABLE=1``) and its grouped-topk MoE fails on CPU.
+* ``kimi-k2``: the same weights under Kimi K2's ``model_type`` (``kimi_k2``, which vLLM
+  reads as a DeepSeek-V3 config and runs on the same backbone).
 
 No tokenizer is written: vLLM runs with ``skip_tokenizer_init=True`` and token-id
 prompts. Token ids at or above ``TEXT_VOCAB`` are Qwen3.5's vision special tokens and
@@ -31,7 +33,7 @@ from typing import Any
 VOCAB = 512
 TEXT_VOCAB = 500  # prompt token ids stay below this (vision special ids live above)
 HIDDEN = 256
-KINDS = ("hybrid", "hybrid-moe", "dense", "deepseek-v3")
+KINDS = ("hybrid", "hybrid-moe", "dense", "deepseek-v3", "kimi-k2")
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 _VERSION = 3
 
@@ -166,6 +168,7 @@ _BUILDERS = {
     "hybrid-moe": _qwen3_next,
     "dense": _qwen3,
     "deepseek-v3": _deepseek_v3,
+    "kimi-k2": _deepseek_v3,  # config.json's model_type is rewritten after saving
 }
 
 
@@ -198,5 +201,8 @@ def build(path: str | Path, kind: str = "hybrid", seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = _BUILDERS[kind]().to(torch.bfloat16)
         model.save_pretrained(path, safe_serialization=True)
+        if kind == "kimi-k2":
+            config = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
         (path / ".vllm-hsfix-model").write_text(key)
     return path
