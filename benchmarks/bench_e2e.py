@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import vllm_env  # noqa: E402
 ONE_RUN = """
 import json, sys, tempfile
 from pathlib import Path
-from vllm_hsfix.demo import e2e
+from hsfix_demo import e2e
 r = e2e.run_case(e2e.CASES["hybrid-mp"], patched={patched}, workdir=Path(tempfile.mkdtemp()),
                  models=Path({models!r}), count={count})
 print("BENCH " + json.dumps({{"ok": r.ok_run, "correct": r.rows_correct == r.rows,
@@ -38,6 +39,7 @@ def one(release: str, patched: bool, count: int) -> dict:
     ((_, py, overlay),) = vllm_env.ensure([release])
     env = vllm_env.env_for(overlay)
     env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT)])  # hsfix_demo
     code = ONE_RUN.format(patched=patched, models=str(vllm_env.CACHE / "models"), count=count)
     out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BENCH ")), None)

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # hsfix_demo lives beside the package, not in it
 AUX = [1, 2, 3]
 MAX_MODEL_LEN = 512
 
@@ -85,7 +86,7 @@ BASELINE = textwrap.dedent(
 def prompts(n: int) -> list[list[int]]:
     import torch
 
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     g = torch.Generator().manual_seed(6)
     lengths = [16 + (i * 383) // max(n - 1, 1) for i in range(n)]
@@ -112,7 +113,7 @@ def wrong_dataset(where: Path, batch: list[list[int]], hidden: int) -> None:
 
 
 def main() -> int:
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     n = int(os.environ.get("BENCH_PROMPTS", "96"))
     reps = int(os.environ.get("BENCH_REPEAT", "3"))

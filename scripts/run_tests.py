@@ -84,7 +84,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 import matrix  # noqa: E402
 import vllm_env  # noqa: E402
 
-from vllm_hsfix.demo.machine import describe_cpu  # noqa: E402  (stdlib only)
+from hsfix_demo.machine import describe_cpu  # noqa: E402  (stdlib only)
 
 FULL = ["0.24.0", "0.25.0"]
 # pytest-xdist for the runs that start no engine: most of those tests start a Python

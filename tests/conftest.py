@@ -126,7 +126,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Tests that start vLLM engines (the tiny hybrid, mostly): on a CPU where vLLM's CPU
 # build cannot run a gated-delta-net hybrid at all, without vllm-hsfix too, they skip
-# naming the CPU and what vLLM did (vllm_hsfix.demo.cpu_support), not fail on its account.
+# naming the CPU and what vLLM did (hsfix_demo.cpu_support), not fail on its account.
 ENGINE_MARKERS = ("e2e", "speculators")
 
 
@@ -142,7 +142,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _hybrid_support() -> tuple[bool, str]:
-    from vllm_hsfix.demo import cpu_support, tiny_model
+    from hsfix_demo import cpu_support, tiny_model
 
     return cpu_support.cpu_hybrid_support(tiny_model.build(CACHE / "models" / "hybrid"))
 
@@ -217,7 +217,7 @@ def patched() -> Any:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     root = CACHE / "models"
     return {kind: tiny_model.build(root / kind, kind) for kind in ("hybrid", "dense")}

@@ -31,11 +31,11 @@ LAYERS: list[set[str]] = [
     {"plan", "state", "audit"},
     {"report"},
     {"runtime"},
-    {"activation", "verify", "demo", "repair"},
+    {"activation", "verify", "repair"},
     {"plugin", "__init__", "cli"},
     {"__main__", "_bootstrap"},
 ]
-GROUPS = ("audit", "demo", "repair", "_bootstrap", "hazards")
+GROUPS = ("audit", "repair", "_bootstrap", "hazards")
 
 
 def module_name(path: Path) -> str:
@@ -233,3 +233,19 @@ def test_every_patch_module_is_a_row_of_the_table() -> None:
     }
     declared.discard("patches.hooks")
     assert declared == PATCH_MODULES
+
+
+# The hotfix core: what runs inside vLLM's processes plus ``status``, ``verify`` and
+# ``run``. The data tools (``audit``, ``repair``) sit beside it, reached from the command
+# line only; the demo and its harness are not in the package at all (tests/test_wheel.py).
+DATA_TOOLS = ("audit", "repair")
+FRONT = {"cli", "__main__"}
+
+
+def test_the_core_imports_no_data_tool() -> None:
+    g = graph()
+    tools = {m for m in g if group_of(m) in DATA_TOOLS}
+    core = set(g) - tools - FRONT
+    assert {m: sorted(set(g[m]) & tools) for m in core if set(g[m]) & tools} == {}
+    assert tools and "runtime" in core and "patches.aux_final_layer" in core
+    assert not (PACKAGE / "demo").exists()

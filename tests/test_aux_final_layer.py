@@ -36,7 +36,7 @@ from conftest import CACHE, clean_env
 from safetensors.torch import load_file
 from support import speculators as spec
 
-from vllm_hsfix.demo import e2e, tiny_model
+from hsfix_demo import e2e, tiny_model
 
 pytestmark = [
     pytest.mark.speculators,

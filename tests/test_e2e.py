@@ -23,7 +23,7 @@ from conftest import CACHE, cli_rows_as_declared, declared_all
 from support import experiments
 from support.e2eruns import result, summary
 
-from vllm_hsfix.demo import cpu_support, e2e
+from hsfix_demo import cpu_support, e2e
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 

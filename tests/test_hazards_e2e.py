@@ -128,7 +128,7 @@ PREFIX_MAX_MODEL_LEN = 66  # 66 - 2 = 64 = four blocks of 16
 def prefix_prompts() -> dict[str, list[int]]:
     import torch
 
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     gen = torch.Generator().manual_seed(11)
 

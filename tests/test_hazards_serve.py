@@ -52,8 +52,8 @@ from support.lockfile import written
 from support.procs import marked_json, run_child
 from support.serve import post
 
+from hsfix_demo import e2e
 from vllm_hsfix import releases
-from vllm_hsfix.demo import e2e
 from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]

@@ -226,7 +226,7 @@ ALL_CASES = {
 
 
 def run_case(tmp_path: Any, cases: dict[str, tuple[int, bool, str]], **env: str) -> Any:
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     model = tiny_model.build(CACHE / "models" / "dense", "dense")
     spelled = ", ".join(f"{k!r}: ({a}, {b}, {r})" for k, (a, b, r) in cases.items())
@@ -309,7 +309,7 @@ def test_strict_mode_fails_a_real_engine_start(tmp_path: Any) -> None:
     want = expected_hazard(RELEASE)
     if want is None:
         pytest.skip(f"vLLM {RELEASE} has no refuse-config hazard")
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     model = tiny_model.build(CACHE / "models" / "dense", "dense")
     code = f"MODEL = {str(model)!r}\nOUT = {str(tmp_path)!r}\n" + STRICT_START

@@ -31,8 +31,8 @@ import pytest
 from conftest import CACHE, ROOT
 from support.e2eruns import result
 
+from hsfix_demo import e2e, repair_case, tiny_model
 from vllm_hsfix.audit import pipeline
-from vllm_hsfix.demo import e2e, repair_case, tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.extended]
 
 def dataset(root: Path, n: int = 6) -> dict[str, list[int]]:
     """Corrupt files (one zero row each) for random prompts of 12-40 tokens."""
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     hidden = json.loads((model_dir() / "config.json").read_text())["hidden_size"]
     gen = torch.Generator().manual_seed(5)

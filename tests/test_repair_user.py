@@ -55,7 +55,7 @@ def repair(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     return tiny_model.build(CACHE / "models" / "hybrid", "hybrid")
 

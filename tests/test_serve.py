@@ -22,7 +22,7 @@ from conftest import CACHE, clean_env, cli_rows_as_declared, declared_all
 from support.lockfile import written
 from support.serve import free_port, post, serve_command
 
-from vllm_hsfix.demo import e2e, tiny_model
+from hsfix_demo import e2e, tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 AUX = [1, 2, 3]

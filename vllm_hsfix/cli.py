@@ -1,4 +1,4 @@
-"""``vllm-hsfix``: status | verify | run | demo | audit | repair | bootstrap-dir.
+"""``vllm-hsfix``: status | verify | run | audit | repair | bootstrap-dir.
 
 Exit codes are meant for a Dockerfile ``RUN``:
 
@@ -290,12 +290,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run
-
-    return run.cli_entry(args)
-
-
 def cmd_bootstrap_dir(args: argparse.Namespace) -> int:
     print(BOOTSTRAP_DIR)
     return 0
@@ -330,21 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run CMD with vllm-hsfix active in it and its Python children")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser(
-        "demo", help="show the bug and the fix on this vLLM with a tiny hybrid model"
-    )
-    p.add_argument(
-        "--cases",
-        default="hybrid-mp,load-mp",
-        help="comma list of: hybrid-mp, hybrid-1aux, dense-mp, chat-mp, moe-mp, load-mp, "
-        "load-moe-mp, user-script, repair (default hybrid-mp,load-mp; the moe cases run "
-        "only where vLLM's CPU MoE kernels exist; user-script runs a plain extraction "
-        "script with vllm-hsfix off and on; repair writes a dataset without the fix and "
-        "runs vllm-hsfix repair on it)",
-    )
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--workdir", default=None)
-    p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bootstrap-dir", help="print the directory to put first on PYTHONPATH")
     p.set_defaults(fn=cmd_bootstrap_dir)
     from . import audit, repair

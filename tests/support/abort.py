@@ -27,7 +27,7 @@ MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 def prompts() -> list[list[int]]:
     import torch
 
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     gen = torch.Generator().manual_seed(7)
     return [
@@ -37,7 +37,7 @@ def prompts() -> list[list[int]]:
 
 
 def model_dir() -> Path:
-    from vllm_hsfix.demo import tiny_model
+    from hsfix_demo import tiny_model
 
     return tiny_model.build(CACHE / "models" / "dense", "dense")
 

@@ -1,4 +1,4 @@
-"""The real-vLLM runs of ``vllm_hsfix.demo.e2e``'s cases, once per session: one run per
+"""The real-vLLM runs of ``hsfix_demo.e2e``'s cases, once per session: one run per
 (case, patched, run index), shared by every test module that reads it (test_e2e.py,
 test_repair_e2e.py), since one run is 40-60 s on 2 cores."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import CACHE
 
-from vllm_hsfix.demo import e2e, machine
+from hsfix_demo import e2e, machine
 
 _RESULTS: dict[tuple[str, bool, int], e2e.Result] = {}
 

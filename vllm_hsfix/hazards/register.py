@@ -330,7 +330,7 @@ HAZARDS: tuple[Hazard, ...] = (
             "kernel refuses the wide state, the patched one gives exactly what the release's "
             "gives on a narrow state. Not shown end to end there: on that machine vLLM's "
             "chunk_gated_delta_rule_cpu then dies with SIGILL in every hybrid run, without "
-            "vllm-hsfix and without a speculative method too (vllm_hsfix/demo/cpu_support.py)"
+            "vllm-hsfix and without a speculative method too (hsfix_demo/cpu_support.py)"
         ),
         workaround=(
             "vLLM's CPU build on an AMX CPU only: upgrade to 0.26.0 or later. No vLLM setting "

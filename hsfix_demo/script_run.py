@@ -1,6 +1,6 @@
 """The demo's user-script case: a user's plain extraction script, run as they run it.
 
-``vllm_hsfix/demo/user_script.py`` is what such a script looks like (no vllm-hsfix
+``hsfix_demo/user_script.py`` is what such a script looks like (no vllm-hsfix
 import, no stand-ins); this module runs it with and without vllm-hsfix and compares its
 files row by row with the transformers reference, as the engine cases do
 (:mod:`.e2e`).
@@ -101,7 +101,7 @@ def run_user_script(
     what a user's machine does."""
     from safetensors.torch import load_file
 
-    from .. import detect
+    from vllm_hsfix import detect
 
     inst = detect.detect()
     model = tiny_model.build(models / kind, kind)

@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..audit import reference as audit_reference
-from ..enginelog import one_line
-from ..patches import PATCHES, by_id
+from vllm_hsfix.audit import reference as audit_reference
+from vllm_hsfix.enginelog import one_line
+from vllm_hsfix.patches import PATCHES, by_id
+
 from . import cpu_standins, tiny_model
 from .machine import cpu_info
 
@@ -366,7 +367,7 @@ def run_case(
     import torch
     from safetensors.torch import load_file
 
-    from .. import detect
+    from vllm_hsfix import detect
 
     inst = detect.detect()
     model = tiny_model.build(models / case.kind, case.kind)

@@ -1,0 +1,63 @@
+"""The wheel holds what users run: the package, its data and the ``.pth`` hook, and no
+demo, harness, stand-in or test code. Built from a copy of this checkout's files (what
+git tracks or would add: no stale ``build/``) with the environment's own setuptools (no
+download), listed from the archive itself."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vllm_hsfix.patches import PATCHES
+
+pytest.importorskip("setuptools", reason="building the wheel needs setuptools (the vLLM venvs)")
+ROOT = Path(__file__).resolve().parent.parent
+# What names harness code: the demo and its tiny models, CPU stand-ins, tests.
+HARNESS = ("demo", "standin", "tiny_model", "_case.py", "user_script", "conftest")
+
+
+def harness(name: str) -> bool:
+    parts = name.lower().split("/")
+    return any(w in name.lower() for w in HARNESS) or any(
+        p in ("tests", "test") or p.startswith("test_") for p in parts
+    )
+
+
+@pytest.fixture(scope="module")
+def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+        text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in listed:
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+           "-q", "-w", str(out), str(src)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (whl,) = out.glob("vllm_hsfix-*.whl")
+    return zipfile.ZipFile(whl).namelist()
+
+
+def test_the_wheel_holds_no_harness_code(wheel_files: list[str]) -> None:
+    code = [n for n in wheel_files if not n.split("/", 1)[0].endswith(".dist-info")]
+    assert [n for n in code if harness(n)] == []
+    assert {n.split("/", 1)[0] for n in code} == {
+        "vllm_hsfix", "_vllm_hsfix_dist.py", "vllm_hsfix_dist.pth",
+    }  # fmt: skip
+
+
+def test_the_wheel_holds_what_users_run(wheel_files: list[str]) -> None:
+    for name in ("vllm_hsfix/plugin.py", "vllm_hsfix/tested.json", "vllm_hsfix/cli.py",
+                 "vllm_hsfix/_bootstrap/sitecustomize.py", "vllm_hsfix/audit/command.py",
+                 "vllm_hsfix/repair/command.py", "vllm_hsfix_dist.pth"):  # fmt: skip
+        assert name in wheel_files
+    assert {p.impl.replace(".", "/") + ".py" for p in PATCHES} <= set(wheel_files)
