@@ -110,12 +110,24 @@ def test_no_vllm() -> None:
     assert d.code == "no-vllm"
 
 
-def test_dev_and_local_builds_compare_by_release() -> None:
-    assert plan.in_release_range(Version("0.24.1.dev12+gabc"), ">=0.17.0,<0.25.0")
-    assert plan.in_release_range(Version("0.25.0rc1"), ">=0.17.0,<0.25.0")
-    assert not plan.in_release_range(Version("0.25.0"), ">=0.17.0,<0.25.0")
-    assert not plan.in_release_range(Version("0.16.2"), ">=0.17.0,<0.25.0")
-    assert plan.in_release_range(Version("0.17.0+cpu"), ">=0.17.0,<0.25.0")
+@pytest.mark.parametrize(
+    ("version", "inside"),
+    [
+        ("0.24.1.dev12+gabc", True),
+        ("0.25.0rc1", True),  # PEP 440's exclusive <0.25.0 would leave it out
+        ("0.25.0.dev3", True),
+        ("0.25.0", False),
+        ("0.16.2", False),
+        ("0.17.0rc1", True),  # a lower bound compares the X.Y.Z release
+        ("0.17.0+cpu", True),
+    ],
+)
+def test_dev_and_local_builds_compare_by_release(version: str, inside: bool) -> None:
+    """The same answers from a specifier string (packaging parses it) and from a row's
+    two versions (what activation reads, with no specifier to parse)."""
+    assert plan.in_release_range(Version(version), ">=0.17.0,<0.25.0") is inside
+    assert plan.in_row_range(Version(version), by_id("scatter-clamp")) is inside
+    assert plan.in_release_range(Version(version), "==0.24.*") is version.startswith("0.24")
 
 
 CPU_ZEROING = by_id("cpu-zero-blocks")

@@ -27,12 +27,13 @@ decide those patches at activation, before their modules are imported
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from .codes import Code
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
@@ -54,58 +55,40 @@ class Decision:
     probe: Probe | None = None
 
 
+_ORDER = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def _bound_holds(version: Version, op: str, bound: Version) -> bool:
+    """One ordered bound. Lower bounds compare the X.Y.Z release only, so a pre-release,
+    dev or local build of 0.24.0 (``0.24.0rc1``, ``0.24.1.dev12+gabc``, ``0.24.0+cu128``)
+    belongs to the line its release does. Upper bounds compare the full public version
+    in plain version order, so a pre-release or dev build of the fixed release
+    (``0.25.0rc1``, ``0.25.0.dev3``) is still in range (PEP 440's exclusive ``<V`` would
+    drop it): the shape gate then decides from its code whether it has the fix."""
+    if op[0] == ">":
+        return _ORDER[op](Version(".".join(str(p) for p in version.release)), bound)
+    return _ORDER[op](Version(version.public), bound)
+
+
+def in_row_range(version: Version, patch: PatchSpec) -> bool:
+    """Whether ``version`` is in the row's releases, ``first`` up to ``fixed_in``: two
+    versions, no specifier to parse at activation in every vLLM process."""
+    return _bound_holds(version, ">=", Version(patch.first)) and _bound_holds(
+        version, "<", Version(patch.fixed_in)
+    )
+
+
 def in_release_range(version: Version, releases: str) -> bool:
-    """Whether ``version`` falls in ``releases``.
+    """Whether ``version`` falls in ``releases``, PEP 440 specifiers parsed by
+    ``packaging``; ordered bounds as :func:`_bound_holds` reads them."""
+    from packaging.specifiers import SpecifierSet
 
-    Lower bounds compare the X.Y.Z release only, so a pre-release, dev or local build
-    of 0.24.0 (``0.24.0rc1``, ``0.24.1.dev12+gabc``, ``0.24.0+cu128``) belongs to the
-    line its release does. Upper bounds compare the full public version, so a dev
-    build of the fixed release (``0.25.0.dev3``) is still in range: the shape gate
-    then decides from its code whether it already has the fix.
-    """
-    public = Version(version.public)
-    release = Version(".".join(str(p) for p in version.release))
-    for op, bound, spec in _clauses(releases):
-        if op == ">=":
-            ok = release >= bound
-        elif op == ">":
-            ok = release > bound
-        elif op == "<":
-            ok = public < bound
-        elif op == "<=":
-            ok = public <= bound
-        else:
-            ok = spec.contains(public, prereleases=True)
-        if not ok:
-            return False
-    return True
-
-
-_ORDERED = (">=", "<=", ">", "<")  # two-character operators first
-
-
-def _clauses(releases: str) -> list[tuple[str, Version, Any]]:
-    """``(operator, version, specifier)`` per clause of ``releases``. The patch table
-    declares plain ordered comparisons; those are read here (``specifier`` None),
-    because ``packaging.specifiers`` costs milliseconds to import (it compiles a large
-    regex) and this runs at activation in every vLLM process, where vLLM has already
-    loaded ``packaging.version``. Anything else goes to ``SpecifierSet`` as before."""
-    out: list[tuple[str, Version, Any]] = []
-    for clause in (c.strip() for c in releases.split(",")):
-        if not clause:
-            continue
-        op = next((o for o in _ORDERED if clause.startswith(o)), "")
-        rest = clause[len(op) :].strip()
-        if op and rest[:1].isdigit() and not {"*", "+"} & set(rest):
-            try:
-                out.append((op, Version(rest), None))
-                continue
-            except InvalidVersion:
-                pass
-        from packaging.specifiers import SpecifierSet
-
-        out.extend((s.operator, Version(s.version), s) for s in SpecifierSet(clause))
-    return out
+    return all(
+        _bound_holds(version, spec.operator, Version(spec.version))
+        if spec.operator in _ORDER
+        else spec.contains(Version(version.public), prereleases=True)
+        for spec in SpecifierSet(releases)
+    )
 
 
 def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
@@ -149,7 +132,7 @@ def decide(
                 Code.UPSTREAM_FIX,
                 f"upstream fix present: vLLM {install.version} >= {patch.fixed_in}",
             )
-        if not in_release_range(parsed, patch.releases):
+        if not in_row_range(parsed, patch):
             return Decision(Code.NOT_NEEDED, f"vLLM {install.version}: {patch.not_needed}")
     if not patch.runs_on(install.cpu_build):
         return Decision(Code.NOT_NEEDED, patch.other_platforms)
