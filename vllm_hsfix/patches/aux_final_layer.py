@@ -124,18 +124,23 @@ def _shape(fn: ast.FunctionDef | None) -> dict[str, Any] | None:
     names = _loop_capture(loops[-1]) if loops else None
     if names is None:
         return None
-    norm = f"{names['hidden']}, _ = self.norm({names['hidden']}, {names['residual']})"
+    norm = _dump(f"{names['hidden']}, _ = self.norm({names['hidden']}, {names['residual']})")
     after = fn.body[fn.body.index(loops[-1]) + 1 :]
-    stmts = [s for s in after if ast.unparse(s) == norm]
+    stmts = [s for s in after if ast.dump(s) == norm]
     if len(stmts) != 1:
         return None
     between = after[: after.index(stmts[0])]
     if not all(isinstance(s, ast.If) and isinstance(s.body[-1], ast.Return) for s in between):
         return None
-    returned = f"return ({names['hidden']}, {names['states']})"
-    if not any(returned in ast.unparse(s) for s in after):
+    returned = _dump(f"return {names['hidden']}, {names['states']}")
+    if not any(ast.dump(n) == returned for s in after for n in ast.walk(s)):
         return None
     return {**names, "norm": stmts[0]}
+
+
+def _dump(statement: str) -> str:
+    """A statement's structure, to compare with the release's whatever Python prints."""
+    return ast.dump(ast.parse(statement).body[0])
 
 
 def _captures_final(fn: ast.FunctionDef) -> bool:
