@@ -85,6 +85,7 @@ def test_suspect_only_exits_zero_but_is_listed(
     [
         ["{tmp}/does-not-exist"],
         ["{tmp}", "--workers", "0"],
+        ["{tmp}", "--stall-timeout", "-1"],
         ["{tmp}/empty-dir"],
         ["{tmp}", "--json", "--jsonl", "-"],
         ["{tmp}", "--json", "--list", "corrupt", "-"],

@@ -1,17 +1,22 @@
 """``vllm-hsfix audit`` on datasets: the dataset-wide checks (norm and shape outliers),
 directory expansion, and workers (same answers for any count; a worker's crash pinned
-on its file). Files from ``support.hsfiles``; single files: ``test_audit.py``.
+on its file, also with every core busy; a read that never returns ends the run naming
+its file). Files from ``support.hsfiles``; single files: ``test_audit.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from support.hsfiles import A, H, hs_file, write_raw
+from support.load import busy_cores
 
 from vllm_hsfix.audit import batched, command, parallel, pipeline, reports, scan
 
@@ -120,20 +125,75 @@ def _fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(parallel, "_context", lambda: multiprocessing.get_context("fork"))
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy-cores"])
 def test_a_worker_crash_is_pinned_on_its_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: bool
 ) -> None:
+    """``busy-cores``: every core spins meanwhile (the broken pool's retries starve)."""
     for i in range(3):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     boom = hs_file(tmp_path / "boom.safetensors", seed=9)
     _fork_workers(monkeypatch)
     monkeypatch.setattr(batched, "audit_files", _dies_on_boom)
-    report = pipeline.audit_paths([tmp_path], workers=2)
+    with busy_cores() if busy else contextlib.nullcontext():
+        report = pipeline.audit_paths([tmp_path], workers=2, stall_s=120)
     by = {f.path: f for f in report.files}
     assert by[str(boom)].verdict == "corrupt" and by[str(boom)].codes() == ["unreadable"]
     assert "worker died" in by[str(boom)].reason()
     assert by[str(boom)].bytes == boom.stat().st_size
     assert [f.verdict for p, f in by.items() if p != str(boom)] == ["ok"] * 3
+
+
+def _hangs_alone_on_boom(paths: list[str]) -> list[reports.FileReport]:
+    """Dies on a batch holding ``boom`` and never returns on ``boom`` alone (a read
+    that hangs after the first attempt's worker died)."""
+    if any("boom" in os.fspath(p) for p in paths):
+        if len(paths) > 1:
+            os._exit(3)
+        time.sleep(3600)
+    return _REAL_AUDIT_FILES(paths)
+
+
+def test_a_file_whose_read_never_returns_ends_the_run_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO nobody writes to holds its worker in ``open()`` forever: with
+    ``--stall-timeout 2`` the command exits 2 within seconds, naming the file; the other
+    files are reported, and no worker is left behind."""
+    import multiprocessing
+
+    for i in range(3):
+        hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+    fifo = tmp_path / "h.safetensors"  # sorts last: a batch of its own (4 files, 2 workers)
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    argv = [str(tmp_path), "--workers", "2", "--stall-timeout", "2", "--no-progress"]
+    assert command.main([*argv, "--jsonl", str(tmp_path / "r.jsonl")]) == 2
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert f"came back for 2 s (--stall-timeout): 1 still out, not judged: {fifo}. " in err
+    recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    judged = sorted(r["path"] for r in recs if r["type"] == "file")
+    assert judged == [str(tmp_path / f"g{i}.safetensors") for i in range(3)]
+    assert multiprocessing.active_children() == []
+
+
+def test_a_file_that_hangs_when_retried_alone_ends_the_run_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound holds in the one-file-per-process retry after a crash too."""
+    import multiprocessing
+
+    for i in range(7):
+        hs_file(tmp_path / f"g{i}.safetensors", seed=i)
+    boom = hs_file(tmp_path / "boom.safetensors", seed=9)  # 8 files, 1 worker: batches of 2
+    _fork_workers(monkeypatch)
+    monkeypatch.setattr(batched, "audit_files", _hangs_alone_on_boom)
+    t0 = time.monotonic()
+    with pytest.raises(parallel.Stalled, match=f"1 still out, not judged: {re.escape(str(boom))}"):
+        pipeline.audit_paths([tmp_path], workers=1, stall_s=2)
+    assert time.monotonic() - t0 < 30
+    assert multiprocessing.active_children() == []
 
 
 def test_workers_that_cannot_run_are_not_blamed_on_files(

@@ -10,6 +10,7 @@ were damaged and from the local run, never from the Ray run itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.load import busy_cores
 from support.npfiles import causal_dataset
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (the ray row of run_tests.py)")
@@ -108,39 +110,74 @@ def _stalled_ray_worker(timeout: float) -> int:
     raise AssertionError("no Ray task blocked on the FIFO")
 
 
+def _wait_dead(pid: int, timeout: float) -> None:
+    """Until ``pid`` has left ``open()`` for good (a zombie, or gone: it is not our
+    child to reap). A SIGKILLed reader still counts as the FIFO's reader until the
+    kernel runs its exit, which a starved process (Ray's workers run at nice 15) may
+    reach only after the test's writer: that writer's ``open()`` would then return at
+    once, its bytes die with the pipe, and the retry would wait for a writer forever."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the killed Ray worker {pid} still runs after {timeout:.0f} s")
+
+
+def _feed(fifo: Path) -> None:
+    """Write to whichever reader opens ``fifo`` next (the retried batch)."""
+    fd = os.open(fifo, os.O_WRONLY)
+    try:
+        os.write(fd, b"not a tensor file")
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _release(fifo: Path) -> None:
+    """Let a reader still blocked on ``fifo`` go (none: nothing to do)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy-cores"])
 def test_a_worker_killed_mid_scan_loses_nothing_and_counts_nothing_twice(
-    tmp_path: Path, cluster: str
+    tmp_path: Path, cluster: str, busy: bool
 ) -> None:
     """A FIFO among the files holds its task in ``open()`` until we write to it: the
     test kills that task's worker process (SIGKILL) mid-batch, Ray re-runs the batch,
     then the FIFO is fed. Every file must come back exactly once, with the local
-    verdicts; the files the killed worker had already judged are judged again, once."""
+    verdicts; the files the killed worker had already judged are judged again, once.
+    ``busy-cores``: every core of the machine spins meanwhile (the workers starve)."""
     root = tmp_path / "d"
     causal_dataset(root, 40, wrong=frozenset({3}))
     local = dict(pipeline.audit_paths([root], workers=2).verdicts)
     fifo = root / "f0015x.safetensors"  # mid-batch, after f0015 in sorted order
     os.mkfifo(fifo)
-    proc = cli(str(root), "--ray", cluster, "--jsonl", "-", "--no-progress")
-    try:
-        victim = _stalled_ray_worker(120)
-        os.kill(victim, signal.SIGKILL)
-
-        # Feed the FIFO to whichever attempt opens it next (the retry).
-        def feed() -> None:
-            fd = os.open(fifo, os.O_WRONLY)
-            try:
-                os.write(fd, b"not a tensor file")
-            except BrokenPipeError:
-                pass
-            finally:
-                os.close(fd)
-
-        threading.Thread(target=feed, daemon=True).start()
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with busy_cores() if busy else contextlib.nullcontext():
+        t0 = time.monotonic()
+        # --stall-timeout: should the retry never come back, a clear error, not a hang.
+        proc = cli(str(root), "--ray", cluster, "--jsonl", "-", "--no-progress",
+                   "--stall-timeout", "120")  # fmt: skip
+        try:
+            victim = _stalled_ray_worker(120)
+            os.kill(victim, signal.SIGKILL)
+            _wait_dead(victim, 60)
+            threading.Thread(target=_feed, args=(fifo,), daemon=True).start()
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            _release(fifo)
+        took = time.monotonic() - t0
     assert proc.returncode == 1, err
+    print(f"audit --ray with a worker killed ({'busy cores' if busy else 'idle'}): {took:.1f} s")
+    assert all(x.startswith("{") for x in out.splitlines() if x), out  # JSONL only
     recs = records(out)
     files = [r["path"] for r in recs if r["type"] == "file"]
     assert sorted(files) == sorted([*local, str(fifo)])  # each file exactly once
@@ -149,3 +186,43 @@ def test_a_worker_killed_mid_scan_loses_nothing_and_counts_nothing_twice(
     fifo_rec = next(r for r in recs if r["type"] == "file" and r["path"] == str(fifo))
     assert fifo_rec["verdict"] == "corrupt"
     assert [p["code"] for p in fifo_rec["problems"]] == ["not_safetensors"]
+
+
+def test_a_batch_that_never_comes_back_ends_the_run_naming_it(tmp_path: Path, cluster: str) -> None:
+    """A FIFO nobody writes to holds its task forever: with ``--stall-timeout 8`` the
+    run ends (exit 2) within seconds of the other batches, naming the stuck batch, and
+    every other file is reported once; the stuck task is cancelled (its worker killed,
+    so the cluster gets its CPU back). The FIFO sorts last, so its batch is the last
+    one whichever node Ray queues the batches on."""
+    root = tmp_path / "d"
+    causal_dataset(root, 12)  # 13 files on 2 CPUs: batches of 2, the FIFO alone in the last
+    fifo = root / "f0011x.safetensors"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    proc = cli(str(root), "--ray", cluster, "--jsonl", "-", "--no-progress",
+               "--stall-timeout", "8")  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, err
+    line = next((x for x in err.splitlines() if "no batch of files came back" in x), None)
+    assert line is not None, err[-3000:]
+    assert f"for 8 s (--stall-timeout): 1 still out, not judged: {fifo}. " in line, line
+    files = [r["path"] for r in records(out) if r["type"] == "file"]
+    assert sorted(files) == sorted(str(p) for p in root.iterdir() if p != fifo)  # once each
+    assert took < 60, f"a stalled Ray run took {took:.0f} s to end"
+    deadline = time.monotonic() + 30  # the cancelled task's worker is gone
+    while _blocked_on_fifo() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _blocked_on_fifo(), "the stuck task was left running"
+    _release(fifo)
+
+
+def _blocked_on_fifo() -> list[int]:
+    try:
+        return [_stalled_ray_worker(0.05)]
+    except AssertionError:
+        return []

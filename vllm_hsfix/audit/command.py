@@ -29,7 +29,7 @@ from typing import Any
 
 from .format import SUFFIX
 from .output import DEFAULT_SHOW, LIST_KINDS, Digest, format_human, write_csv, write_list
-from .parallel import default_workers
+from .parallel import STALL_S, default_workers
 from .pipeline import Reference, audit_paths, expand_paths
 from .progress import DEFAULT_INTERVAL, SILENT, for_stream
 from .records import JsonlWriter, Record
@@ -103,6 +103,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ADDRESS",
         help="scan on a Ray cluster (ADDRESS, else RAY_ADDRESS, else the local one); the "
         "files must be at the same path on every node",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_S,
+        metavar="S",
+        help="end the run (exit 2, naming the files) when no batch of files comes back for "
+        f"S seconds: a read that never returns (default {STALL_S:g}; 0: wait forever)",
     )
     p.add_argument(
         "--state",
@@ -223,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         print(f"vllm-hsfix audit: --workers must be >= 1, got {args.workers}", file=err)
         return 2
+    if not args.stall_timeout >= 0:
+        print(f"vllm-hsfix audit: --stall-timeout must be >= 0, got {args.stall_timeout}", file=err)
+        return 2
     try:
         files = expand_paths(args.paths)
     except FileNotFoundError as exc:
@@ -261,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             on_record=_fanout(sinks),
             keep=bool(args.json or args.csv),
             reference=reference,
+            stall_s=args.stall_timeout,
         )
     except RuntimeError as exc:
         print(f"vllm-hsfix audit: {exc}", file=err)

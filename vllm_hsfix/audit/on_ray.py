@@ -14,16 +14,20 @@ A worker that dies mid-task (a node lost, OOM, a process killed) makes Ray run t
 task again elsewhere (``max_retries``); a result is only taken from a task that
 finished, so a file is never counted twice nor lost. A task that keeps dying is split
 into one task per file, and a file that still kills its worker is reported
-``unreadable`` like the local pool does.
+``unreadable`` like the local pool does. When no task comes back for ``stall_s``
+seconds (a read that never returns: a hung filesystem, a FIFO among the files; a
+cluster with no CPU left for them) the tasks still out are cancelled and the run ends
+with :class:`.parallel.Stalled` naming their files, rather than wait forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .parallel import ResultFn, batches, crashed_report, run_batch
+from .parallel import STALL_S, ResultFn, batches, crashed_report, run_batch, stalled
 
 INSTALL_HINT = "pip install 'vllm-hsfix[ray]'"
 # Ray re-runs a task whose worker died this many times before giving up on it.
@@ -62,32 +66,55 @@ def cluster_cpus(ray: Any) -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def run_ray(ray: Any, files: list[str], sizes: Sequence[int], on_result: ResultFn) -> int:
+def run_ray(
+    ray: Any,
+    files: list[str],
+    sizes: Sequence[int],
+    on_result: ResultFn,
+    stall_s: float = STALL_S,
+) -> int:
     """Scan ``files`` as Ray tasks; ``on_result(index, report)`` per file as each task
-    finishes. Returns the number of CPUs the cluster offered (the "workers")."""
+    finishes. Returns the number of CPUs the cluster offered (the "workers"). Raises
+    :class:`.parallel.Stalled` when no task finishes for ``stall_s`` seconds (0: no
+    bound)."""
     cpus = cluster_cpus(ray)
     total = int(sum(sizes))  # the workers decide on the compiled kernel from it
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES)(run_batch)
-    pending: dict[Any, range] = {}
-    for batch in batches(sizes, cpus):
-        pending[task.remote([files[i] for i in batch], total)] = batch
+    pending = {task.remote([files[i] for i in b], total): b for b in batches(sizes, cpus)}
     singles: list[int] = []
+    for batch, reps in _as_done(ray, pending, files, stall_s):
+        if isinstance(reps, Exception):
+            singles += batch  # retries spent: find the file, one task per file
+            continue
+        for i, rep in zip(batch, reps, strict=True):
+            on_result(i, rep)
+    alone = ray.remote(num_cpus=1, max_retries=1)(run_batch)
+    pending = {alone.remote([files[i]], total): range(i, i + 1) for i in singles}
+    for batch, reps in _as_done(ray, pending, files, stall_s):
+        i = batch[0]
+        on_result(i, crashed_report(files[i], reps) if isinstance(reps, Exception) else reps[0])
+    return cpus
+
+
+def _as_done(
+    ray: Any, pending: dict[Any, range], files: Sequence[str], stall_s: float
+) -> Iterator[tuple[range, Any]]:
+    """(batch, its reports or the exception its task ended with) as each task finishes,
+    popped from ``pending``. When none finishes for ``stall_s`` seconds the tasks still
+    out are cancelled (their workers killed: a worker stuck in a read holds a CPU of
+    the cluster) and :class:`.parallel.Stalled` is raised."""
     while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s or None)
+        if not done:
+            out = sorted(pending.values(), key=lambda b: b.start)
+            for ref in pending:
+                with contextlib.suppress(Exception):  # finished meanwhile: nothing to cancel
+                    ray.cancel(ref, force=True)
+            raise stalled(out, files, stall_s)
         for ref in done:
             batch = pending.pop(ref)
             try:
-                reps = ray.get(ref)
-            except Exception:
-                singles += batch  # retries spent: find the file, one task per file
-                continue
-            for i, rep in zip(batch, reps, strict=True):
-                on_result(i, rep)
-    alone = ray.remote(num_cpus=1, max_retries=1)(run_batch)
-    refs = {alone.remote([files[i]], total): i for i in singles}
-    for ref, i in refs.items():
-        try:
-            on_result(i, ray.get(ref)[0])
-        except Exception as exc:
-            on_result(i, crashed_report(files[i], exc))
-    return cpus
+                got = ray.get(ref)
+            except Exception as exc:
+                got = exc
+            yield batch, got

@@ -5,18 +5,24 @@ The pool is the one part of the audit with process-level concerns: the start met
 workers inherit it, batching (one task per file costs a pickle round trip and a queue
 hop per file: on small files that, not the disk, set the pace), and a worker that dies
 (OOM, a signal) pinned on the file that killed it, not on the files it took down with
-it nor, when no worker can run at all, on any file (see :func:`run_pool`).
-:func:`batches` is shared with the Ray backend.
+it nor, when no worker can run at all, on any file (see :func:`run_pool`), and a run
+in which nothing comes back for ``stall_s`` seconds ended by :class:`Stalled`, naming
+the batches still out, instead of waiting forever. :func:`batches` and the stall bound
+are shared with the Ray backend.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import batched, blas, kernel, wire
 from .reports import CORRUPT, FileReport
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 ResultFn = Callable[[int, FileReport], None]
 
@@ -26,6 +32,32 @@ ResultFn = Callable[[int, FileReport], None]
 MAX_BATCH_FILES = 64
 MAX_BATCH_BYTES = 256 * 1024 * 1024
 TASKS_PER_WORKER = 4
+# No batch back for this long: a read that never returns (a hung network filesystem, a
+# FIFO or device among the files), not a slow one (a batch is at most 256 MB, judged at
+# hundreds of MB/s a worker; seconds even with every core busy). ``--stall-timeout``.
+STALL_S = 600.0
+# How many of the batches still out a :class:`Stalled` message names.
+NAMED_BATCHES = 3
+
+
+class Stalled(RuntimeError):
+    """No batch came back for ``stall_s`` seconds: the run ends (the command exits 2)
+    naming the batches still out, rather than wait forever on a read that never returns."""
+
+
+def stalled(out: Sequence[range], files: Sequence[str], stall_s: float) -> Stalled:
+    """The :class:`Stalled` for batches ``out`` (indices into ``files``), each named by
+    its first and last file, so the user can look at what hangs."""
+    named = [
+        files[b[0]] if len(b) == 1 else f"{len(b)} files {files[b[0]]} ... {files[b[-1]]}"
+        for b in out[:NAMED_BATCHES]
+    ]
+    more = f"; and {len(out) - NAMED_BATCHES} more" if len(out) > NAMED_BATCHES else ""
+    return Stalled(
+        f"no batch of files came back for {stall_s:g} s (--stall-timeout): "
+        f"{len(out)} still out, not judged: {'; '.join(named)}{more}. A read that never "
+        "returns (a hung filesystem, a FIFO or device file?); --state keeps what was judged"
+    )
 
 
 def default_workers() -> int:
@@ -85,14 +117,19 @@ def _context() -> object:
     return multiprocessing.get_context(method)
 
 
-def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: ResultFn) -> None:
+def run_pool(
+    files: list[str],
+    sizes: Sequence[int],
+    workers: int,
+    on_result: ResultFn,
+    stall_s: float = STALL_S,
+) -> None:
     """Audit ``files`` in worker processes (numpy releases little of the GIL for this
     work, so threads would not scale); ``on_result(index, report)`` as each file is
     judged. A worker killed mid-file (OOM, a signal) breaks the pool: the files it
     took down are retried one per fresh process, so the crash is pinned on the file
-    that causes it."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
+    that causes it. Raises :class:`Stalled` when nothing comes back for ``stall_s``
+    seconds (0: no bound), its workers killed."""
     ctx = _context()
     import numpy  # loaded once here, so forked workers inherit it
 
@@ -100,35 +137,15 @@ def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: Re
     # workers inherit it (others compile or load numba's cache in run_batch).
     total = int(numpy.asarray(sizes).sum())
     kernel.enable(total)
-
-    failed: list[int] = []
-    got = 0
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:  # type: ignore[arg-type]
-        futures = {
-            pool.submit(run_batch, [files[i] for i in batch], total): batch
-            for batch in batches(sizes, workers)
-        }
-        for fut in as_completed(futures):
-            # Popped, so the future and the reports it holds go once they are handed on
-            # (kept in the dict, every file's report stayed until the pool closed: 6 KB
-            # a file of the driver's memory on small files).
-            batch = futures.pop(fut)
-            try:
-                reps = fut.result()
-            except Exception:
-                failed += batch
-                continue
-            for i, rep in zip(batch, reps, strict=True):
-                got += 1
-                on_result(i, rep)
-            del reps, fut
+    failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     # A worker that dies breaks the whole pool, so every file still in flight lands
     # here: retry each alone, and only then decide which ones kill a worker.
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
         try:
-            with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:  # type: ignore[arg-type]
-                rep = pool.submit(run_batch, [files[i]], total).result()[0]
+            rep = _alone(ctx, files, i, total, stall_s)
+        except Stalled:
+            raise
         except Exception as exc:
             crashed[i] = exc
             continue
@@ -141,3 +158,85 @@ def run_pool(files: list[str], sizes: Sequence[int], workers: int, on_result: Re
         raise RuntimeError(f"audit worker processes cannot run: {exc!r}") from exc
     for i, exc in crashed.items():
         on_result(i, crashed_report(files[i], exc))
+
+
+def _first_pass(
+    ctx: Any,
+    files: list[str],
+    sizes: Sequence[int],
+    workers: int,
+    on_result: ResultFn,
+    total: int,
+    stall_s: float,
+) -> tuple[list[int], int]:
+    """Every batch through one pool: (the files of batches that failed, files judged)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    failed: list[int] = []
+    got = 0
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {
+            pool.submit(run_batch, [files[i] for i in batch], total): batch
+            for batch in batches(sizes, workers)
+        }
+        # Popped as they are done, so a future and the reports it holds go once they are
+        # handed on (kept, every file's report stayed until the pool closed: 6 KB a file
+        # of the driver's memory on small files).
+        for batch, fut in _as_done(pool, futures, files, stall_s):
+            try:
+                reps = fut.result()
+            except Exception:
+                failed += batch
+                continue
+            for i, rep in zip(batch, reps, strict=True):
+                got += 1
+                on_result(i, rep)
+            del reps, fut
+    return failed, got
+
+
+def _as_done(
+    pool: Any, futures: dict[Future, range], files: Sequence[str], stall_s: float
+) -> Iterator[tuple[range, Future]]:
+    """(batch, future) as each finishes, popped from ``futures``; :class:`Stalled`, the
+    pool's workers killed, when none finishes for ``stall_s`` seconds."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    while futures:
+        done, _ = wait(futures, timeout=stall_s or None, return_when=FIRST_COMPLETED)
+        if not done:
+            out = sorted(futures.values(), key=lambda b: b.start)
+            _abandon(pool)
+            raise stalled(out, files, stall_s)
+        for fut in done:
+            yield futures.pop(fut), fut
+
+
+def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> FileReport:
+    """File ``i`` judged in a fresh process of its own (raises what killed it, or
+    :class:`Stalled` when it does not come back within ``stall_s`` seconds)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        fut = pool.submit(run_batch, [files[i]], total)
+        try:
+            return fut.result(timeout=stall_s or None)[0]
+        except FutureTimeout:
+            _abandon(pool)
+            raise stalled([range(i, i + 1)], files, stall_s) from None
+
+
+def _abandon(pool: Any) -> None:
+    """Kill a pool's workers (one is stuck in a read that never returns), so that
+    leaving the pool does not wait for them."""
+    # ``_processes``: the executor's own map of its workers (CPython 3.2+; 3.14 adds a
+    # public terminate_workers()).
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.kill()
+    for proc in procs:  # reaped: none outlives the run
+        with contextlib.suppress(Exception):
+            proc.join(timeout=10)
+    pool.shutdown(wait=False, cancel_futures=True)

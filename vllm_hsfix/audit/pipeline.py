@@ -13,8 +13,10 @@ full reports too (what ``--json`` and ``--csv`` print).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from .dataset import Findings, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
 from .incremental import State
 from .ledger import Ledger
-from .parallel import default_workers, run_pool
+from .parallel import STALL_S, default_workers, run_pool
 from .progress import SILENT, Factory
 from .reports import CORRUPT, PENDING, AuditReport, FileReport
 from .scan import locked
@@ -134,6 +136,7 @@ def audit_paths(
     on_record: RecordFn | None = None,
     keep: bool = True,
     reference: Reference | None = None,
+    stall_s: float = STALL_S,
 ) -> AuditReport:
     """Audit files and directories: the per-file pass in parallel, then the dataset pass.
 
@@ -141,8 +144,10 @@ def audit_paths(
     address scan on a Ray cluster (``True``: ``RAY_ADDRESS`` or the local one).
     ``state``: a ``--state`` file (files unchanged since it was written are not scanned
     again). ``on_record``: each record as it is made (:mod:`.records`). ``keep``: keep
-    every full report in the result (else only verdicts). Raises ``FileNotFoundError``
-    for a missing path and ``ValueError`` for ``workers`` < 1."""
+    every full report in the result (else only verdicts). ``stall_s``: when no batch
+    of files comes back for this long the run stops with :class:`.parallel.Stalled`
+    (0: wait forever). Raises ``FileNotFoundError`` for a missing path and
+    ``ValueError`` for ``workers`` < 1."""
     import numpy as np
 
     t0 = time.perf_counter()
@@ -204,15 +209,18 @@ def audit_paths(
             if ray is not None and ray is not False:
                 from . import on_ray
 
-                cluster = on_ray.connect(None if ray is True else str(ray))
-                try:
-                    n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result)
-                finally:
-                    cluster.shutdown()
+                # Ray's driver prints the cluster's notices (a task retried after its
+                # worker died) on stdout: they would land in a --jsonl - stream.
+                with contextlib.redirect_stdout(sys.stderr):
+                    cluster = on_ray.connect(None if ray is True else str(ray))
+                    try:
+                        n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
+                    finally:
+                        cluster.shutdown()
                 backend = "ray"
             else:
                 n = max(1, min(n, len(todo)))
-                run_pool(paths_todo, todo_sizes, n, on_result)
+                run_pool(paths_todo, todo_sizes, n, on_result, stall_s)
         finally:
             del paths_todo, todo_sizes
             scan_bar.close()

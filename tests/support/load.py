@@ -1,0 +1,51 @@
+"""A machine whose cores are all busy, for the tests of what a starved process does
+(a worker killed while the others spin: its retry, its death noticed, a bound hit)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+# Spins until stopped, or until its parent is gone (a test runner killed by a timeout
+# must not leave cores spinning): the parent is checked every few milliseconds.
+SPIN = (
+    "import os, sys\n"
+    "parent = os.getppid()\n"
+    "sys.stdout.write('spinning\\n'); sys.stdout.flush()\n"
+    "while os.getppid() == parent:\n"
+    "    for _ in range(100000): pass\n"
+)
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity, else the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def busy_cores(n: int | None = None) -> Iterator[list[int]]:
+    """``n`` processes (default: one per core) each spinning a core at normal priority
+    for the duration of the block, all started before it begins; yields their pids.
+    They are killed and reaped when the block ends, whatever happens in it."""
+    count = cores() if n is None else n
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(count):
+            procs.append(
+                subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
+            )
+        for p in procs:  # each one's first line: it is spinning now
+            assert p.stdout is not None and p.stdout.readline() == "spinning\n"
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
