@@ -29,6 +29,8 @@ EXCEPTION = re.compile(
     r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Warning)\b"
 )
 MODEL_PROCESSES = ("EngineCore", "Worker", "VllmWorker")
+# A front end's exception that says the cause is elsewhere in the log: a consequence.
+POINTERS = ("See stack trace (above) for the root cause", "See root cause above")
 MORE_LINES = 4  # continuation lines of a multi-line message kept (pydantic's, vLLM's)
 
 
@@ -93,20 +95,23 @@ def _tracebacks(lines: list[tuple[str | None, str]]) -> list[Cause]:
 
 def root_cause(text: str) -> Cause | None:
     """The first exception of a model process, else the first traceback's, else the
-    first ``ERROR`` line; None when the log holds none."""
+    first ``ERROR`` line, else a traceback that only points elsewhere (``POINTERS``:
+    the front end's ``EngineDeadError`` after its engine core was killed, with no
+    traceback above); None when the log holds none."""
     lines = [_split(ln) for ln in text.splitlines()]
     found = _tracebacks(lines)
     for cause in found:
         if _is_model_process(cause.process):
             return cause
-    if found:
-        return found[0]
+    own = [c for c in found if not any(p in c.error for p in POINTERS)]
+    if own:
+        return own[0]
     for raw in text.splitlines():
         proc, rest = _split(raw)
         h = HEADER.match(raw[PREFIX.match(raw).end() :] if PREFIX.match(raw) else raw)
         if h and h["level"] in ("ERROR", "CRITICAL") and rest:
             return Cause(proc or "the main process", rest)
-    return None
+    return found[0] if found else None
 
 
 def read(path: str) -> str:

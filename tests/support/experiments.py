@@ -10,6 +10,12 @@ Each switch changes vLLM in every process vLLM starts (workers included), so it 
 * ``HSFIX_EXPERIMENT_KILL_WORKER=1``: the worker process is SIGKILLed (as by the OOM
   killer) when its connector registers the KV caches: the harness must notice the dead
   engine at once and leave no process behind.
+* ``HSFIX_EXPERIMENT_KILL_AT=ROLE:FLAG``: the process of ``ROLE`` (``front-end``: the
+  one that made the ``LLM``, at ``LLMEngine.step``; ``engine-core``: at
+  ``EngineCore.step``) waits at its first engine step, with requests in flight, until
+  the file ``FLAG`` exists, then SIGKILLs itself as the OOM killer would: the test
+  chooses the moment (every core busy, say) and the run is mid-batch whatever the
+  machine's pace.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# Where each role of HSFIX_EXPERIMENT_KILL_AT steps: (module, class, methods).
+STEPS = {
+    "front-end": ("vllm.v1.engine.llm_engine", "LLMEngine", ("step",)),
+    "engine-core": ("vllm.v1.engine.core", "EngineCore", ("step", "step_with_batch_queue")),
+}
 CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 NAME = "hsfix_experiments"
 
@@ -31,6 +42,26 @@ def _kill_worker(module: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     module.ExampleHiddenStatesConnector.register_kv_caches = die
+
+
+def _kill_at_step(cls_name: str, methods: tuple[str, ...], flag: str) -> Any:
+    """A post-import hook: ``cls_name``'s ``methods`` wait for ``flag``, then SIGKILL
+    the process."""
+    import signal
+    import time
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def hook(module: Any) -> None:
+        cls = getattr(module, cls_name)
+        for name in methods:
+            if hasattr(cls, name):
+                setattr(cls, name, step)
+
+    return hook
 
 
 def _no_cpu_zeroing(module: Any) -> None:
@@ -48,6 +79,10 @@ def register() -> None:
         wrapt.register_post_import_hook(_kill_worker, CONNECTOR_MODULE)
     if os.environ.get("HSFIX_EXPERIMENT_NO_CPU_ZEROING") == "1":
         wrapt.register_post_import_hook(_no_cpu_zeroing, CPU_RUNNER_MODULE)
+    role, _, flag = os.environ.get("HSFIX_EXPERIMENT_KILL_AT", "").partition(":")
+    if role in STEPS:
+        module, cls_name, methods = STEPS[role]
+        wrapt.register_post_import_hook(_kill_at_step(cls_name, methods, flag), module)
 
 
 def env(root: Path, **switches: str) -> dict[str, str]:

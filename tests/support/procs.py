@@ -1,5 +1,6 @@
 """Running the child programs of ``support/children`` by path, in a fresh interpreter
-(``conftest.run_py``: a session of its own, killed whole afterwards)."""
+(``conftest.run_py``: a session of its own, killed whole afterwards), and what is left
+of a run that leads its own session."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def marked_json(proc: subprocess.CompletedProcess[str], marker: str) -> Any:
     line = next((x for x in proc.stdout.splitlines() if x.startswith(marker)), None)
     assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
     return json.loads(line[len(marker) :])
+
+
+def alive_in_session(sid: int) -> list[int]:
+    """Processes still in session ``sid`` (a run started with ``start_new_session``
+    leads its own): what outlived it."""
+    alive = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            alive.append(int(d.name))
+    return alive

@@ -15,7 +15,9 @@ one line per regenerated file, as each batch's files are written:
                                                    argument for, exit 2; or one whose
                                                    value vLLM rejected, then the error)
 
-It stops between batches when its parent is gone (a killed repair leaves no engine).
+It stops between batches when its parent is gone (a killed repair leaves no engine),
+and exits (5, the cause in the log) when one of vLLM's processes dies under it and
+vLLM itself would wait forever (:mod:`.watch`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 
 from .engine import EndpointEngine, EngineSpec, LocalEngine
 from .guard import in_engine
+from .watch import EngineWatch
 
 GUARD, FILE, BADARG = "HSFIX_REPAIR_GUARD ", "HSFIX_REPAIR_FILE ", "HSFIX_REPAIR_BADARG "
 DONE = "HSFIX_REPAIR_DONE "
@@ -98,17 +101,34 @@ def main(argv: list[str]) -> int:
     print(GUARD + json.dumps(problems), flush=True)
     if problems:
         return 3
-    prompts: list[list[int]] = job["prompts"]
-    size = job["batch_size"]
-    for start in range(0, len(prompts), size):
-        if os.getppid() != parent:
+    watch = EngineWatch()  # a vLLM process killed under us must not leave us waiting
+    if not job.get("endpoint"):
+        watch.start()
+    try:
+        if not _generate_all(engine, job["prompts"], job["batch_size"], parent):
             return 4  # the repair was killed: stop, leave nothing running
-        paths = engine.generate(prompts[start : start + size])
-        for k, path in enumerate(paths):
-            print(FILE + json.dumps([start + k, path]), flush=True)
+    except BaseException:
+        watch.tell()  # vLLM raised because one of its processes died: which, and how
+        raise
+    finally:
+        watch.stop()
     print(DONE + "[]", flush=True)
     engine.close()
     return 0
+
+
+def _generate_all(
+    engine: LocalEngine | EndpointEngine, prompts: list[list[int]], size: int, parent: int
+) -> bool:
+    """Every prompt in batches of ``size``, a FILE line per file as each batch is
+    written; False when the repair (``parent``) is gone between batches."""
+    for start in range(0, len(prompts), size):
+        if os.getppid() != parent:
+            return False
+        paths = engine.generate(prompts[start : start + size])
+        for k, path in enumerate(paths):
+            print(FILE + json.dumps([start + k, path]), flush=True)
+    return True
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ from ._run import BADARG, DONE, FILE, GUARD
 from .journal import Journal
 from .taking import Counts, Taker
 from .targets import Target, from_audit_output, read_target, shard
+from .watch import ChildTree
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
 
@@ -145,6 +147,22 @@ def _start_engine(
         )
     finally:
         log.close()
+
+
+def failure(code: int, log: str) -> str:
+    """Why the vLLM process ended with ``code``. A signal that killed it is the root
+    cause: what its engine core logged as it went down after it (``RuntimeError:
+    cancelled``) is not, so the log is only pointed at."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (
+            f"the vLLM run failed: its process was killed by {name} (the OOM killer, a "
+            f"user; `dmesg` names OOM kills); full log: {log}"
+        )
+    return f"the vLLM run failed (exit {code}); {enginelog.explain(log)}"
 
 
 def log_path(state: str) -> str:
@@ -301,6 +319,7 @@ def _regenerate(
         }
         t0 = time.monotonic()
         proc = _start_engine(job, work, log, extra_env)
+        tree = ChildTree(proc)  # what a killed vLLM process leaves must not keep us waiting
         taker = Taker(args, root, journal, counts)
         bar = None
         ready = t0
@@ -346,6 +365,7 @@ def _regenerate(
                         f"({tokens / max(took, 1e-9):.0f} prompt tokens/s); stopping vLLM",
                         file=err,
                     )
+            tree.eof.set()
             code = proc.wait()
         finally:
             taker.drain(wait=True)  # every file put in place is in the journal
@@ -355,6 +375,7 @@ def _regenerate(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            tree.kill()  # no vLLM process outlives the run
         if bad_args:
             user = dict(a.split("=", 1) for a in args.engine_arg if "=" in a)
             for key, why in bad_args:
@@ -363,10 +384,7 @@ def _regenerate(
             print(enginelog.explain(log).splitlines()[-1], file=err)
             return 2
         if code != 0:
-            print(
-                f"vllm-hsfix repair: the vLLM run failed (exit {code}); {enginelog.explain(log)}",
-                file=err,
-            )
+            print(f"vllm-hsfix repair: {failure(code, log)}", file=err)
             return 1
     with contextlib.suppress(OSError):
         os.unlink(log)  # kept only when the run failed

