@@ -22,6 +22,7 @@ import torch
 from conftest import CACHE, cli_rows_as_declared, declared_all
 from support import experiments
 from support.e2eruns import result, summary
+from support.procs import alive_in_session
 
 from hsfix_demo import cpu_support, e2e
 
@@ -197,25 +198,9 @@ def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
     # SIGKILL is delivered at once but a dying process leaves /proc when the kernel
     # has reaped its memory: give the session's processes 10 s to go.
     deadline = time.monotonic() + 10
-    while r.pid and _alive_in_session(r.pid) and time.monotonic() < deadline:
+    while r.pid and alive_in_session(r.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert r.pid and not _alive_in_session(r.pid), "a vLLM process outlived its run"
-
-
-def _alive_in_session(sid: int) -> list[int]:
-    """Processes still in the run's session (the run leads its own)."""
-    alive = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            alive.append(int(d.name))
-    return alive
+    assert r.pid and not alive_in_session(r.pid), "a vLLM process outlived its run"
 
 
 # Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45

@@ -14,6 +14,7 @@ Each test starts at most one vLLM engine; a failing start fails within minutes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -327,3 +328,81 @@ def test_a_speculators_fp8_dataset_is_repaired_in_its_own_format(
         assert float(err.max()) < 0.1, (p, float(err.max()))
     final = pipeline.audit_paths([tmp_path / "d"], workers=1)
     assert final.count("ok") == 5, final.verdicts
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.applies("scatter-clamp")
+@pytest.mark.e2e
+@pytest.mark.dense_engine  # no gated-delta-net layers: runs on every CPU
+@pytest.mark.parametrize(
+    "role", ["engine-core", pytest.param("front-end", marks=pytest.mark.extended)]
+)
+def test_a_vllm_process_killed_mid_run_ends_the_repair_with_its_cause(
+    tmp_path: Path, role: str
+) -> None:
+    """With every core busy, vLLM's engine core (or, ``front-end``, the repair's vLLM
+    process itself) is SIGKILLed mid-batch, as by the OOM killer. The repair ends
+    within a bound (vLLM 0.24.0's ``LLM.generate`` waited forever for a killed engine
+    core), exits 1 naming what died and how (not what the engine core logged as it
+    went down after its front end), keeps vLLM's log, and leaves no process behind.
+    The tiny dense Qwen3: what dies matters here, not the model."""
+    import signal
+    import threading
+    import time
+
+    from support import experiments
+    from support.load import busy_cores
+    from support.procs import alive_in_session
+
+    from hsfix_demo import tiny_model
+
+    model = tiny_model.build(CACHE / "models" / "dense", "dense")
+    dataset(tmp_path / "d", model, wrong=4, right=0)
+    flag, state = tmp_path / "kill-now", tmp_path / "s.jsonl"
+    extra = experiments.env(tmp_path, HSFIX_EXPERIMENT_KILL_AT=f"{role}:{flag}")
+    env = user_env(**extra)
+    env["PYTHONPATH"] = os.pathsep.join([extra["PYTHONPATH"], os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_hsfix", "repair", str(tmp_path / "d"), "--model", str(model),
+         "--aux-layers", "1,2,3", "--no-progress", "--state", str(state), "--batch-size", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    err: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err.append(line)
+            if line.startswith("repair: engine ready"):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(600), "".join(err)[-3000:]
+        with busy_cores():
+            flag.touch()  # the process of `role`, waiting at its first step, dies now
+            t0 = time.monotonic()
+            proc.wait(timeout=180)
+            took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = "".join(err)
+    print(f"repair ended {took:.1f} s after its {role} was killed (every core busy):")
+    print(text[text.find("vllm-hsfix repair: ") :])
+    assert proc.returncode == 1, text[-3000:]
+    assert took < 90, f"the repair took {took:.0f} s to end after the kill"
+    if role == "engine-core":
+        assert "the vLLM run failed (exit " in text and "root cause, in the main process:" in text
+        assert "vLLM's process VLLM::EngineCore (pid " in text and ") died (" in text, text[-3000:]
+    else:
+        assert "the vLLM run failed: its process was killed by SIGKILL" in text, text[-3000:]
+    log = Path(text.split("full log: ")[1].split()[0])
+    assert log == tmp_path / "s.vllm.log" and log.exists()
+    deadline = time.monotonic() + 10  # a process killed leaves /proc once it is reaped
+    while alive_in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive_in_session(proc.pid), "a vLLM process outlived the repair"
