@@ -146,7 +146,8 @@ def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) 
 
 # Extended (41 s): the experiment behind cpu-zero-blocks, repeated on the fixed release;
 # 0.24.0's test_load_without_block_zeroing_gets_nan_after_full_attention shows the same
-# in default CI. Moved out to keep CI under 45 minutes cold with this round's additions.
+# and is extended too (scripts/run_tests.py --extended runs both). Out of default CI to
+# keep it under 45 minutes cold.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:

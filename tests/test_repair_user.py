@@ -15,7 +15,6 @@ Each test starts at most one vLLM engine; a failing start fails within minutes.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import subprocess
@@ -25,16 +24,13 @@ from pathlib import Path
 
 import pytest
 from conftest import CACHE, clean_env
+from support.digest import digest
 
 from vllm_hsfix import enginelog
 from vllm_hsfix.repair import settings
 from vllm_hsfix.repair.targets import Target
 
 AUX = (1, 2, 3)
-
-
-def digest(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def user_env(**extra: str | None) -> dict[str, str]:
