@@ -57,7 +57,7 @@ def fixed_tree(fn: ast.FunctionDef, names: dict[str, Any]) -> ast.Module:
         decorator_list=[],
         returns=fn.returns,
         type_comment=None,
-        **({"type_params": []} if hasattr(ast.FunctionDef(), "type_params") else {}),
+        **({"type_params": []} if "type_params" in ast.FunctionDef._fields else {}),
     )
     ast.copy_location(new, fn)
     return ast.fix_missing_locations(ast.Module(body=[new], type_ignores=[]))
