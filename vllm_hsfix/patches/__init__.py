@@ -15,46 +15,12 @@ patch id                     applied on      platform  target
 ``cpu-dist-name``            0.17.0 - 0.33.x cpu       ``vllm.entrypoints.cli.main.main`` (and ``vllm_hsfix_dist.pth`` at interpreter start)
 ===========================  ==============  ========  ======================================
 
-The first two are backports of vLLM PR 46301 (first released in 0.25.0);
-``cpu-zero-blocks`` backports vLLM PR 46202 (also 0.25.0): on vLLM's CPU build, newly
-allocated attention blocks of a hybrid model are not zeroed, and stale bytes turn
-hidden states after a full-attention layer into NaN under load. Each row carries its
-own first fixed release (``fixed_in``): from there on the patch is left alone
-("upstream fix present"). Why 0.17.0-0.23.x need only the clamp: 0.17.0-0.21.0's
-connector is not ``SupportsHMA`` (a hybrid verifier is rejected at start-up, so there
-is only ever one KV-cache group and the global block size is the right one);
-0.22.0-0.23.0 set ``_block_size`` but never read with it. 0.24.0 is the release whose
-worker rebuilds read slots from the global block size.
-
-``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` let vLLM's CPU build extract at
-all. ``cpu-connector-save``: from 0.22.0 the connector copies what it saves through a
-CUDA stream, CUDA events and pinned memory, which vLLM's CPU build does not have, so
-the first save kills the engine; where the buffer is in host memory the copy is made
-synchronously and the release's own writer, thread pool and ``.lock`` protocol do the
-rest. No release checked (0.22.0-0.33.0) changed that path and upstream has no fix,
-so its ``fixed_in`` is 0.34.0, the release after the last one checked: a later release
-is left alone until it has been read. ``cpu-sampler-fp64-flag`` backports vLLM PR
-46069 (0.25.0): 0.23.0 made the rejection sampler pass ``USE_FP64_GUMBEL`` to a kernel
-whose CPU stand-in rejects it, so every CPU engine with a speculative method dies at
-start-up.
-
-``cpu-gdn-wide-conv-state`` backports the effect of vLLM PR 46090 (0.26.0) for
-vLLM's CPU build on CPUs with AMX: with a speculative method a gated-delta-net layer's
-conv state is wider than its native kernels accept, and the engine dies on the first
-prompt of a hybrid verifier (Qwen3.5/3.6); the kernels get the window they read.
-
-``aux-final-layer`` backports vLLM PR 46973 (0.25.0): on the DeepSeek-V2 backbone an
-aux id equal to ``num_hidden_layers`` now gets the last layer's output; its target is
-compiled by vLLM, so it is installed as a plain function (``_wrap.swap``), not a wrapper.
-
-``abort-before-scheduling`` backports the effect of vLLM PR 56841 (0.31.0): a request
-aborted before it was ever scheduled made 0.24.0-0.30.x's ``request_finished`` raise
-``KeyError`` (the engine core dies); declining it in the connector alone moves the
-crash to the scheduler's assert, so the worker also stops reporting it.
-``atomic-writes`` goes beyond upstream: the connector's writer thread writes the final
-path in place (torn by a killed writer under safetensors < 0.8.0); it now writes a
-temporary file, fsyncs, renames it into place and only then releases the ``.lock``.
-``vllm_hsfix.hazards`` lists these and the hazards no patch covers.
+Each row says what it patches and why (``why``), which upstream change it backports
+(``upstream``), why earlier releases skip it (``not_needed``) and when it can go
+(``fixed_in``: from there on the patch is left alone, "upstream fix present"; a row
+with no upstream fix, ``upstream_fixed=False``, stops at the first release not read
+yet). ``docs/patches.md`` tells each one's longer story; ``vllm_hsfix.hazards`` lists
+these and the hazards no patch covers.
 
 ``platform`` says where a patch's target runs. ``cpu`` means vLLM's CPU build only
 (``detect.cpu_platform``: vLLM's own rule, read from metadata): a CUDA wheel ships
