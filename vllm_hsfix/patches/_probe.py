@@ -43,7 +43,8 @@ def gate(patch_id: str, fps: dict[str, str], check: Callable[[], Probe]) -> Prob
         return Probe(known[1], detail=detail, fingerprints=fps)
     got = check()
     if known is not None:
-        return Probe(None, detail=f"the code of tested build {known[0]}: {got.detail}", fingerprints=fps)
+        detail = f"the code of tested build {known[0]}: {got.detail}"
+        return Probe(None, detail=detail, fingerprints=fps)
     return Probe(got.shape, got.fixed, f"code of no tested build; {got.detail}", fps)
 
 
@@ -60,6 +61,13 @@ def params(fn: ast.AST | None) -> tuple[str, ...]:
     if not isinstance(fn, ast.FunctionDef):
         return ()
     return tuple(a.arg for a in (*fn.args.posonlyargs, *fn.args.args))
+
+
+def calls(node: ast.AST | None) -> list[str]:
+    """The functions ``node`` calls, as written (``save_file``, ``os.replace``, ...)."""
+    if node is None:
+        return []
+    return [ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)]
 
 
 def _matches(node: object, pattern: object) -> bool:
@@ -87,31 +95,30 @@ def finds(node: ast.AST | None, pattern: str) -> bool:
     return any(_matches(n, want) for n in ast.walk(node))
 
 
+def _live(module: object, name: str) -> object:
+    owner, _, member = name.rpartition(".")
+    if not owner:
+        return getattr(module, name, None)
+    cls = getattr(module, owner, None)
+    return cls.__dict__.get(member) if isinstance(cls, type) else None
+
+
 def probe_live(
-    module: object,
-    probe_tree: Callable[[ast.Module], Probe],
-    live_objects: Callable[[object], dict[str, object]],
+    module: object, probe_tree: Callable[[ast.Module], Probe], live: tuple[str, ...]
 ) -> Probe:
-    """``probe_tree`` on a live module's source, refused where a live object is not that
-    source's own definition (someone else's hot-fix)."""
+    """``probe_tree`` on a live module's source, refused where a live object named in
+    ``live`` (``Class.method`` or a module-level name) is not that source's own
+    definition (someone else's hot-fix)."""
     tree = module_tree(module)
     if tree is None:
         return Probe(None, detail="the module's source cannot be read (no .py file?)")
     result = probe_tree(tree)
     owner_file = getattr(module, "__file__", None)
-    for label, obj in live_objects(module).items():
-        problem = foreign_replacement_of(label, obj, owner_file)
+    for name in live:
+        problem = foreign_replacement_of(name, _live(module, name), owner_file)
         if problem:
             return Probe(None, detail=problem, fingerprints=result.fingerprints)
     return result
-
-
-def live_methods(module: object, cls_name: str, names: tuple[str, ...]) -> dict[str, object]:
-    """``Class.method`` -> the live object, for :func:`probe_live`."""
-    cls = getattr(module, cls_name, None)
-    if not isinstance(cls, type):
-        return {cls_name: None}
-    return {f"{cls_name}.{m}": cls.__dict__.get(m) for m in names}
 
 
 def foreign_replacement_of(label: str, obj: object, owner_file: str | None) -> str | None:

@@ -270,3 +270,8 @@ def add(owner: type, name: str, implementation: Any, patch_id: str) -> Replaceme
     added = HsfixWrapper(implementation, call_through, patch_id, added=label)
     setattr(owner, name, added)
     return Replacement(owner, name, ABSENT, added)
+
+
+def arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    """A wrapped method's argument ``name`` (position ``index`` after ``self``)."""
+    return kwargs[name] if name in kwargs else args[index]

@@ -1,29 +1,12 @@
 """``atomic-writes``: a hidden-states file appears at its path whole, or not at all.
 
-From vLLM 0.22.0 the connector's writer thread (``_write_tensors``) calls
-``save_file(tensors, filename)`` on the final path and then closes the ``.lock`` file's
-descriptor, which releases the exclusive lock readers wait on. A worker killed during
-the write (OOM killer, SIGKILL, a lost node) or a full disk leaves a truncated file at
-the final path; the kernel releases the dead writer's lock, so a reader waiting on it
-reads the truncated file (safetensors refuses it), and a job that checks only for the
-file's existence counts the request as done. No release up to 0.33.0 changes this
-(``_write_tensors`` reads the same in 0.22.0-0.33.0) and upstream has no fix or issue.
-
-Beyond upstream, and on by default (``VLLM_HSFIX_DISABLED_PATCHES=atomic-writes``
-turns it off): the release's own ``_write_tensors`` writes to a temporary file in the
-same directory (``.<name>.<pid>.<random>.hsfix-tmp``: hidden, and not a
-``.safetensors`` name, so nothing that scans for those sees it) and is handed no lock
-descriptor; the wrapper then flushes the file to disk (``fsync``), renames it onto the
-final path (``os.replace``, atomic within a file system), flushes the directory, and
-only then closes the lock descriptor. Readers' ``.lock`` protocol is unchanged, and a
-reader that gets the lock finds the complete file in place. On an error the temporary
-file is removed and the error goes where the release sends it; a killed writer leaves
-only its temporary file behind.
-
-Why wrap ``_write_tensors`` and not ``save_file``: it is the one place every release of
-the range writes through (``wait_for_save`` in 0.22-0.23, ``_submit_async_write`` from
-0.24, and ``cpu-connector-save`` on vLLM's CPU build all hand it the file and the lock
-descriptor), and the release's own body still waits for its copy event and writes.
+Target: ``ExampleHiddenStatesConnector._write_tensors``, vLLM 0.22.0-0.33.x (any
+platform), and every subclass's own writer of the same shape (hs-connectors' fp8).
+Why: the writer thread calls ``save_file`` on the final path, then closes the ``.lock``
+descriptor; a worker killed mid-write (or a full disk) leaves a truncated file there,
+which a reader waiting on the lock then reads. Upstream: none (beyond upstream, on by
+default, opt out with ``VLLM_HSFIX_DISABLED_PATCHES=atomic-writes``; safetensors >=
+0.8.0 renames into place itself). Goes when: every supported release writes atomically.
 """
 
 from __future__ import annotations
@@ -31,15 +14,17 @@ from __future__ import annotations
 import ast
 import contextlib
 import fcntl
+import inspect
 import os
 import secrets
 import tempfile
+import textwrap
 import threading
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, fingerprint, method, top_level
-from ._probe import probe_live
+from ..shapes import Probe, method, top_level
+from ._probe import calls, expect, finds, fingerprints, gate, params, probe_live
 from ._wrap import Replacement, original_of, wrap
 from .hooks import Hooks
 
@@ -52,6 +37,10 @@ TMP_SUFFIX = ".hsfix-tmp"
 HOOK = "__init_subclass__"
 
 
+# The fix: the release's own writer writes a temporary file in the same directory
+# (hidden, not a .safetensors name) and is handed no lock; the wrapper then fsyncs it,
+# renames it onto the final path (atomic within a file system), fsyncs the directory,
+# and only then closes the lock descriptor. Readers' .lock protocol is unchanged.
 def temp_path(filename: str) -> str:
     """A fresh name next to ``filename`` (same directory, so the rename is atomic)."""
     head, tail = os.path.split(filename)
@@ -99,61 +88,12 @@ def write_atomically(
             os.close(lock_fd)  # releases LOCK_EX, as the release does
 
 
-# Subclasses that override the writer (hs-connectors' FP8HiddenStatesConnector quantizes
-# in its own ``_write_tensors``): qualified name -> "covered" or why not.
+# Subclasses that override the writer: qualified name -> "covered" or why not.
 SUBCLASSES: dict[str, str] = {}
 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def subclass_writer_problem(cls: type) -> str | None:
-    """Why ``cls``'s own writer cannot be made atomic the way the release's is (None
-    when it can): it must be a static ``_write_tensors(tensors, event, filename,
-    lock_fd)`` that writes ``filename`` with one ``save_file(..., filename)``, closes
-    ``lock_fd`` in a ``finally`` and opens no other file; the wrapper then hands it a
-    temporary name and no lock, as it does the release's."""
-    import inspect
-    import textwrap
-
-    raw = original_of(cls.__dict__.get(WRITER))
-    if not isinstance(raw, staticmethod):
-        return f"{WRITER} is not a staticmethod"
-    fn = raw.__func__
-    if tuple(inspect.signature(fn).parameters) != PARAMS:
-        return f"{WRITER}{tuple(inspect.signature(fn).parameters)}, expected {PARAMS}"
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError) as exc:
-        return f"its source cannot be read ({exc})"
-    names = {_call_name(c) for c in _calls(tree)}
-    saves = [c for c in _calls(tree) if _call_name(c) == "save_file"]
-    if (
-        len(saves) != 1
-        or len(saves[0].args) != 2
-        or getattr(saves[0].args[1], "id", "") != "filename"
-    ):
-        return "it does not write with exactly one save_file(..., filename)"
-    if names & {
-        "open",
-        "os.open",
-        "os.write",
-        "torch.save",
-        "shutil.copy",
-        "os.replace",
-        "os.rename",
-    }:
-        return "it opens, writes or renames files itself"
-    fn_node = tree.body[0]
-    tries = [n for n in getattr(fn_node, "body", []) if isinstance(n, ast.Try)]
-    if not tries or not any(
-        _call_name(c) == "os.close" and _args_are(c, ("lock_fd",))
-        for stmt in tries[-1].finalbody
-        for c in _calls(stmt)
-    ):
-        return "it does not release lock_fd in a finally after the write"
-    return None
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -205,79 +145,54 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [main, wrap(base, HOOK, on_subclass, PATCH_ID)]
 
 
-# ---------------------------------------------------------------------------
-# The shape gate
-
-
-def _calls(fn: ast.AST) -> list[ast.Call]:
-    return [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
-
-
-def _call_name(call: ast.Call) -> str:
-    f = call.func
-    if isinstance(f, ast.Name):
-        return f.id
-    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
-        return f"{f.value.id}.{f.attr}"
-    return ""
-
-
-def _args_are(call: ast.Call, names: tuple[str, ...]) -> bool:
-    return not call.keywords and [getattr(a, "id", None) for a in call.args] == list(names)
+# The gate, for the release's writer of no tested build and for a subclass's own writer:
+# a static _write_tensors(tensors, event, filename, lock_fd) calling save_file(tensors,
+# filename) once inside a try whose finally closes lock_fd, opening no other file. A
+# writer that renames or replaces is "fixed".
+def writer_shape(fn: ast.AST | None) -> Probe:
+    called = calls(fn)
+    if {"os.replace", "os.rename"} & set(called):
+        return Probe(None, fixed=True, detail=f"{WRITER} renames into place")
+    body = fn.body if isinstance(fn, ast.FunctionDef) else []
+    tries = [n for n in body if isinstance(n, ast.Try)]
+    opens = {"open", "os.open", "os.write", "torch.save", "shutil.copy", "shutil.move"}
+    return expect(
+        SHAPE,
+        f"{WRITER} writes the final path in place",
+        {
+            f"a staticmethod {WRITER}{PARAMS}": isinstance(fn, ast.FunctionDef)
+            and [ast.unparse(d) for d in fn.decorator_list] == ["staticmethod"]
+            and params(fn) == PARAMS,
+            "one save_file(..., filename)": called.count("save_file") == 1
+            and finds(fn, "save_file(_, filename)"),
+            "save_file inside a try whose finally closes lock_fd": bool(tries)
+            and any(finds(s, "save_file(_, filename)") for s in tries[-1].body)
+            and any(finds(s, "os.close(lock_fd)") for s in tries[-1].finalbody),
+            "nothing else opens, writes or moves files": not opens & set(called),
+        },
+    )
 
 
 def probe_tree(tree: ast.Module) -> Probe:
-    """Known shape ``write-in-place`` (0.22.0-0.33.0): a static ``_write_tensors(tensors,
-    event, filename, lock_fd)`` that calls ``save_file(tensors, filename)`` once and
-    closes ``lock_fd`` in a ``finally``, after the write. A writer that renames or
-    replaces is "fixed"; anything else is unknown."""
+    fps = fingerprints(tree, (WRITER,), ATTRIBUTE)
     cls = top_level(tree, ATTRIBUTE)
-    if not isinstance(cls, ast.ClassDef):
-        return Probe(None, detail=f"no class {ATTRIBUTE} in the module")
-    fn = method(cls, WRITER)
-    fps = {WRITER: fingerprint(fn)}
-    if fn is None:
-        return Probe(None, detail=f"{ATTRIBUTE} has no {WRITER}", fingerprints=fps)
-    names = {_call_name(c) for c in _calls(fn)}
-    if names & {"os.replace", "os.rename", "shutil.move"}:
-        return Probe(None, fixed=True, detail=f"{WRITER} renames into place", fingerprints=fps)
-    saves = [c for c in _calls(fn) if _call_name(c) == "save_file"]
-    tries = [n for n in fn.body if isinstance(n, ast.Try)]
-    closes_last = bool(tries) and any(
-        _call_name(c) == "os.close" and _args_are(c, ("lock_fd",))
-        for stmt in tries[-1].finalbody
-        for c in _calls(stmt)
-    )
-    saves_in_try = bool(tries) and any(c in saves for stmt in tries[-1].body for c in _calls(stmt))
-    expected = {
-        f"{WRITER} is a staticmethod": any(
-            getattr(d, "id", None) == "staticmethod" for d in fn.decorator_list
-        ),
-        f"{WRITER}{PARAMS}": tuple(a.arg for a in fn.args.args) == PARAMS,
-        "one save_file(tensors, filename)": len(saves) == 1
-        and _args_are(saves[0], ("tensors", "filename")),
-        "save_file inside a try whose finally closes lock_fd": saves_in_try and closes_last,
-        "nothing else opens or writes files": not (
-            names & {"open", "os.open", "os.write", "torch.save", "shutil.copy"}
-        ),
-    }
-    missing = [k for k, ok in expected.items() if not ok]
-    if missing:
-        return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
-    return Probe(SHAPE, detail=f"{WRITER} writes the final path in place", fingerprints=fps)
-
-
-def live_objects(module: object) -> dict[str, object]:
-    cls = getattr(module, ATTRIBUTE, None)
-    return {f"{ATTRIBUTE}.{WRITER}": cls.__dict__.get(WRITER) if isinstance(cls, type) else None}
+    fn = method(cls, WRITER) if isinstance(cls, ast.ClassDef) else None
+    return gate(PATCH_ID, fps, lambda: writer_shape(fn))
 
 
 def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
+    return probe_live(module, probe_tree, (f"{ATTRIBUTE}.{WRITER}",))
 
 
-# ---------------------------------------------------------------------------
-# The check on the live class
+def subclass_writer_problem(cls: type) -> str | None:
+    """Why ``cls``'s own writer is not of the release's shape (None when it is)."""
+    raw = original_of(cls.__dict__.get(WRITER))
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(raw.__func__))).body[0]
+    except (AttributeError, OSError, TypeError, SyntaxError) as exc:
+        return f"its source cannot be read ({exc!r})"
+    got = writer_shape(fn)
+    return None if got.shape == SHAPE and isinstance(raw, staticmethod) else got.detail or "fixed"
 
 
 class _Done:

@@ -1,50 +1,12 @@
 """``hidden-group-block-size``: the connector reads with the hidden-states group's block size.
 
-vLLM 0.24.0's ``ExampleHiddenStatesConnector`` rebuilds the read slot mapping on the
-worker (``_submit_async_write``) as ``block_id * self._block_size + offset`` with
-``self._block_size = cache_config.block_size``. For hybrid verifiers that global value
-is bumped to a common multiple (e.g. 528) while the hidden-states group keeps its own
-smaller block size (e.g. 22): reads land on the wrong blocks (zeros, other groups'
-memory, or out of bounds). Upstream (PR 46301, vLLM 0.25.0):
-
-1. finds the hidden-states group by the TYPE of its spec (``HiddenStateCacheSpec``),
-2. takes ``_block_size`` from that group's spec, in ``__init__`` (the scheduler-side
-   connector never calls ``register_kv_caches``),
-3. raises ``ValueError`` in ``register_kv_caches`` when that block size differs from the
-   registered buffer's block dimension (``shape[1]`` up to 0.28),
-4. hands that group's block ids over in ``request_finished_all_groups``.
-
-Upstream's interface, as 0.25.0 ships it, is added to 0.24.0's class:
-
-* ``_find_cache_kv_group_id(cls, kv_cache_config) -> int``, a classmethod, and
-  ``_get_cache_block_size(vllm_config, kv_cache_config, cache_kv_group_id) -> int``, a
-  staticmethod (same names, kinds, parameters, answers and exception type);
-* ``__init__`` sets ``self._cache_kv_group_id`` (upstream's name) through
-  ``self._find_cache_kv_group_id`` and ``self._block_size`` through
-  ``self._get_cache_block_size``, as upstream's does (a subclass may override either);
-* the errors carry upstream's texts: ``ValueError("Could not uniquely identify the
-  extract-hidden-states KV cache group among N groups; ... (MLA verifiers are
-  unsupported).")`` and ``ValueError("Hidden-states block-size mismatch: derived B but
-  buffer block size is D; ...")``.
-
-vLLM's own tests of the fix (``tests/v1/kv_connector/unit/test_hidden_states_connector.py``
-of the 0.25.0 sdist) run on the patched 0.24.0: ``scripts/upstream_tests.py``.
-
-Deliberate differences from upstream, each because 0.24.0's surroundings differ:
-
-* ``__init__`` and ``register_kv_caches`` stay the release's own, wrapped: the group and
-  block size are set after the release's ``__init__`` returns (upstream sets them
-  before the rest of its body, which reads neither).
-* ``self._hs_group_idx`` (the release's own name) is kept equal to
-  ``_cache_kv_group_id``: 0.24.0's ``request_finished_all_groups`` reads it, and 0.24.0's
-  ``register_kv_caches`` re-derives it from layer names, so the wrapper puts it back.
-  The ``abort-before-scheduling`` patch replaces ``request_finished_all_groups`` with
-  upstream's (which reads ``_cache_kv_group_id``) on 0.24.0-0.30.x.
-* The messages append what vllm-hsfix found (each group's spec and block size; for a
-  buffer in 0.29's head-major layout, that layout by name) after upstream's text.
-* An unexpected error while resolving (anything but the fix's own ``ValueError``) stops
-  the connector with ``HsfixError`` instead of propagating bare: the release's value is
-  the bug, so the connector fails closed and names the switch that turns the patch off.
+Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.24.x (any platform).
+Why: 0.24.0's worker rebuilds read slots as ``block_id * self._block_size + offset``
+with the global ``cache_config.block_size``; a hybrid verifier's global block size is
+a common multiple (e.g. 528) of the hidden-states group's own (e.g. 22), so reads land
+on other blocks. Upstream: vllm-project/vllm#46301 (0.25.0); its connector tests run
+on the patched 0.24.0 (``scripts/upstream_tests.py``). Goes when: 0.24.x is no longer
+supported.
 """
 
 from __future__ import annotations
@@ -61,12 +23,11 @@ from ..shapes import (
     assigned_attributes,
     attribute_chains,
     body_template,
-    fingerprint,
     method,
     template_of,
     top_level,
 )
-from ._probe import probe_live
+from ._probe import expect, fingerprints, gate, probe_live
 from ._wrap import Replacement, add, wrap
 from .hooks import ExtraContext, Hooks
 
@@ -75,10 +36,19 @@ OBSERVER_ID = "in-situ-verify"  # the observer extra's mark (patches.EXTRAS)
 # Its register_kv_caches wrapper runs hooks.after_register (the runtime's in-situ check).
 CALLS_AFTER_REGISTER = True
 ATTRIBUTE = "ExampleHiddenStatesConnector"
-# Names upstream's fixed connector defines; any of them means the fix is in the build.
-FIXED_MARKERS = ("_find_cache_kv_group_id", "_get_cache_block_size", "_cache_kv_group_id")
 
 
+# The fix, upstream's: find the hidden-states group by the type of its spec
+# (HiddenStateCacheSpec), take its block size in __init__ (the scheduler-side connector
+# never registers caches), raise ValueError in register_kv_caches when the buffer's
+# block dimension disagrees, with upstream's names (_find_cache_kv_group_id,
+# _get_cache_block_size, _cache_kv_group_id) and error texts. Differences: __init__ and
+# register_kv_caches stay the release's own, wrapped (the group is set after __init__
+# returns); 0.24.0's own _hs_group_idx is kept equal to the group (its
+# request_finished_all_groups reads it, its register_kv_caches re-derives it from layer
+# names); the messages append what was found (each group; a head-major buffer by
+# name); an unexpected error while resolving stops the connector with HsfixError
+# (fail closed, naming the switch) instead of propagating bare.
 def describe_groups(kv_cache_config: Any) -> str:
     parts = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -143,19 +113,12 @@ HELPERS = {
 
 def resolve(connector: Any) -> None:
     """Set the group index and block size on a constructed connector (both roles),
-    through the helpers on its class where they are (a subclass may override them),
-    else this module's functions."""
+    through upstream's helpers on its class (a subclass may override them)."""
     config = getattr(connector, "_kv_cache_config", None)
-    cls = type(connector)
-    find = getattr(cls, "_find_cache_kv_group_id", None)
-    size = getattr(cls, "_get_cache_block_size", None)
-    group = find(config) if find is not None else find_hidden_group(config)
-    connector._cache_kv_group_id = group
-    connector._hs_group_idx = group
-    connector._block_size = (
-        size(connector._vllm_config, config, group)
-        if size is not None
-        else group_block_size(connector._vllm_config, config, group)
+    group = type(connector)._find_cache_kv_group_id(config)
+    connector._cache_kv_group_id = connector._hs_group_idx = group
+    connector._block_size = type(connector)._get_cache_block_size(
+        connector._vllm_config, config, group
     )
 
 
@@ -229,71 +192,6 @@ def _installed_register_kv_caches(hooks: Hooks) -> Any:
     return register_kv_caches
 
 
-METHODS = ("__init__", "register_kv_caches", "_submit_async_write", "request_finished_all_groups")
-# The module function the worker reads the buffer with. 0.24.0 reads a blocks-first
-# buffer ``[num_blocks, block_size, heads, head]``; the patch's block-size check and
-# its slot arithmetic are written for that layout only (0.29+ is head-major).
-READER = "extract_from_kv_cache"
-READ_BLOCKS_FIRST = template_of(
-    """
-def f(cache, slots, n):
-    bs = cache.shape[1]
-    return cache[slots // bs, slots % bs][:n]
-"""
-)
-
-
-def probe_tree(tree: ast.Module) -> Probe:
-    """Recognise 0.24.0's connector (global block size used on the worker side)."""
-    cls = top_level(tree, ATTRIBUTE)
-    if not isinstance(cls, ast.ClassDef):
-        return Probe(None, detail=f"no class {ATTRIBUTE} in the module")
-    fps = {name: fingerprint(method(cls, name)) for name in METHODS}
-    reader = top_level(tree, READER)
-    fps[READER] = fingerprint(reader)
-    init = method(cls, "__init__")
-    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
-    init_sets = {a.split(".", 1)[-1] for a in assigned_attributes(init)} if init else set()
-    present = [m for m in FIXED_MARKERS if m in defined or m in init_sets]
-    if present:
-        return Probe(None, fixed=True, detail=f"defines {present}", fingerprints=fps)
-    write = method(cls, "_submit_async_write")
-    reg = method(cls, "register_kv_caches")
-    fin = method(cls, "request_finished_all_groups")
-    expected = {
-        "__init__ sets self._block_size from vllm_config.cache_config.block_size": init is not None
-        and "self._block_size" in assigned_attributes(init)
-        and "vllm_config.cache_config.block_size" in attribute_chains(init),
-        "__init__ sets self._hs_group_idx": "_hs_group_idx" in init_sets,
-        "_submit_async_write reads self._block_size": write is not None
-        and "self._block_size" in attribute_chains(write),
-        "register_kv_caches sets self._kv_cache": reg is not None
-        and "self._kv_cache" in assigned_attributes(reg),
-        "request_finished_all_groups indexes block_ids by self._hs_group_idx": fin is not None
-        and "self._hs_group_idx" in attribute_chains(fin),
-    }
-    expected[
-        f"{READER} reads a blocks-first buffer (kv_cache[slot // shape[1], slot % shape[1]])"
-    ] = isinstance(reader, ast.FunctionDef) and body_template(reader) == READ_BLOCKS_FIRST
-    missing = [k for k, ok in expected.items() if not ok]
-    if missing:
-        return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
-    return Probe(
-        "0.24-worker-rebuild", detail="global block size used by the worker read", fingerprints=fps
-    )
-
-
-def live_objects(module: object) -> dict[str, object]:
-    cls = getattr(module, ATTRIBUTE, None)
-    if not isinstance(cls, type):
-        return {ATTRIBUTE: None}
-    return {f"{ATTRIBUTE}.{m}": cls.__dict__.get(m) for m in ("__init__", "register_kv_caches")}
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
-
-
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     cls = getattr(module, ATTRIBUTE)
     return [
@@ -354,6 +252,66 @@ def observe(module: object, ctx: ExtraContext) -> Replacement | None:
     if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
         return None
     return wrap(cls, "register_kv_caches", _installed_observer(ctx.hooks), OBSERVER_ID)
+
+
+# The gate for code of no tested build: 0.24.0's connector, whose worker reads with
+# the global block size from a blocks-first buffer (the layout the block-size check and
+# slot arithmetic are written for; 0.29+ is head-major). Any of upstream's names: fixed.
+FIXED_MARKERS = ("_find_cache_kv_group_id", "_get_cache_block_size", "_cache_kv_group_id")
+METHODS = ("__init__", "register_kv_caches", "_submit_async_write", "request_finished_all_groups")
+READER = "extract_from_kv_cache"
+READ_BLOCKS_FIRST = template_of(
+    "def f(cache, slots, n):\n bs = cache.shape[1]\n return cache[slots // bs, slots % bs][:n]"
+)
+
+
+def _check(tree: ast.Module) -> Probe:
+    cls = top_level(tree, ATTRIBUTE)
+    cls = cls if isinstance(cls, ast.ClassDef) else None
+    init, reg, write, fin = (method(cls, name) for name in METHODS)
+    init_sets = {a.split(".", 1)[-1] for a in assigned_attributes(init)} if init else set()
+    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} if cls else set()
+    present = [m for m in FIXED_MARKERS if m in defined | init_sets]
+    if present:
+        return Probe(None, fixed=True, detail=f"defines {present}")
+    reader = top_level(tree, READER)
+    reads = {
+        n: attribute_chains(f) if f else set()
+        for n, f in zip(METHODS, (init, reg, write, fin), strict=True)
+    }
+    return expect(
+        "0.24-worker-rebuild",
+        "global block size used by the worker read",
+        {
+            f"class {ATTRIBUTE}": cls is not None,
+            "__init__ sets self._block_size from vllm_config.cache_config.block_size": (
+                "_block_size" in init_sets
+                and "vllm_config.cache_config.block_size" in reads["__init__"]
+            ),
+            "__init__ sets self._hs_group_idx": "_hs_group_idx" in init_sets,
+            "_submit_async_write reads self._block_size": (
+                "self._block_size" in reads["_submit_async_write"]
+            ),
+            "register_kv_caches sets self._kv_cache": reg is not None
+            and "self._kv_cache" in assigned_attributes(reg),
+            "request_finished_all_groups indexes block_ids by self._hs_group_idx": (
+                "self._hs_group_idx" in reads["request_finished_all_groups"]
+            ),
+            f"{READER} reads a blocks-first buffer (kv_cache[slot // shape[1], slot % shape[1]])": (
+                isinstance(reader, ast.FunctionDef) and body_template(reader) == READ_BLOCKS_FIRST
+            ),
+        },
+    )
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    fps = {**fingerprints(tree, METHODS, ATTRIBUTE), **fingerprints(tree, (READER,))}
+    return gate(PATCH_ID, fps, lambda: _check(tree))
+
+
+def probe(module: object) -> Probe:
+    live = (f"{ATTRIBUTE}.__init__", f"{ATTRIBUTE}.register_kv_caches")
+    return probe_live(module, probe_tree, live)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

@@ -86,8 +86,7 @@ FIXED = {
     "torch.clamp": "s = torch.clamp(slots, min=0)\n n = cache.shape[1]\n"
     " cache[s // n, s % n] = rows",
     "in place": f"slots.clamp_min_(0)\n n = cache.shape[1]\n {_STORE}",
-    "inline": "n = cache.shape[1]\n"
-    " cache[slots.clamp_min(0) // n, slots.clamp_min(0) % n] = rows",
+    "inline": "n = cache.shape[1]\n cache[slots.clamp_min(0) // n, slots.clamp_min(0) % n] = rows",
 }
 
 
@@ -122,12 +121,8 @@ def probe_tree(tree: ast.Module) -> Probe:
     return gate(PATCH_ID, fps, lambda: _check(top_level(tree, ATTRIBUTE)))
 
 
-def live_objects(module: object) -> dict[str, object]:
-    return {ATTRIBUTE: getattr(module, ATTRIBUTE, None)}
-
-
 def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
+    return probe_live(module, probe_tree, (ATTRIBUTE,))
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
