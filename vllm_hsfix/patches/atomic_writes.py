@@ -1,12 +1,10 @@
 """``atomic-writes``: a hidden-states file appears at its path whole, or not at all.
 
-Target: ``ExampleHiddenStatesConnector._write_tensors``, vLLM 0.22.0-0.33.x (any
-platform), and every subclass's own writer of the same shape (hs-connectors' fp8).
-Why: the writer thread calls ``save_file`` on the final path, then closes the ``.lock``
-descriptor; a worker killed mid-write (or a full disk) leaves a truncated file there,
-which a reader waiting on the lock then reads. Upstream: none (beyond upstream, on by
-default, opt out with ``VLLM_HSFIX_DISABLED_PATCHES=atomic-writes``; safetensors >=
-0.8.0 renames into place itself). Goes when: every supported release writes atomically.
+Target: ``ExampleHiddenStatesConnector._write_tensors`` (and subclasses' writers of its
+shape), vLLM 0.22.0-0.33.x. Why: the writer thread writes the final path in place; a
+worker killed mid-write leaves a truncated file a reader waiting on the ``.lock`` reads.
+Upstream: none (beyond upstream, opt out with ``VLLM_HSFIX_DISABLED_PATCHES``; safetensors
+>= 0.8.0 renames itself). Goes when: every supported release writes atomically.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import fcntl
+import importlib
 import inspect
 import os
 import secrets
@@ -23,9 +22,9 @@ import threading
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, method, top_level
-from ._probe import calls, expect, finds, fingerprints, gate, params, probe_live
-from ._wrap import Replacement, original_of, wrap
+from ..shapes import Probe
+from ._probe import calls, definition, expect, finds, fingerprints, gate, params, probe_live
+from ._wrap import Replacement, arg, original_of, wrap
 from .hooks import Hooks
 
 PATCH_ID = "atomic-writes"
@@ -37,10 +36,6 @@ TMP_SUFFIX = ".hsfix-tmp"
 HOOK = "__init_subclass__"
 
 
-# The fix: the release's own writer writes a temporary file in the same directory
-# (hidden, not a .safetensors name) and is handed no lock; the wrapper then fsyncs it,
-# renames it onto the final path (atomic within a file system), fsyncs the directory,
-# and only then closes the lock descriptor. Readers' .lock protocol is unchanged.
 def temp_path(filename: str) -> str:
     """A fresh name next to ``filename`` (same directory, so the rename is atomic)."""
     head, tail = os.path.split(filename)
@@ -55,25 +50,16 @@ def _fsync(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    bound = dict(zip(PARAMS, args, strict=False))
-    bound.update(kwargs)
-    missing = [p for p in PARAMS if p not in bound]
-    if missing:
-        raise TypeError(f"{WRITER}() missing {missing}")
-    return bound
-
-
 def write_atomically(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    """The installed ``_write_tensors``: the release's write to a temporary file, then
-    fsync, rename onto the final path, and only then release the lock."""
-    a = _arguments(args, kwargs)
-    filename, lock_fd = a["filename"], a["lock_fd"]
+    """The fix: the release's writer writes a hidden temporary file in the same directory,
+    with no lock; then fsync, rename onto the final path (atomic within a file system),
+    fsync the directory, and only then release the lock. The .lock protocol is kept."""
+    tensors, event, filename, lock_fd = (arg(args, kwargs, i, p) for i, p in enumerate(PARAMS))
     tmp = temp_path(filename)
     try:
-        wrapped(a["tensors"], a["event"], tmp, None)
+        wrapped(tensors, event, tmp, None)
         _fsync(tmp)
         os.replace(tmp, filename)
         # The rename itself on disk; some file systems cannot fsync a directory.
@@ -97,20 +83,13 @@ def _qualname(cls: type) -> str:
 
 
 def _subclasses(cls: type) -> list[type]:
-    out, todo = [], list(cls.__subclasses__())
-    while todo:
-        sub = todo.pop()
-        out.append(sub)
-        todo.extend(sub.__subclasses__())
-    return out
+    return [s for sub in cls.__subclasses__() for s in (sub, *_subclasses(sub))]
 
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
-    """The release's writer, plus every subclass's own writer: those defined already
-    and, through ``__init_subclass__`` on the connector, those defined later (hs-connectors
-    imports vLLM's connector module first, so its class comes after the patch). A
-    subclass writer of another shape is left alone and named in ``SUBCLASSES`` (``verify``
-    reports it)."""
+    """The release's writer, and every subclass's own writer of its shape, defined now
+    or later (through ``__init_subclass__``: hs-connectors' class comes after the patch);
+    another shape is left alone and named in ``SUBCLASSES`` (``verify`` reports it)."""
     base = getattr(module, ATTRIBUTE)
     main = wrap(base, WRITER, write_atomically, PATCH_ID)
 
@@ -145,11 +124,8 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [main, wrap(base, HOOK, on_subclass, PATCH_ID)]
 
 
-# The gate, for the release's writer of no tested build and for a subclass's own writer:
-# a static _write_tensors(tensors, event, filename, lock_fd) calling save_file(tensors,
-# filename) once inside a try whose finally closes lock_fd, opening no other file. A
-# writer that renames or replaces is "fixed".
 def writer_shape(fn: ast.AST | None) -> Probe:
+    """The gate, for a writer of no tested build and for a subclass's own writer."""
     called = calls(fn)
     if {"os.replace", "os.rename"} & set(called):
         return Probe(None, fixed=True, detail=f"{WRITER} renames into place")
@@ -175,9 +151,7 @@ def writer_shape(fn: ast.AST | None) -> Probe:
 
 def probe_tree(tree: ast.Module) -> Probe:
     fps = fingerprints(tree, (WRITER,), ATTRIBUTE)
-    cls = top_level(tree, ATTRIBUTE)
-    fn = method(cls, WRITER) if isinstance(cls, ast.ClassDef) else None
-    return gate(PATCH_ID, fps, lambda: writer_shape(fn))
+    return gate(PATCH_ID, fps, lambda: writer_shape(definition(tree, f"{ATTRIBUTE}.{WRITER}")))
 
 
 def probe(module: object) -> Probe:
@@ -188,8 +162,8 @@ def subclass_writer_problem(cls: type) -> str | None:
     """Why ``cls``'s own writer is not of the release's shape (None when it is)."""
     raw = original_of(cls.__dict__.get(WRITER))
     try:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(raw.__func__))).body[0]
-    except (AttributeError, OSError, TypeError, SyntaxError) as exc:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(getattr(raw, "__func__", raw)))).body[0]
+    except (OSError, TypeError, SyntaxError) as exc:
         return f"its source cannot be read ({exc!r})"
     got = writer_shape(fn)
     return None if got.shape == SHAPE and isinstance(raw, staticmethod) else got.detail or "fixed"
@@ -201,83 +175,61 @@ class _Done:
     def synchronize(self) -> None:
         return None
 
-    def query(self) -> bool:
-        return True
+
+def _read_when_unlocked(path: str, seen: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    with open(path + ".lock") as lf:
+        fcntl.flock(lf, fcntl.LOCK_SH)
+        try:
+            seen["data"] = load_file(path)
+        except Exception as exc:
+            seen["error"] = repr(exc)
 
 
 def check_writer(cls: type, same_tensors: bool = True) -> list[str]:
-    """Call the LIVE ``cls._write_tensors`` as the connector does and list what is wrong.
-
-    The final path starts as a hard link of a "witness" file holding old bytes: a
-    writer that writes the final path in place changes the witness too (same inode); a
-    writer that renames a new file onto the path leaves it alone. A reader thread
-    blocked on the ``.lock`` must find the new, complete file the moment it gets the
-    lock (so the writer released it, after the file was in place). Afterwards no
-    temporary file is left. ``same_tensors=False`` for a subclass whose writer
-    transforms what it writes (fp8): then the token ids must come back unchanged."""
+    """Call the LIVE ``cls._write_tensors``; list what is wrong. The final path is a hard
+    link of a witness file, which a write in place changes; a reader blocked on the lock
+    must find the whole file (``same_tensors=False``, fp8: the token ids)."""
     import torch
-    from safetensors.torch import load_file
 
-    problems: list[str] = []
+    tensors = {"hidden_states": torch.arange(24.0).reshape(4, 2, 3), "token_ids": torch.arange(4)}
     with tempfile.TemporaryDirectory(prefix="vllm-hsfix-check-") as d:
-        final = os.path.join(d, "req-0.safetensors")
-        witness = os.path.join(d, "witness")
+        final, witness = os.path.join(d, "req-0.safetensors"), os.path.join(d, "witness")
         with open(witness, "wb") as fh:
             fh.write(b"old bytes")
         os.link(witness, final)
         lock_fd = os.open(final + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         seen: dict[str, Any] = {}
-
-        def reader() -> None:
-            with open(final + ".lock") as lf:
-                fcntl.flock(lf, fcntl.LOCK_SH)
-                try:
-                    seen["data"] = load_file(final)
-                except Exception as exc:
-                    seen["error"] = repr(exc)
-
-        t = threading.Thread(target=reader, daemon=True)
-        t.start()
-        tensors = {
-            "hidden_states": torch.arange(24, dtype=torch.float32).reshape(4, 2, 3),
-            "token_ids": torch.arange(4),
-        }
+        reader = threading.Thread(target=_read_when_unlocked, args=(final, seen), daemon=True)
+        reader.start()
         cls._write_tensors(tensors, _Done(), final, lock_fd)
-        t.join(timeout=30)
+        reader.join(timeout=30)
         with open(witness, "rb") as fh:
-            if fh.read() != b"old bytes":
-                problems.append(
-                    "the file was written in place at its final path (a killed writer leaves "
-                    "a truncated file there)"
-                )
-        if "error" in seen or "data" not in seen:
-            problems.append(
-                f"a reader holding the lock did not find the complete file: {seen.get('error')}"
-            )
-        elif not torch.equal(seen["data"].get("token_ids", torch.empty(0)), tensors["token_ids"]):
-            problems.append("the reader read other token ids than were written")
-        elif same_tensors and not all(torch.equal(seen["data"][k], v) for k, v in tensors.items()):
-            problems.append("the reader read other data than was written")
+            in_place = fh.read() != b"old bytes"
         leftovers = [n for n in os.listdir(d) if n.endswith(TMP_SUFFIX)]
-        if leftovers:
-            problems.append(f"temporary files left behind: {leftovers}")
-    return problems
+    data = seen.get("data", {})
+    wanted = ["token_ids"] if not same_tensors else list(tensors)
+    problems = {
+        "the file was written in place at its final path": in_place,
+        f"a reader holding the lock did not find the complete file: {seen.get('error')}": (
+            not data
+        ),
+        "the reader read other data than was written": bool(data)
+        and not all(k in data and torch.equal(data[k], tensors[k]) for k in wanted),
+        f"temporary files left behind: {leftovers}": bool(leftovers),
+    }
+    return [what for what, wrong in problems.items() if wrong]
 
 
 def known_subclasses() -> list[type]:
-    """The connector subclasses users run, imported when installed: hs-connectors' fp8
-    backend (its ``file`` backend is vLLM's own class; ``mooncake`` has a connector of
-    its own, not a subclass)."""
-    import importlib
-    import importlib.util
-
-    out = []
-    with contextlib.suppress(ImportError, ValueError):
-        if importlib.util.find_spec("hs_connectors") is not None:
-            mod = importlib.import_module("hs_connectors.fp8_hidden_states_connector")
-            out.append(mod.FP8HiddenStatesConnector)
-    return out
+    """The connector subclasses users run, where installed: hs-connectors' fp8 backend."""
+    try:
+        module = importlib.import_module("hs_connectors.fp8_hidden_states_connector")
+    except (ImportError, ValueError):
+        return []
+    return [module.FP8HiddenStatesConnector]
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
@@ -286,14 +238,11 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     base = getattr(module, ATTRIBUTE)
     name = f"{ATTRIBUTE}.{WRITER} renames a complete file into place, then releases the lock"
     out = checks.one(name, lambda: check_writer(base))
-    known = known_subclasses()
-    for sub in dict.fromkeys([*known, *_subclasses(base)]):
+    for sub in dict.fromkeys([*known_subclasses(), *_subclasses(base)]):
+        label = f"{_qualname(sub)}.{WRITER} (a subclass's own writer) renames into place"
+        state = SUBCLASSES.get(_qualname(sub), f"not covered: {PATCH_ID} not applied here")
         if WRITER not in sub.__dict__:
             continue
-        label = f"{_qualname(sub)}.{WRITER} (a subclass's own writer) renames into place"
-        state = SUBCLASSES.get(
-            _qualname(sub), "not covered: atomic-writes was not applied in this process"
-        )
         if state != "covered":
             out.append({"check": label, "ok": False, "problems": [state]})
         else:
