@@ -61,6 +61,13 @@ def recorded(patch_id: str, fps: dict[str, str]) -> tuple[str, str | None] | Non
     return _shapes().get((patch_id, frozenset(fps.items())))
 
 
+def bodies(patch_id: str, name: str) -> set[str]:
+    """The fingerprints of the definition ``name`` in tested builds, as ``patch_id``
+    records them (where it is defined)."""
+    found = {fp for pid, fps in _shapes() if pid == patch_id for n, fp in fps if n == name}
+    return found - {"absent"}
+
+
 def kind(inst: VllmInstall) -> str:
     """Which kind of tested build ``inst`` is compared with first: vLLM's CPU build or
     the CUDA wheel, by the platform vLLM picks there (``detect``'s ``cpu_build``)."""

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import importlib
 import inspect
 import os
 import secrets
-import tempfile
 import textwrap
-import threading
 from typing import Any
 
 from .. import checks
 from ..shapes import Probe
+from ._connector_io import TMP_SUFFIX, check_writer
 from ._probe import calls, definition, expect, finds, fingerprints, gate, params, probe_live
 from ._wrap import Replacement, arg, original_of, wrap
 from .hooks import Hooks
@@ -32,7 +30,6 @@ ATTRIBUTE = "ExampleHiddenStatesConnector"
 WRITER = "_write_tensors"
 PARAMS = ("tensors", "event", "filename", "lock_fd")
 SHAPE = "write-in-place"
-TMP_SUFFIX = ".hsfix-tmp"
 HOOK = "__init_subclass__"
 
 
@@ -167,60 +164,6 @@ def subclass_writer_problem(cls: type) -> str | None:
         return f"its source cannot be read ({exc!r})"
     got = writer_shape(fn)
     return None if got.shape == SHAPE and isinstance(raw, staticmethod) else got.detail or "fixed"
-
-
-class _Done:
-    """A copy event that is already complete (what the writer waits on first)."""
-
-    def synchronize(self) -> None:
-        return None
-
-
-def _read_when_unlocked(path: str, seen: dict[str, Any]) -> None:
-    from safetensors.torch import load_file
-
-    with open(path + ".lock") as lf:
-        fcntl.flock(lf, fcntl.LOCK_SH)
-        try:
-            seen["data"] = load_file(path)
-        except Exception as exc:
-            seen["error"] = repr(exc)
-
-
-def check_writer(cls: type, same_tensors: bool = True) -> list[str]:
-    """Call the LIVE ``cls._write_tensors``; list what is wrong. The final path is a hard
-    link of a witness file, which a write in place changes; a reader blocked on the lock
-    must find the whole file (``same_tensors=False``, fp8: the token ids)."""
-    import torch
-
-    tensors = {"hidden_states": torch.arange(24.0).reshape(4, 2, 3), "token_ids": torch.arange(4)}
-    with tempfile.TemporaryDirectory(prefix="vllm-hsfix-check-") as d:
-        final, witness = os.path.join(d, "req-0.safetensors"), os.path.join(d, "witness")
-        with open(witness, "wb") as fh:
-            fh.write(b"old bytes")
-        os.link(witness, final)
-        lock_fd = os.open(final + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        seen: dict[str, Any] = {}
-        reader = threading.Thread(target=_read_when_unlocked, args=(final, seen), daemon=True)
-        reader.start()
-        cls._write_tensors(tensors, _Done(), final, lock_fd)
-        reader.join(timeout=30)
-        with open(witness, "rb") as fh:
-            in_place = fh.read() != b"old bytes"
-        leftovers = [n for n in os.listdir(d) if n.endswith(TMP_SUFFIX)]
-    data = seen.get("data", {})
-    wanted = ["token_ids"] if not same_tensors else list(tensors)
-    problems = {
-        "the file was written in place at its final path": in_place,
-        f"a reader holding the lock did not find the complete file: {seen.get('error')}": (
-            not data
-        ),
-        "the reader read other data than was written": bool(data)
-        and not all(k in data and torch.equal(data[k], tensors[k]) for k in wanted),
-        f"temporary files left behind: {leftovers}": bool(leftovers),
-    }
-    return [what for what, wrong in problems.items() if wrong]
 
 
 def known_subclasses() -> list[type]:
