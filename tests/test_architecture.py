@@ -25,7 +25,15 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_lazy", "_locks", "config", "releases", "codes"},
     {"detect", "shapes", "patches", "patches.hooks", "enginelog"},
-    {"patches._wrap", "tested", "backends", "hazards", "hazards.model", "hazards.register"},
+    {
+        "patches._wrap",
+        "patches._connector_io",
+        "tested",
+        "backends",
+        "hazards",
+        "hazards.model",
+        "hazards.register",
+    },
     {"patches._probe", "provenance", "checks", "refuse_config"},
     PATCH_MODULES,
     {"plan", "state", "audit"},
