@@ -156,7 +156,7 @@ def _plain_dataclass(cls: ast.AST | None) -> bool:
     )
 
 
-def _check(tree: ast.Module) -> Probe:
+def shape_check(tree: ast.Module) -> Probe:
     cls = top_level(tree, ATTRIBUTE)
     cls = cls if isinstance(cls, ast.ClassDef) else None
     finished, build, get, init, all_groups, added = (
@@ -201,7 +201,7 @@ def _check(tree: ast.Module) -> Probe:
 
 def probe_tree(tree: ast.Module) -> Probe:
     fps = fingerprints(tree, (*METHODS, ALL_GROUPS), ATTRIBUTE)
-    return gate(PATCH_ID, fps, lambda: _check(tree))
+    return gate(PATCH_ID, fps, lambda: shape_check(tree))
 
 
 def probe(module: object) -> Probe:

@@ -146,9 +146,13 @@ def writer_shape(fn: ast.AST | None) -> Probe:
     )
 
 
+def shape_check(tree: ast.Module) -> Probe:
+    return writer_shape(definition(tree, f"{ATTRIBUTE}.{WRITER}"))
+
+
 def probe_tree(tree: ast.Module) -> Probe:
     fps = fingerprints(tree, (WRITER,), ATTRIBUTE)
-    return gate(PATCH_ID, fps, lambda: writer_shape(definition(tree, f"{ATTRIBUTE}.{WRITER}")))
+    return gate(PATCH_ID, fps, lambda: shape_check(tree))
 
 
 def probe(module: object) -> Probe:

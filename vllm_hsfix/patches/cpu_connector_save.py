@@ -183,7 +183,12 @@ NAMES = ("_get_copy_stream", SAVE_LAYER, SUBMIT, WRITER, "wait_for_save", "get_f
 EVENT_ONLY = ("elapsed_time", "ipc_handle", "from_ipc_handle")
 
 
-def _check(tree: ast.Module, fps: dict[str, str]) -> Probe:
+def _fingerprints(tree: ast.Module) -> dict[str, str]:
+    return {**fingerprints(tree, NAMES, ATTRIBUTE), **fingerprints(tree, (READER,))}
+
+
+def shape_check(tree: ast.Module) -> Probe:
+    fps = _fingerprints(tree)
     cls = top_level(tree, ATTRIBUTE)
     cls = cls if isinstance(cls, ast.ClassDef) else None
     if cls is not None and not any(c.startswith("torch.cuda") for c in attribute_chains(cls)):
@@ -223,8 +228,7 @@ def _check(tree: ast.Module, fps: dict[str, str]) -> Probe:
 
 
 def probe_tree(tree: ast.Module) -> Probe:
-    fps = {**fingerprints(tree, NAMES, ATTRIBUTE), **fingerprints(tree, (READER,))}
-    return gate(PATCH_ID, fps, lambda: _check(tree, fps))
+    return gate(PATCH_ID, _fingerprints(tree), lambda: shape_check(tree))
 
 
 def probe(module: object) -> Probe:

