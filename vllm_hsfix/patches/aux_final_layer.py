@@ -31,8 +31,8 @@ import linecache
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, fingerprint, method, top_level
-from ._probe import probe_live
+from ..shapes import Probe, method, top_level
+from ._probe import expect, fingerprints, gate, probe_live
 from ._wrap import FunctionSwap, swap
 from .hooks import Hooks
 
@@ -85,7 +85,8 @@ def build(original: Any, tree: ast.Module, filename: str) -> Any:
     return new
 
 
-# The gate: the release's forward must be the one this fix is written for.
+# The gate for code of no tested build: the release's forward must be the one this
+# fix is written for (apply reads the same names from it).
 
 
 def _class(tree: ast.Module) -> ast.ClassDef | None:
@@ -153,41 +154,38 @@ def _captures_final(fn: ast.FunctionDef) -> bool:
     return "_maybe_add_hidden_state" in ast.unparse(fn)
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    """Recognise 0.18-0.24's forward (capture before each layer only) and the fixed one."""
+def shape_check(tree: ast.Module) -> Probe:
+    """0.18-0.24's forward (capture before each layer only), or the fixed one."""
     fn = method(_class(tree), METHOD)
-    fps = {f"{CLASS}.{METHOD}": fingerprint(fn)}
     if fn is None:
-        return Probe(None, detail=f"no method {CLASS}.{METHOD} in the module", fingerprints=fps)
+        return Probe(None, detail=f"no method {CLASS}.{METHOD} in the module")
     if _captures_final(fn):
-        return Probe(
-            None, fixed=True, detail="the final layer's output is captured", fingerprints=fps
-        )
+        return Probe(None, fixed=True, detail="the final layer's output is captured")
     if f"self.{AUX}" not in ast.unparse(fn):
-        return Probe(None, detail=f"{CLASS}.{METHOD} captures no aux states", fingerprints=fps)
-    uses_class_cell = any(
+        return Probe(None, detail=f"{CLASS}.{METHOD} captures no aux states")
+    class_cell = any(
         isinstance(n, ast.Name) and n.id in ("super", "__class__") for n in ast.walk(fn)
     )
-    if fn.decorator_list or uses_class_cell or _shape(fn) is None:
-        return Probe(
-            None,
-            detail=(
-                "expected an undecorated forward with `if idx in self.aux_hidden_state_layers: "
-                "A.append(H + R)` in its last loop, then only early returns, then "
-                "`H, _ = self.norm(H, R)` and `return H, A`; found another body"
-            ),
-            fingerprints=fps,
-        )
-    return Probe("pre-norm-capture", detail="aux states at layer inputs only", fingerprints=fps)
+    return expect(
+        "pre-norm-capture",
+        "aux states at layer inputs only",
+        {
+            "an undecorated forward with `if idx in self.aux_hidden_state_layers: "
+            "A.append(H + R)` in its last loop, then only early returns, then "
+            "`H, _ = self.norm(H, R)` and `return H, A`": not fn.decorator_list
+            and not class_cell
+            and _shape(fn) is not None,
+        },
+    )
 
 
-def live_objects(module: object) -> dict[str, object]:
-    cls = getattr(module, CLASS, None)
-    return {f"{CLASS}.{METHOD}": None if cls is None else cls.__dict__.get(METHOD)}
+def probe_tree(tree: ast.Module) -> Probe:
+    fps = fingerprints(tree, (f"{CLASS}.{METHOD}",))
+    return gate(PATCH_ID, fps, lambda: shape_check(tree))
 
 
 def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
+    return probe_live(module, probe_tree, (f"{CLASS}.{METHOD}",))
 
 
 def apply(module: Any, shape: str, hooks: Hooks) -> list[FunctionSwap]:
