@@ -34,7 +34,7 @@ LAYERS: list[set[str]] = [
         "hazards.model",
         "hazards.register",
     },
-    {"patches._probe", "provenance", "checks", "refuse_config"},
+    {"patches._probe", "patches._observer", "provenance", "checks", "refuse_config"},
     PATCH_MODULES,
     {"plan", "state", "audit"},
     {"report"},

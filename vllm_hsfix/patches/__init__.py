@@ -435,7 +435,7 @@ EXTRAS: tuple[ExtraSpec, ...] = (
             "and no row that runs the check itself applies (0.17-0.23: the clamp only)"
         ),
         why="run the in-situ check once per worker when it registers its KV caches",
-        impl="vllm_hsfix.patches.hidden_group_block_size:observe",
+        impl="vllm_hsfix.patches._observer:observe",
     ),
     ExtraSpec(
         id="provenance",

@@ -275,3 +275,8 @@ def add(owner: type, name: str, implementation: Any, patch_id: str) -> Replaceme
 def arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
     """A wrapped method's argument ``name`` (position ``index`` after ``self``)."""
     return kwargs[name] if name in kwargs else args[index]
+
+
+def subclasses(cls: type) -> list[type]:
+    """Every class below ``cls``, however deep (where a wrapper on ``cls`` may not reach)."""
+    return [s for sub in cls.__subclasses__() for s in (sub, *subclasses(sub))]

@@ -22,7 +22,7 @@ from .. import checks
 from ..shapes import Probe
 from ._connector_io import TMP_SUFFIX, check_writer
 from ._probe import calls, definition, expect, finds, fingerprints, gate, params, probe_live
-from ._wrap import Replacement, arg, original_of, wrap
+from ._wrap import Replacement, arg, original_of, subclasses, wrap
 from .hooks import Hooks
 
 PATCH_ID = "atomic-writes"
@@ -79,10 +79,6 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _subclasses(cls: type) -> list[type]:
-    return [s for sub in cls.__subclasses__() for s in (sub, *_subclasses(sub))]
-
-
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     """The release's writer, and every subclass's own writer of its shape, defined now
     or later (through ``__init_subclass__``: hs-connectors' class comes after the patch);
@@ -113,7 +109,7 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
                 hooks.on_failure(PATCH_ID, exc)
         return result
 
-    for sub in _subclasses(base):
+    for sub in subclasses(base):
         cover(sub)
     if HOOK not in base.__dict__:
         # A classmethod of its own to wrap, doing what the inherited one does.
@@ -170,7 +166,7 @@ def subclass_writer_problem(cls: type) -> str | None:
     return None if got.shape == SHAPE and isinstance(raw, staticmethod) else got.detail or "fixed"
 
 
-def known_subclasses() -> list[type]:
+def knownsubclasses() -> list[type]:
     """The connector subclasses users run, where installed: hs-connectors' fp8 backend."""
     try:
         module = importlib.import_module("hs_connectors.fp8_hidden_states_connector")
@@ -185,7 +181,7 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     base = getattr(module, ATTRIBUTE)
     name = f"{ATTRIBUTE}.{WRITER} renames a complete file into place, then releases the lock"
     out = checks.one(name, lambda: check_writer(base))
-    for sub in dict.fromkeys([*known_subclasses(), *_subclasses(base)]):
+    for sub in dict.fromkeys([*knownsubclasses(), *subclasses(base)]):
         label = f"{_qualname(sub)}.{WRITER} (a subclass's own writer) renames into place"
         state = SUBCLASSES.get(_qualname(sub), f"not covered: {PATCH_ID} not applied here")
         if WRITER not in sub.__dict__:

@@ -1,12 +1,10 @@
 """``hidden-group-block-size``: the connector reads with the hidden-states group's block size.
 
-Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.24.x (any platform).
-Why: 0.24.0's worker rebuilds read slots as ``block_id * self._block_size + offset``
-with the global ``cache_config.block_size``; a hybrid verifier's global block size is
-a common multiple (e.g. 528) of the hidden-states group's own (e.g. 22), so reads land
-on other blocks. Upstream: vllm-project/vllm#46301 (0.25.0); its connector tests run
-on the patched 0.24.0 (``scripts/upstream_tests.py``). Goes when: 0.24.x is no longer
-supported.
+Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.24.x (any platform). Why: the
+worker rebuilds read slots with the global ``cache_config.block_size`` (e.g. 528), not
+the hidden-states group's own (e.g. 22): reads land on other blocks. Upstream:
+vllm-project/vllm#46301 (0.25.0); its tests run on the patched 0.24.0
+(``scripts/upstream_tests.py``). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -18,37 +16,22 @@ from typing import Any
 from .. import checks
 from ..config import DISABLED_PATCHES
 from ..errors import HsfixError
-from ..shapes import (
-    Probe,
-    assigned_attributes,
-    attribute_chains,
-    body_template,
-    method,
-    template_of,
-    top_level,
-)
-from ._probe import expect, fingerprints, gate, probe_live
-from ._wrap import Replacement, add, wrap
-from .hooks import ExtraContext, Hooks
+from ..shapes import Probe, assigned_attributes, body_template, method, template_of, top_level
+from ._probe import expect, finds, fingerprints, gate, probe_live
+from ._wrap import Replacement, add, subclasses, wrap
+from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
-OBSERVER_ID = "in-situ-verify"  # the observer extra's mark (patches.EXTRAS)
 # Its register_kv_caches wrapper runs hooks.after_register (the runtime's in-situ check).
 CALLS_AFTER_REGISTER = True
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 
 
-# The fix, upstream's: find the hidden-states group by the type of its spec
-# (HiddenStateCacheSpec), take its block size in __init__ (the scheduler-side connector
-# never registers caches), raise ValueError in register_kv_caches when the buffer's
-# block dimension disagrees, with upstream's names (_find_cache_kv_group_id,
-# _get_cache_block_size, _cache_kv_group_id) and error texts. Differences: __init__ and
-# register_kv_caches stay the release's own, wrapped (the group is set after __init__
-# returns); 0.24.0's own _hs_group_idx is kept equal to the group (its
-# request_finished_all_groups reads it, its register_kv_caches re-derives it from layer
-# names); the messages append what was found (each group; a head-major buffer by
-# name); an unexpected error while resolving stops the connector with HsfixError
-# (fail closed, naming the switch) instead of propagating bare.
+# The fix, upstream's names, kinds and error texts: the hidden-states group found by its
+# spec's type, its block size taken in __init__, ValueError on a buffer that disagrees.
+# Differences: __init__ and register_kv_caches stay the release's, wrapped; 0.24.0's
+# _hs_group_idx is kept equal to the group (its own code reads and re-derives it); the
+# messages add what was found; any other error while resolving fails closed (HsfixError).
 def describe_groups(kv_cache_config: Any) -> str:
     parts = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -60,12 +43,8 @@ def describe_groups(kv_cache_config: Any) -> str:
 
 
 def find_hidden_group(kv_cache_config: Any) -> int:
-    """Index of the KV-cache group that holds the hidden states, found by spec type.
-
-    No config -> 0; exactly one ``HiddenStateCacheSpec`` group -> it; none, but one group
-    in total -> 0; anything else is ambiguous and raises ``ValueError`` (an MLA verifier's
-    groups cannot be told apart from the hidden-states group).
-    """
+    """The one ``HiddenStateCacheSpec`` group; 0 without a config or with one group in
+    all; anything else is ambiguous (an MLA verifier's groups): ``ValueError``."""
     if kv_cache_config is None:
         return 0
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
@@ -104,7 +83,6 @@ def _get_cache_block_size(vllm_config: Any, kv_cache_config: Any, cache_kv_group
     return group_block_size(vllm_config, kv_cache_config, cache_kv_group_id)
 
 
-# Upstream's helpers, added to the release's class: name -> implementation (its kind).
 HELPERS = {
     "_find_cache_kv_group_id": classmethod(_find_cache_kv_group_id),
     "_get_cache_block_size": staticmethod(_get_cache_block_size),
@@ -129,10 +107,8 @@ def group_of(connector: Any) -> int:
 
 
 def check_buffer(connector: Any) -> None:
-    """Fail fast when the read block size disagrees with the registered buffer.
-
-    Raised as ``ValueError`` rather than asserted, so it survives ``python -O``.
-    """
+    """``ValueError`` (not an assert: ``python -O``) when the read block size disagrees
+    with the registered buffer."""
     buffer = getattr(connector, "_kv_cache", None)
     if buffer is None or buffer.dim() < 2:
         return
@@ -203,14 +179,8 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
 
 def existing_instances(cls: type) -> list[Any]:
     """Connectors built before the patch (an ``LLM`` created before ``apply()``)."""
-    classes = [cls]
-    for c in classes:
-        classes.extend(c.__subclasses__())
-    found: dict[int, Any] = {}
-    for c in classes:
-        for obj in gc.get_referrers(c):
-            if type(obj) is c:
-                found[id(obj)] = obj
+    classes = {cls, *subclasses(cls)}
+    found = {id(obj): obj for obj in gc.get_referrers(*classes) if type(obj) in classes}
     return list(found.values())
 
 
@@ -233,27 +203,6 @@ def adopt(module: object) -> str:
     )
 
 
-def _installed_observer(hooks: Hooks) -> Any:
-    def register_kv_caches(
-        wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        result = wrapped(*args, **kwargs)
-        hooks.after_register(instance)
-        return result
-
-    return register_kv_caches
-
-
-def observe(module: object, ctx: ExtraContext) -> Replacement | None:
-    """The ``in-situ-verify`` extra (``patches.EXTRAS``): on releases that get only the
-    clamp (0.17-0.23), still run the in-situ check when a worker registers its caches:
-    a pure observer around ``register_kv_caches``."""
-    cls = getattr(module, ATTRIBUTE, None)
-    if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
-        return None
-    return wrap(cls, "register_kv_caches", _installed_observer(ctx.hooks), OBSERVER_ID)
-
-
 # The gate for code of no tested build: 0.24.0's connector, whose worker reads with
 # the global block size from a blocks-first buffer (the layout the block-size check and
 # slot arithmetic are written for; 0.29+ is head-major). Any of upstream's names: fixed.
@@ -269,33 +218,28 @@ def shape_check(tree: ast.Module) -> Probe:
     cls = top_level(tree, ATTRIBUTE)
     cls = cls if isinstance(cls, ast.ClassDef) else None
     init, reg, write, fin = (method(cls, name) for name in METHODS)
-    init_sets = {a.split(".", 1)[-1] for a in assigned_attributes(init)} if init else set()
-    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} if cls else set()
-    present = [m for m in FIXED_MARKERS if m in defined | init_sets]
+    sets = assigned_attributes(init) if init else set()
+    defined = (
+        {f"self.{n.name}" for n in cls.body if isinstance(n, ast.FunctionDef)} if cls else set()
+    )
+    present = [m for m in FIXED_MARKERS if f"self.{m}" in defined | sets]
     if present:
         return Probe(None, fixed=True, detail=f"defines {present}")
     reader = top_level(tree, READER)
-    reads = {
-        n: attribute_chains(f) if f else set()
-        for n, f in zip(METHODS, (init, reg, write, fin), strict=True)
-    }
     return expect(
         "0.24-worker-rebuild",
         "global block size used by the worker read",
         {
             f"class {ATTRIBUTE}": cls is not None,
             "__init__ sets self._block_size from vllm_config.cache_config.block_size": (
-                "_block_size" in init_sets
-                and "vllm_config.cache_config.block_size" in reads["__init__"]
+                "self._block_size" in sets and finds(init, "vllm_config.cache_config.block_size")
             ),
-            "__init__ sets self._hs_group_idx": "_hs_group_idx" in init_sets,
-            "_submit_async_write reads self._block_size": (
-                "self._block_size" in reads["_submit_async_write"]
-            ),
+            "__init__ sets self._hs_group_idx": "self._hs_group_idx" in sets,
+            "_submit_async_write reads self._block_size": finds(write, "self._block_size"),
             "register_kv_caches sets self._kv_cache": reg is not None
             and "self._kv_cache" in assigned_attributes(reg),
-            "request_finished_all_groups indexes block_ids by self._hs_group_idx": (
-                "self._hs_group_idx" in reads["request_finished_all_groups"]
+            "request_finished_all_groups indexes block_ids by self._hs_group_idx": finds(
+                fin, "self._hs_group_idx"
             ),
             f"{READER} reads a blocks-first buffer (kv_cache[slot // shape[1], slot % shape[1]])": (
                 isinstance(reader, ast.FunctionDef) and body_template(reader) == READ_BLOCKS_FIRST
