@@ -23,8 +23,13 @@ def definition(tree: ast.Module, name: str) -> ast.AST | None:
     owner, _, member = name.rpartition(".")
     if not owner:
         return top_level(tree, name)
-    cls = top_level(tree, owner)
-    return method(cls, member) if isinstance(cls, ast.ClassDef) else None
+    return method(class_def(tree, owner), member)
+
+
+def class_def(tree: ast.Module, name: str) -> ast.ClassDef | None:
+    """The top-level class ``name`` (None when there is none)."""
+    node = top_level(tree, name)
+    return node if isinstance(node, ast.ClassDef) else None
 
 
 def fingerprints(tree: ast.Module, names: tuple[str, ...], cls: str = "") -> dict[str, str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, assigned_attributes, attribute_chains, method, top_level
-from ._probe import expect, finds, fingerprints, gate, params, probe_live
+from ._probe import class_def, expect, finds, fingerprints, gate, params, probe_live
 from ._wrap import Replacement, add, arg, wrap
 from .hooks import Hooks
 
@@ -157,8 +157,7 @@ def _plain_dataclass(cls: ast.AST | None) -> bool:
 
 
 def shape_check(tree: ast.Module) -> Probe:
-    cls = top_level(tree, ATTRIBUTE)
-    cls = cls if isinstance(cls, ast.ClassDef) else None
+    cls = class_def(tree, ATTRIBUTE)
     finished, build, get, init, all_groups, added = (
         method(cls, name) for name in (*METHODS, "__init__", ALL_GROUPS, ADDED)
     )

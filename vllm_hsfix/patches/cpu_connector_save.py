@@ -21,7 +21,7 @@ from typing import Any
 from .. import checks, tested
 from ..shapes import Probe, attribute_chains, method, top_level
 from ._connector_io import BLOCK_SIZE, check_save, save_case, save_request, wait_unlocked
-from ._probe import calls, expect, finds, fingerprints, gate, probe_live
+from ._probe import calls, class_def, expect, finds, fingerprints, gate, probe_live
 from ._wrap import Replacement, arg, wrap
 from .hooks import Hooks
 
@@ -189,8 +189,7 @@ def _fingerprints(tree: ast.Module) -> dict[str, str]:
 
 def shape_check(tree: ast.Module) -> Probe:
     fps = _fingerprints(tree)
-    cls = top_level(tree, ATTRIBUTE)
-    cls = cls if isinstance(cls, ast.ClassDef) else None
+    cls = class_def(tree, ATTRIBUTE)
     if cls is not None and not any(c.startswith("torch.cuda") for c in attribute_chains(cls)):
         return Probe(
             None, fixed=True, detail=f"{ATTRIBUTE} uses no CUDA stream, event or pinned copy"

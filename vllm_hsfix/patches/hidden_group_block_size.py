@@ -17,7 +17,7 @@ from .. import checks
 from ..config import DISABLED_PATCHES
 from ..errors import HsfixError
 from ..shapes import Probe, assigned_attributes, body_template, method, template_of, top_level
-from ._probe import expect, finds, fingerprints, gate, probe_live
+from ._probe import class_def, expect, finds, fingerprints, gate, probe_live
 from ._wrap import Replacement, add, subclasses, wrap
 from .hooks import Hooks
 
@@ -116,11 +116,8 @@ def check_buffer(connector: Any) -> None:
         if buffer.dim() == 4 and int(buffer.shape[2]) == connector._block_size:
             raise ValueError(
                 f"vllm-hsfix: the registered hidden-states buffer {tuple(buffer.shape)} is "
-                f"head-major ([blocks, heads, block_size={connector._block_size}, head], the "
-                "layout of vLLM 0.29+), but this connector reads blocks-first "
-                "([blocks, block_size, heads, head]); its reads would be wrong, refusing to "
-                f"write corrupted hidden states (set {DISABLED_PATCHES}={PATCH_ID} only if "
-                "this build's connector is known to read this layout)"
+                "head-major (vLLM 0.29+), this connector reads blocks-first; refusing to write "
+                f"corrupted hidden states ({DISABLED_PATCHES}={PATCH_ID} turns the check off)"
             )
         raise ValueError(
             f"Hidden-states block-size mismatch: derived {connector._block_size} but buffer "
@@ -140,8 +137,7 @@ def _installed_init(hooks: Hooks) -> Any:
             resolve(instance)
         except ValueError:
             raise  # the fix's own fail-fast: an ambiguous group would save garbage
-        except Exception as exc:
-            # Fail closed: the release's own value is the bug this patch exists for.
+        except Exception as exc:  # fail closed: the release's own value is the bug
             hooks.on_failure(PATCH_ID, exc)
             raise HsfixError(
                 f"vllm-hsfix {PATCH_ID}: cannot find the hidden-states group's block size "
@@ -187,25 +183,24 @@ def existing_instances(cls: type) -> list[Any]:
 def adopt(module: object) -> str:
     """Fix connectors that exist already: re-resolve their group and block size, and
     check the buffer they registered. Raises when one cannot be fixed."""
-    cls = getattr(module, ATTRIBUTE)
     changed = []
-    instances = existing_instances(cls)
+    instances = existing_instances(getattr(module, ATTRIBUTE))
     for conn in instances:
         before = getattr(conn, "_block_size", None)
         resolve(conn)
         check_buffer(conn)
         if before != conn._block_size:
             changed.append(f"{before} -> {conn._block_size}")
-    if not instances:
-        return ""
-    return f"{len(instances)} connector(s) built before activation re-resolved" + (
-        f" (block size {', '.join(changed)})" if changed else " (block size unchanged)"
+    sizes = ", ".join(changed) or "unchanged"
+    return (
+        f"{len(instances)} connector(s) built before activation re-resolved (block size {sizes})"
+        if instances
+        else ""
     )
 
 
-# The gate for code of no tested build: 0.24.0's connector, whose worker reads with
-# the global block size from a blocks-first buffer (the layout the block-size check and
-# slot arithmetic are written for; 0.29+ is head-major). Any of upstream's names: fixed.
+# The gate for code of no tested build: 0.24.0's connector, reading with the global
+# block size from a blocks-first buffer (0.29+ is head-major). Upstream's names: fixed.
 FIXED_MARKERS = ("_find_cache_kv_group_id", "_get_cache_block_size", "_cache_kv_group_id")
 METHODS = ("__init__", "register_kv_caches", "_submit_async_write", "request_finished_all_groups")
 READER = "extract_from_kv_cache"
@@ -215,8 +210,7 @@ READ_BLOCKS_FIRST = template_of(
 
 
 def shape_check(tree: ast.Module) -> Probe:
-    cls = top_level(tree, ATTRIBUTE)
-    cls = cls if isinstance(cls, ast.ClassDef) else None
+    cls = class_def(tree, ATTRIBUTE)
     init, reg, write, fin = (method(cls, name) for name in METHODS)
     sets = assigned_attributes(init) if init else set()
     defined = (
