@@ -1,13 +1,10 @@
 """``abort-before-scheduling``: aborting a request never scheduled does not kill the engine.
 
-Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.30.x (any platform).
-Why: the connector learns a request's file name in ``build_connector_meta``; for a
-request aborted while still waiting, ``request_finished``'s
-``self._request_filenames.pop(req_id)`` raises ``KeyError`` and the engine core dies.
-Declining it alone moves the crash: the worker reports every finished request as
-finished sending and the scheduler asserts ``req_id in self.requests``.
-Upstream: vllm-project/vllm#56841 (0.31.0); its abort tests run on the patched 0.24.0
-and 0.25.0 (``scripts/upstream_tests.py``). Goes when: 0.30.x is no longer supported.
+Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.30.x (any platform). Why: for
+a request aborted before it was scheduled, ``request_finished``'s pop of its file name
+raises ``KeyError`` and the engine core dies; declining it alone moves the crash to the
+scheduler's assert (the worker reports it finished). Upstream: vllm-project/vllm#56841
+(0.31.0), its tests pass on the patched 0.24.0 and 0.25.0. Goes when: 0.30.x is unsupported.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, assigned_attributes, attribute_chains, method, top_level
+from ..shapes import Probe, assigned_attributes, method
 from ._probe import class_def, expect, finds, fingerprints, gate, params, probe_live
 from ._wrap import Replacement, add, arg, wrap
 from .hooks import Hooks
@@ -27,27 +24,23 @@ PATCH_ID = "abort-before-scheduling"
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 METADATA = "ExampleHiddenStatesConnectorMetadata"
 FILENAMES = "_request_filenames"
-# Beyond upstream (kept from this patch's first version): the scheduler names the
-# requests it declined in the step's metadata (pickled to the workers), and the worker
-# never reports those; the scheduler has forgotten them and would assert.
+# Beyond upstream: the scheduler names the requests it declined in the step's metadata
+# (pickled to the workers), which never report those (the scheduler would assert).
 NOT_HELD = "hsfix_not_held"  # on a metadata object
 DECLINED = "_hsfix_declined"  # on a scheduler-side connector, until the next metadata
 UNREPORTED = "_hsfix_not_held"  # on a worker-side connector, until they finish here
 METHODS = ("request_finished", "build_connector_meta", "get_finished")
 ALL_GROUPS = "request_finished_all_groups"
+SHAPE = "pop-without-default"
 ADDED = "get_finished_count"
-# Only TP rank 0 saves: one finished-sending report per request (upstream's answer).
 FINISHED_COUNT = 1
 
 
-# The fix, upstream's: (1) request_finished declines a request with no file name,
-# ``(False, None)``, dropping any pending save; (2) get_finished reports only requests
-# whose copy it tracked; (3) get_finished_count() -> 1; (4) request_finished_all_groups
-# without a block table for the group is ``(False, None)``. Differences: request_finished
-# stays the release's own for a request it knows (wrapped); get_finished calls the
-# release's _submit_async_write (cpu-connector-save's marker counts as tracked); the
-# group is read from ``_cache_kv_group_id`` (upstream's name), else 0.24.0's
-# ``_hs_group_idx`` (hidden-group-block-size turned off).
+# The fix, upstream's: request_finished declines a request with no file name; get_finished
+# reports only requests whose copy it tracked; get_finished_count() -> 1; no block table
+# for the group in request_finished_all_groups is (False, None). Differences: the
+# release's request_finished stays for a request it knows (wrapped); get_finished calls
+# the release's _submit_async_write; the group is _cache_kv_group_id, else _hs_group_idx.
 def decline_unknown(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -65,8 +58,7 @@ def decline_unknown(
 def name_declined(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The installed ``build_connector_meta``: the release's metadata, plus the ids
-    declined since the last step."""
+    """The installed ``build_connector_meta``: the release's, plus the ids declined."""
     meta = wrapped(*args, **kwargs)
     declined = instance.__dict__.pop(DECLINED, None)
     if declined:
@@ -78,10 +70,8 @@ def _installed_get_finished(module: Any) -> Any:
     def get_finished(
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The installed ``get_finished`` (upstream's): launch the saves the step's
-        metadata carries, then report the finished requests whose copy is done;
-        a finished request without a copy (never saved here) is forgotten, and one
-        the scheduler declined is never reported."""
+        """Upstream's: launch the step's saves, then report the finished requests whose
+        copy is done; one without a copy, or declined, is forgotten, not reported."""
         finished_req_ids = arg(args, kwargs, 0, "finished_req_ids")
         not_held: set[str] = instance.__dict__.setdefault(UNREPORTED, set())
         if instance.has_connector_metadata():
@@ -113,8 +103,7 @@ def _installed_get_finished(module: Any) -> Any:
 def guard_missing_group(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The installed ``request_finished_all_groups`` (upstream's): no block table for
-    the hidden-states group is a no-op, not an ``IndexError``."""
+    """Upstream's ``request_finished_all_groups``: no group block table is a no-op."""
     request = arg(args, kwargs, 0, "request")
     block_ids = arg(args, kwargs, 1, "block_ids")
     group = getattr(instance, "_cache_kv_group_id", None)
@@ -142,18 +131,8 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
 
 # The gate for code of no tested build: 0.24.0-0.30.x's connector, whose request_finished
 # pops without a default and whose get_finished reports requests without a copy.
-_READS = "_submit_async_write _accumulated_finished_req_ids _req_copy_events _lock_fds"
-GET_FINISHED_READS = {f"self.{n}" for n in [*_READS.split(), "has_connector_metadata"]}
+READS = "_submit_async_write _accumulated_finished_req_ids _req_copy_events _lock_fds"
 _REPORTS_ANY = "_ is None or _.query()"
-
-
-def _plain_dataclass(cls: ast.AST | None) -> bool:
-    """``@dataclass`` without slots: instances take a new attribute, and pickle it."""
-    return (
-        isinstance(cls, ast.ClassDef)
-        and [ast.unparse(d) for d in cls.decorator_list] == ["dataclass"]
-        and not finds(cls, "__slots__")
-    )
 
 
 def shape_check(tree: ast.Module) -> Probe:
@@ -166,6 +145,7 @@ def shape_check(tree: ast.Module) -> Probe:
         detail = "request_finished pops with a default and get_finished reports saved only"
         return Probe(None, fixed=True, detail=f"{detail} (vLLM PR 56841)")
     init_sets = assigned_attributes(init) if init else set()
+    meta = class_def(tree, METADATA)
     wanted = {
         f"class {ATTRIBUTE}": cls is not None,
         f"request_finished(self, request, block_ids) pops self.{FILENAMES}[request id] "
@@ -182,20 +162,22 @@ def shape_check(tree: ast.Module) -> Probe:
             and finds(build, f"self.{FILENAMES}[_]")
         ),
         "get_finished(self, finished_req_ids) reports requests without a copy in flight, "
-        f"reading {sorted(GET_FINISHED_READS)}": (
+        f"reading self.has_connector_metadata and {READS}": (
             params(get) == ("self", "finished_req_ids")
             and finds(get, _REPORTS_ANY)
-            and attribute_chains(get) >= GET_FINISHED_READS  # type: ignore[arg-type]
+            and all(finds(get, f"self.{n}") for n in [*READS.split(), "has_connector_metadata"])
         ),
-        f"{METADATA} is a plain dataclass (takes an attribute, pickles it)": (
-            _plain_dataclass(top_level(tree, METADATA))
+        f"{METADATA} is a plain @dataclass, no slots (takes an attribute, pickles it)": (
+            meta is not None
+            and [ast.unparse(d) for d in meta.decorator_list] == ["dataclass"]
+            and not finds(meta, "__slots__")
         ),
         f"{ATTRIBUTE} defines no {ADDED} (the base class's answers None)": added is None,
         f"{ALL_GROUPS}(self, request, block_ids)": (
             params(all_groups) == ("self", "request", "block_ids")
         ),
     }
-    return expect("pop-without-default", "request_finished raises KeyError unscheduled", wanted)
+    return expect(SHAPE, "request_finished raises KeyError unscheduled", wanted)
 
 
 def probe_tree(tree: ast.Module) -> Probe:
@@ -209,8 +191,7 @@ def probe(module: object) -> Probe:
 
 def check_abort(cls: type) -> list[str]:
     """Drive the LIVE class through an abort before scheduling, both roles on one
-    instance: a scheduled request is still held with its file; one never scheduled is
-    declined without an exception, and the worker does not report it finished."""
+    instance: a scheduled request stays held; one never scheduled is declined, unreported."""
     config, want = checks.hybrid_layout()
     conn = checks.construct_connector(cls, config, want["global_block_size"])
     kept = SimpleNamespace(req_id="hsfix-scheduled", sampling_params=None)
@@ -241,28 +222,25 @@ def check_abort(cls: type) -> list[str]:
 
 def check_interface(cls: type) -> list[str]:
     """Upstream's answers on a bare instance (no ``__init__``, as vLLM's own tests build
-    it): one report per request, no report of an untracked request, no IndexError for
-    a missing group's block table."""
+    it): one report per request, none for an untracked one, no IndexError."""
     conn = cls.__new__(cls)
-    conn.__dict__.update(
-        _request_filenames={}, _pending_saves={}, _lock_fds={}, _cache_kv_group_id=2,
-        _connector_metadata=None, _req_copy_events={}, _accumulated_finished_req_ids=set(),
-    )  # fmt: skip
+    empty = ("_request_filenames", "_pending_saves", "_lock_fds", "_req_copy_events")
+    conn.__dict__.update({name: {} for name in empty}, _cache_kv_group_id=2)
+    conn.__dict__.update(_connector_metadata=None, _accumulated_finished_req_ids=set())
     never = SimpleNamespace(request_id="hsfix-never", kv_transfer_params=None)
-    got = {
-        "get_finished_count()": conn.get_finished_count(),
-        "get_finished({never})": conn.get_finished({"hsfix-never"}),
-        "request_finished_all_groups(never, ([], []))": conn.request_finished_all_groups(
-            never, ([], [])
+    got = [
+        ("get_finished_count()", conn.get_finished_count(), FINISHED_COUNT),
+        ("get_finished({never})", conn.get_finished({"hsfix-never"}), (None, None)),
+        (
+            "request_finished_all_groups(never, ([], []))",
+            conn.request_finished_all_groups(never, ([], [])),
+            (False, None),
         ),
-    }
-    want = [FINISHED_COUNT, (None, None), (False, None)]
-    return [f"{k} = {v!r}, expected {w!r}" for (k, v), w in zip(got.items(), want) if v != w]  # noqa: B905
+    ]
+    return [f"{call} = {v!r}, expected {w!r}" for call, v, w in got if v != w]
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live connector class survives an abort before scheduling (both halves) and
-    answers as upstream's fixed class does."""
     cls = getattr(module, ATTRIBUTE)
     name = f"{ATTRIBUTE}: abort of a request never scheduled (declined, not reported)"
     interface = f"{ATTRIBUTE}: upstream's get_finished_count, untracked and missing-group answers"

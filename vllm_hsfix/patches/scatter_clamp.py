@@ -110,9 +110,9 @@ def shape_check(tree: ast.Module) -> Probe:
         f"unclamped {KNOWN.get(body)} store",
         {
             f"parameters {PARAMS}": params(fn) == PARAMS and not fn.args.kwonlyargs,
-            "one of the known stores, none of which clamps the slots: flat view of a "
-            "[blocks, block_size, ...] cache (0.17-0.21), kv_cache[slot // bs, slot % bs] "
-            "(0.22-0.24); or either clamped (upstream's fix)": body in KNOWN,
+            "one of the known stores (the body is none of the known stores): flat view of "
+            "a [blocks, block_size, ...] cache (0.17-0.21), kv_cache[slot // bs, slot % bs] "
+            "(0.22-0.24), or either clamped (upstream's fix)": body in KNOWN,
         },
     )
 
