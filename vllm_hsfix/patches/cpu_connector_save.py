@@ -150,8 +150,7 @@ def _installed_submit(module: Any) -> Callable[..., Any]:
         folder = os.path.dirname(pending.filename)
         if folder:
             os.makedirs(folder, exist_ok=True)
-        # The lock taken when the request arrived (wait_for_save), else taken now.
-        lock_fd = instance._lock_fds.pop(req_id, None)
+        lock_fd = instance._lock_fds.pop(req_id, None)  # taken on arrival, else now
         if lock_fd is None and instance.use_lock:
             lock_fd = _exclusive_lock(pending.filename + ".lock")
         future = instance._executor.submit(
@@ -237,9 +236,8 @@ def probe(module: object) -> Probe:
 
 
 def new_connector(module: Any) -> Any:
-    """The live connector class, built through its live ``__init__`` (worker role, no
-    KV-cache config: the block size is the global one, BLOCK_SIZE), with a fresh
-    one-thread writer pool (the constructor check shuts the first one down)."""
+    """The live class built through its live ``__init__`` (worker role, block size
+    BLOCK_SIZE), with a fresh one-thread writer pool."""
     conn = checks.construct_connector(getattr(module, ATTRIBUTE), None, BLOCK_SIZE)
     conn._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-hsfix-check")
     return conn
@@ -247,7 +245,6 @@ def new_connector(module: Any) -> Any:
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live connector saves a request from a CPU buffer through the release's own
-    protocol (lock, thread pool, request reported done, file read back with the
-    release's ``load_hidden_states``), and the file holds exactly the request's rows."""
+    protocol, and the file holds exactly the request's rows."""
     name = f"{ATTRIBUTE} saves hidden states from a CPU buffer"
     return checks.one(name, lambda: check_save(module, new_connector(module)))

@@ -32,6 +32,12 @@ METHOD = "_zero_block_ids"
 # all of a block's rows zeroed, where upstream would zero the wrong rows; ids may come
 # as one list per KV-cache group (later vLLM's form), each zeroed in its own group's
 # layers; a config without num_blocks is indexed on the first axis, as upstream does.
+def _distinct(tensors: list[Any]) -> list[Any]:
+    """Each view once (views of one buffer from different groups can differ in shape, a
+    padded page: each is zeroed, identical ones once)."""
+    return list({(t.data_ptr(), tuple(t.shape), tuple(t.stride())): t for t in tensors}.values())
+
+
 def _views_by_group(runner: Any) -> list[tuple[int, list[Any]]]:
     """Each attention (``FullAttentionSpec``) group's index and its layers' distinct
     KV-cache tensors."""
@@ -43,34 +49,19 @@ def _views_by_group(runner: Any) -> list[tuple[int, list[Any]]]:
     for index, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, FullAttentionSpec):
             continue
-        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-        views = []
+        tensors = []
         for name in group.layer_names:
             kv = getattr(context.get(name), "kv_cache", None)
             for t in kv if isinstance(kv, (list, tuple)) else [kv]:
-                if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                    continue
-                # Views of one buffer from different groups can differ in shape (a
-                # padded page): each is zeroed, identical ones once.
-                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-                if key not in seen:
-                    seen.add(key)
-                    views.append(t)
-        out.append((index, views))
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    tensors.append(t)
+        out.append((index, _distinct(tensors)))
     return out
 
 
 def _views(runner: Any) -> list[Any]:
     """The distinct KV-cache tensors of the runner's attention layers (all groups)."""
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    out = []
-    for _, views in _views_by_group(runner):
-        for t in views:
-            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if key not in seen:
-                seen.add(key)
-                out.append(t)
-    return out
+    return _distinct([t for _, views in _views_by_group(runner) for t in views])
 
 
 def _zero_rows(kv: Any, block_ids: list[int], num_blocks: int | None) -> None:

@@ -2,9 +2,8 @@
 
 Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.24.x (any platform). Why: the
 worker rebuilds read slots with the global ``cache_config.block_size`` (e.g. 528), not
-the hidden-states group's own (e.g. 22): reads land on other blocks. Upstream:
-vllm-project/vllm#46301 (0.25.0); its tests run on the patched 0.24.0
-(``scripts/upstream_tests.py``). Goes when: 0.24.x is no longer supported.
+the hidden-states group's own (e.g. 22). Upstream: vllm-project/vllm#46301 (0.25.0), its
+tests pass on the patched 0.24.0. Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from ._wrap import Replacement, add, subclasses, wrap
 from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
-# Its register_kv_caches wrapper runs hooks.after_register (the runtime's in-situ check).
-CALLS_AFTER_REGISTER = True
+CALLS_AFTER_REGISTER = True  # its register_kv_caches wrapper runs the in-situ check
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 
 
@@ -35,8 +33,7 @@ ATTRIBUTE = "ExampleHiddenStatesConnector"
 def describe_groups(kv_cache_config: Any) -> str:
     parts = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        layers = list(group.layer_names)
+        spec, layers = group.kv_cache_spec, list(group.layer_names)
         shown = ", ".join(layers[:3]) + (f", ... ({len(layers)} layers)" if len(layers) > 3 else "")
         parts.append(f"{i}: {type(spec).__name__}(block_size={spec.block_size}) [{shown}]")
     return "; ".join(parts)
@@ -90,8 +87,7 @@ HELPERS = {
 
 
 def resolve(connector: Any) -> None:
-    """Set the group index and block size on a constructed connector (both roles),
-    through upstream's helpers on its class (a subclass may override them)."""
+    """Set a connector's group and block size through its class's (upstream's) helpers."""
     config = getattr(connector, "_kv_cache_config", None)
     group = type(connector)._find_cache_kv_group_id(config)
     connector._cache_kv_group_id = connector._hs_group_idx = group
@@ -107,8 +103,7 @@ def group_of(connector: Any) -> int:
 
 
 def check_buffer(connector: Any) -> None:
-    """``ValueError`` (not an assert: ``python -O``) when the read block size disagrees
-    with the registered buffer."""
+    """``ValueError`` (survives ``python -O``) when the buffer's block size disagrees."""
     buffer = getattr(connector, "_kv_cache", None)
     if buffer is None or buffer.dim() < 2:
         return
@@ -155,8 +150,7 @@ def _installed_register_kv_caches(hooks: Hooks) -> Any:
     ) -> Any:
         group = group_of(instance)
         result = wrapped(*args, **kwargs)
-        # 0.24.0 re-derives the index from layer names here; keep the one found by type.
-        instance._hs_group_idx = group
+        instance._hs_group_idx = group  # 0.24.0 re-derives it from layer names here
         check_buffer(instance)
         hooks.after_register(instance)
         return result
@@ -181,8 +175,7 @@ def existing_instances(cls: type) -> list[Any]:
 
 
 def adopt(module: object) -> str:
-    """Fix connectors that exist already: re-resolve their group and block size, and
-    check the buffer they registered. Raises when one cannot be fixed."""
+    """Re-resolve and check connectors built before the patch (raises for one it cannot)."""
     changed = []
     instances = existing_instances(getattr(module, ATTRIBUTE))
     for conn in instances:
@@ -253,6 +246,5 @@ def probe(module: object) -> Probe:
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live connector class, built on a hybrid layout, reads with the hidden-states
-    group's own block size (22, not the global 528)."""
+    """The live class, built on a hybrid layout, reads with block size 22, not 528."""
     return checks.connector_checks(ctx.version)
