@@ -127,6 +127,37 @@ def test_canonical_form_drops_what_python_versions_disagree_on() -> None:
     assert "ctx=" not in text and "type_params" not in text and "kind=" not in text
 
 
+def test_tested_code_is_decided_by_fingerprint_other_code_by_the_shape_check() -> None:
+    """A tested build's ``basic_cache`` gets the answer recorded for it; the same code
+    with its local ``block_size`` renamed (another fingerprint) is decided by the shape
+    check, which recognises it whatever its names and says it is code of no tested
+    build."""
+    trees = _trees(CPU)
+    if not trees:
+        pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
+    renamed = 0
+    for _release, tree, entry in trees:
+        src = (tree / "vllm/model_executor/models/extract_hidden_states.py").read_text()
+        known = scatter.probe_tree(ast.parse(src))
+        assert known.detail.startswith("the code of tested build "), known
+        assert ("fixed" if known.fixed else known.shape) == entry["shapes"]["scatter-clamp"]
+        body = "    block_size = kv_cache.shape"
+        if body not in src:
+            continue  # 0.17-0.21 unpack the shape: no such local
+        other = scatter.probe_tree(
+            ast.parse(
+                src.replace(body, "    bs = kv_cache.shape")
+                .replace("% block_size", "% bs")
+                .replace("// block_size", "// bs")
+            )
+        )
+        assert other.detail.startswith("code of no tested build; "), other
+        assert other.fingerprints != known.fingerprints
+        assert (other.shape, other.fixed) == (known.shape, known.fixed)
+        renamed += 1
+    assert renamed, "no overlay of 0.22+ here"
+
+
 def _overlays() -> list[Path]:
     raw = os.environ.get("VLLM_HSFIX_OVERLAYS", "")
     return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
@@ -173,10 +204,15 @@ def _check_fingerprints(release: str, tree: Path, entry: dict) -> int:
         path = tree.joinpath(*patch.module.split(".")).with_suffix(".py")
         if not path.exists():
             continue
-        got = shapes.probe_file(str(path), patch.implementation().probe_tree)
+        impl = patch.implementation()
+        got = shapes.probe_file(str(path), impl.probe_tree)
         assert got.fingerprints == entry["fingerprints"][patch.id], (release, patch.id)
         want_shape = entry["shapes"][patch.id]
         assert ("fixed" if got.fixed else got.shape) == want_shape, (release, patch.id)
+        # The small shape check, which decides code of no tested build, gives every
+        # tested build the answer recorded for it too.
+        check = shapes.probe_file(str(path), impl.shape_check)
+        assert ("fixed" if check.fixed else check.shape) == want_shape, (release, patch.id)
         checked += 1
     return checked
 
@@ -359,5 +395,7 @@ def test_a_build_is_tested_by_its_targets_not_its_version_string(tmp_path: Path)
     assert report["tested_build"]["tested"] is False, report["tested_build"]
     assert "untested build of 0.24.0" in report["tested_build"]["reason"]
     assert "register_kv_caches" in report["tested_build"]["reason"]
+    # ... which the small shape check, deciding code of no tested build, accepts.
+    assert report["patches"]["hidden-group-block-size"]["code"] == "would-apply", report
     assert out.returncode == 1
     assert [p for p in report["problems"] if p.startswith("--require tested")], report

@@ -15,39 +15,11 @@ patch id                     applied on      platform  target
 ``cpu-dist-name``            0.17.0 - 0.33.x cpu       ``vllm.entrypoints.cli.main.main`` (and ``vllm_hsfix_dist.pth`` at interpreter start)
 ===========================  ==============  ========  ======================================
 
-Each row says what it patches and why (``why``), which upstream change it backports
-(``upstream``), why earlier releases skip it (``not_needed``) and when it can go
-(``fixed_in``: from there on the patch is left alone, "upstream fix present"; a row
-with no upstream fix, ``upstream_fixed=False``, stops at the first release not read
-yet). ``docs/patches.md`` tells each one's longer story; ``vllm_hsfix.hazards`` lists
-these and the hazards no patch covers.
-
-``platform`` says where a patch's target runs. ``cpu`` means vLLM's CPU build only
-(``detect.cpu_platform``: vLLM's own rule, read from metadata): a CUDA wheel ships
-the same ``cpu_model_runner.py`` but never imports it, so there the patch is
-``not-needed`` (with ``other_platforms`` as the reason), never ``pending``.
-
-Each row names its implementation module, which keeps the contract
-:class:`PatchModule` (checked when it is loaded):
-
-* ``probe(module) -> Probe`` and ``probe_tree(tree) -> Probe``: the shape gate, on
-  the live module and on a parsed file (for ``vllm-hsfix status``);
-* ``apply(module, shape, hooks) -> list[Replacement]``: the replacement written for
-  the recognised shape (``hooks``: the runtime's callbacks, see ``patches.hooks``);
-* ``verify(module, ctx) -> list[dict]``: the patch's own checks on the live target
-  (``checks.Context``: device, installed release); ``vllm-hsfix verify`` runs them
-  for every row whose release and platform it concerns;
-* optionally ``adopt(module) -> str`` (fix objects built before a late activation)
-  and ``in_situ(connector) -> dict | None`` (a check run once per worker when the
-  connector registers its KV caches).
-
-``EXTRAS`` lists the wrappers that fix nothing (the in-situ observer, provenance, the
-start-up config check): rows of their own kind, with their own records, installed by
-the runtime when their condition holds.
-
-The runtime, ``status``, ``verify`` and the tests that cover every patch iterate these
-tables; nothing else names a patch. Implementation modules import only ``shapes``,
-``checks``, ``config``, ``errors`` and their siblings here: nothing above them.
+``PATCHES`` has one row per patch: its target, releases (``first`` up to ``fixed_in``),
+platform, why, upstream change and why earlier releases skip it; ``EXTRAS`` the wrappers
+that fix nothing. The README's tables, ``status``, ``verify``, the runtime and the tests'
+selection are all derived from these rows; nothing else names a patch. Each row's
+``impl`` keeps the :class:`PatchModule` contract (``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -61,10 +33,11 @@ from typing import Any, Protocol, runtime_checkable
 @runtime_checkable
 class PatchModule(Protocol):
     """The contract of a row's implementation module (``impl``), checked when it is
-    first loaded (:meth:`PatchSpec.implementation`): a shape gate on the live module and
-    on a parsed file, the replacement for a recognised shape, and the patch's own
-    checks on the live target. ``adopt(module)`` and ``in_situ(connector)`` are
-    optional (see above)."""
+    first loaded: the gate on a live module and on a parsed file (``probe``,
+    ``probe_tree``: a tested build's fingerprints, else ``shape_check``), the replacement
+    for a recognised shape (``apply``) and the patch's own checks on the live target
+    (``verify``). ``adopt(module)`` (fix objects built before a late activation) and
+    ``in_situ(connector)`` (a check once per worker) are optional."""
 
     # Typed loosely on purpose: the table sits below shapes, checks and _wrap in the
     # layers (tests/test_architecture.py), so it names their types in words only:
@@ -74,6 +47,8 @@ class PatchModule(Protocol):
     def probe(self, module: object) -> Any: ...
 
     def probe_tree(self, tree: Any) -> Any: ...
+
+    def shape_check(self, tree: Any) -> Any: ...
 
     def apply(self, module: object, shape: str, hooks: Any) -> list[Any]: ...
 
@@ -100,7 +75,7 @@ class PatchSpec:
     not_needed: str  # why releases before ``first`` skip it
     why: str
     upstream: str
-    impl: str  # module providing probe(), probe_tree(), apply(), verify()
+    impl: str  # the module keeping the PatchModule contract
     # Every name in ``module`` the patch replaces or adds (``Class.method`` or a
     # module-level name), exactly what ``apply`` returns Replacements for: a reader
     # sees which methods are wrapped, and a reload check knows what to look at.
@@ -124,7 +99,7 @@ class PatchSpec:
         if getattr(mod, "_hsfix_contract_checked", None) != self.id:
             missing = [
                 name
-                for name in ("PATCH_ID", "probe", "probe_tree", "apply", "verify")
+                for name in ("PATCH_ID", "probe", "probe_tree", "shape_check", "apply", "verify")
                 if not hasattr(mod, name)
             ]
             if missing or not isinstance(mod, PatchModule):
