@@ -1,20 +1,9 @@
-"""Reading a target's code without running it: the toolkit of every shape gate.
+"""Reading a target's code without running it: the AST toolkit of the shape gate.
 
-A patch may touch vLLM only when the target's code is a shape it knows. This module
-turns source into what the gates compare:
-
-* :func:`canonical`: an AST written out without docstrings, formatting, comments or
-  the fields Python versions disagree on (``ctx``, ``type_params``, ``kind``, empty
-  defaults), so the same code reads the same on Python 3.10-3.13; :func:`fingerprint`
-  hashes it (``status`` tells a tested build from an untested one by these);
-* :func:`body_template`: a function's statements with its parameters and local
-  variables renamed by position, so a shape is recognised exactly, operands included,
-  whatever the variables are called;
-* small queries (top-level definitions, methods, attribute chains, assigned
-  attributes) for gates that test structure;
-* :class:`Probe`: what a gate concluded.
-
-Nothing here imports vLLM or the rest of the package.
+:func:`canonical` writes a definition without docstrings, comments or the fields
+Python versions disagree on, so :func:`fingerprint` is the same on Python 3.10-3.13;
+:func:`body_template` renames parameters and locals by position, so a shape is
+recognised whatever its variables are called. Imports nothing of vLLM or the package.
 """
 
 from __future__ import annotations

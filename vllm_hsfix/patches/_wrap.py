@@ -1,33 +1,13 @@
 """Wrapping and restoring attributes: recognisable, switchable, and polite to others.
 
 Wrappers are :class:`HsfixWrapper` (a ``wrapt.FunctionWrapper``): they keep
-``__wrapped__``, the signature, ``__name__`` and descriptor binding of the original
-(a wrapped method still binds to its instance and ``inspect`` still sees the
-original), carry the patch id, and carry a switch.
-
-Why a switch: a reference to the wrapper may live on outside the attribute we set
-(``from module import fn`` done after patching, a bound method held by a running
-engine), and someone else may wrap on top of ours later. Reverting therefore always
-turns the switch off (every holder of the wrapper now gets the original behaviour)
-and puts the original object back only when our wrapper is still the outermost one;
-otherwise the later wrapper stays where it is, ours passes through beneath it, and a
-warning says so. This is how ddtrace and OpenTelemetry keep unpatching safe.
-
-Calling conventions. A wrapper must see what the replaced function would have been
-handed, however it is called: bound (``obj.m(x)``), through the class with an explicit
-instance (``Cls.m(obj, x)``, also when ``obj`` is not an instance of ``Cls``: Python
-passes any first argument as ``self``; wrapt 2.x would hand such a call to the wrapper
-with ``instance=None`` and ``obj`` still in ``args``), through ``super()``, from a
-subclass that overrides and calls the base or that only inherits, and for
-``classmethod`` / ``staticmethod`` targets (the wrapper gets the class / ``None``).
-:class:`_HsfixBound` makes the explicit-instance call behave as Python does.
-
-Adding. Upstream's fix can add methods the release does not have (a helper
-classmethod, an override of a base-class method): :func:`add` defines one on the
-class as our wrapper around our own implementation; reverting deletes it again (the
-class then answers as the release does: inherited, or ``AttributeError``), and a
-switched-off added method that someone else wrapped on top raises
-``AttributeError`` as the release would.
+``__wrapped__``, the signature and descriptor binding of the original, carry the patch
+id and a switch. A reference to the wrapper may outlive the attribute we set, and
+someone may wrap on top of ours, so reverting always turns the switch off and puts the
+original back only where ours is still outermost (as ddtrace and OpenTelemetry do).
+A call through the class with an explicit first argument of any type binds it as the
+instance, as Python does (:class:`_HsfixBound`). :func:`add` defines a method the
+release lacks (upstream's helpers); reverting deletes it again.
 """
 
 from __future__ import annotations
