@@ -47,10 +47,8 @@ def test_a_rank_before_the_last_passes_its_tensors_on(forwards: tuple[Any, Any])
     fn = types.FunctionType(ours.__code__, glb, "forward", ours.__defaults__)
     layer = lambda positions, h, r, *rest: (h * 2, h + r)  # noqa: E731
     layer.use_sequence_parallel_moe = False  # type: ignore[attr-defined]
-    model = SimpleNamespace(
-        config=SimpleNamespace(), layers=[layer, layer], start_layer=0, end_layer=2,
-        aux_hidden_state_layers=(1, 2), hidden_size=1,
-    )  # fmt: skip
+    model = SimpleNamespace(config=SimpleNamespace(), layers=[layer, layer], hidden_size=1)
+    model.__dict__.update(start_layer=0, end_layer=2, aux_hidden_state_layers=(1, 2))
     h, r = torch.ones(3, 1), torch.ones(3, 1)
     out = fn(model, None, torch.arange(3), {"hidden_states": h, "residual": r})
     assert torch.equal(out["hidden_states"], torch.full((3, 1), 4.0))
