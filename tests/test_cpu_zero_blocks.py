@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FIXED, INSTALL
+from conftest import INSTALL
 
 from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_zero_blocks as patch
@@ -39,18 +39,6 @@ def _runner(kv_split: int = 1) -> tuple[Any, dict[str, torch.Tensor]]:
 def _zeroed_blocks(t: torch.Tensor) -> list[int]:
     flat = t.reshape(NUM_BLOCKS, -1)
     return [b for b in range(NUM_BLOCKS) if bool((flat[b] == 0).all())]
-
-
-def test_probe_reads_the_installed_release() -> None:
-    module = importlib.import_module(RUNNER_MODULE)
-    probe = patch.probe(module)
-    if FIXED:
-        assert probe.fixed, probe  # 0.25.0 zeroes blocks itself
-    elif IN_RANGE:
-        assert probe.shape == "no-op", probe
-    else:
-        # Older releases: left alone by the release gate whatever their code looks like.
-        assert not probe.fixed
 
 
 @needs_range
@@ -125,4 +113,4 @@ def test_shapes_the_gate_refuses() -> None:
             "class CPUModelRunner:\n    def _zero_block_ids(self, ids, extra):\n        pass\n"
         )
     )
-    assert wrong_sig.shape is None and "expected parameters" in wrong_sig.detail
+    assert wrong_sig.shape is None and "_zero_block_ids(self, block_ids)" in wrong_sig.detail
