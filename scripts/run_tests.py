@@ -123,7 +123,6 @@ STATIC_TESTS = [
     "tests/test_shapes.py",
     "tests/test_architecture.py",
     "tests/test_config.py",
-    "tests/test_fixed_builds.py",
     "tests/test_doc_tables.py",
     "tests/test_patch_contract.py",
     "tests/test_upstream_list.py",
