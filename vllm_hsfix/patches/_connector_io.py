@@ -106,7 +106,7 @@ def save_request(module: Any, conn: Any, case: dict[str, Any], path: str, req_id
     return conn.get_finished({req_id})
 
 
-def check_save(module: Any, conn: Any) -> list[str]:
+def save_problems(module: Any, conn: Any) -> list[str]:
     """Save one request (6 tokens over blocks 3 and 1) from a CPU buffer through the
     live connector ``conn`` and list what is wrong with the result."""
     case, req_id = save_case(), "hsfix-check-0"

@@ -114,8 +114,7 @@ def guard_missing_group(
 
 
 def get_finished_count(self: Any) -> int:
-    """Upstream's ``get_finished_count``: one report per request (TP rank 0 saves)."""
-    return FINISHED_COUNT
+    return FINISHED_COUNT  # upstream's: one report per request (TP rank 0 saves)
 
 
 def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
@@ -181,7 +180,9 @@ def shape_check(tree: ast.Module) -> Probe:
 
 
 def probe_tree(tree: ast.Module) -> Probe:
-    fps = fingerprints(tree, (*METHODS, ALL_GROUPS), ATTRIBUTE)
+    # The methods, and the __init__ state and metadata class the replacement relies on.
+    fps = fingerprints(tree, (*METHODS, ALL_GROUPS, "__init__"), ATTRIBUTE)
+    fps.update(fingerprints(tree, (METADATA,)))
     return gate(PATCH_ID, fps, lambda: shape_check(tree))
 
 
@@ -221,8 +222,7 @@ def check_abort(cls: type) -> list[str]:
 
 
 def check_interface(cls: type) -> list[str]:
-    """Upstream's answers on a bare instance (no ``__init__``, as vLLM's own tests build
-    it): one report per request, none for an untracked one, no IndexError."""
+    """Upstream's answers on a bare instance, as vLLM's own tests build it."""
     conn = cls.__new__(cls)
     empty = ("_request_filenames", "_pending_saves", "_lock_fds", "_req_copy_events")
     conn.__dict__.update({name: {} for name in empty}, _cache_kv_group_id=2)

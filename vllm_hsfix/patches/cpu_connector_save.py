@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import checks, tested
 from ..shapes import Probe, attribute_chains, method, top_level
-from ._connector_io import BLOCK_SIZE, check_save, save_case, save_request, wait_unlocked
+from ._connector_io import BLOCK_SIZE, save_case, save_problems, save_request, wait_unlocked
 from ._probe import calls, class_def, expect, finds, fingerprints, gate, probe_live
 from ._wrap import Replacement, arg, wrap
 from .hooks import Hooks
@@ -32,7 +32,6 @@ READER = "extract_from_kv_cache"
 SAVE_LAYER = "save_kv_layer"
 SUBMIT = "_submit_async_write"
 WRITER = "_write_tensors"
-# Shape -> (the method it replaces, the releases that ship it).
 SHAPES = {"save-kv-layer": (SAVE_LAYER, "0.22-0.23"), "submit-async-write": (SUBMIT, "0.24+")}
 
 
@@ -41,9 +40,8 @@ SHAPES = {"save-kv-layer": (SAVE_LAYER, "0.22-0.23"), "submit-async-write": (SUB
 # handing the writer a completed-copy marker for the CUDA event; any other device goes
 # to the release's method. It reads _block_size when it runs (hidden-group-block-size).
 class HostCopyDone:
-    """Stands where the release keeps the CUDA event of a device-to-host copy, for a
-    copy that was made synchronously: it is complete, so ``query()`` is True and
-    ``synchronize()`` returns at once."""
+    """Where the release keeps a copy's CUDA event, for a copy made synchronously:
+    complete, so ``query()`` is True and ``synchronize()`` returns at once."""
 
     __slots__ = ()
 
@@ -175,9 +173,8 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
     return [wrap(getattr(module, ATTRIBUTE), target, INSTALLERS[shape](module), PATCH_ID)]
 
 
-# The gate for code of no tested build: the launcher (not called by the replacement)
-# and the writer are tested builds' bodies, events are used only through what the marker
-# answers. A connector that no longer uses torch.cuda is "fixed".
+# The gate for other code: launcher and writer are tested builds' bodies, events used
+# only through what the marker answers; a connector without torch.cuda is "fixed".
 NAMES = ("_get_copy_stream", SAVE_LAYER, SUBMIT, WRITER, "wait_for_save", "get_finished")
 EVENT_ONLY = ("elapsed_time", "ipc_handle", "from_ipc_handle")
 
@@ -236,8 +233,7 @@ def probe(module: object) -> Probe:
 
 
 def new_connector(module: Any) -> Any:
-    """The live class built through its live ``__init__`` (worker role, block size
-    BLOCK_SIZE), with a fresh one-thread writer pool."""
+    """The live class built by its ``__init__`` (block size BLOCK_SIZE), one writer."""
     conn = checks.construct_connector(getattr(module, ATTRIBUTE), None, BLOCK_SIZE)
     conn._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-hsfix-check")
     return conn
@@ -247,4 +243,8 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live connector saves a request from a CPU buffer through the release's own
     protocol, and the file holds exactly the request's rows."""
     name = f"{ATTRIBUTE} saves hidden states from a CPU buffer"
-    return checks.one(name, lambda: check_save(module, new_connector(module)))
+    return checks.one(name, lambda: check_save(module))
+
+
+def check_save(module: Any) -> list[str]:
+    return save_problems(module, new_connector(module))  # one request, a new connector
