@@ -1,14 +1,13 @@
 """Environment switches, parsed once per process.
 
-Every switch is an environment variable so that it reaches processes vLLM starts
-(engine core, workers) without code changes. Bad values never raise: they are
-reported as warnings in ``status()`` and the safe reading is used.
+Environment variables reach the processes vLLM starts without code changes. Bad
+values never raise: they become warnings in ``status()`` and the safe reading is used.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 PREFIX = "VLLM_HSFIX_"
 DISABLE = PREFIX + "DISABLE"  # "1": the package does nothing in this process
@@ -36,6 +35,15 @@ class Config:
     log_level: str = "INFO"
     provenance: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, object]:
+        """As reports print it (``status``, ``status()``)."""
+        out = asdict(self)
+        return {
+            **out,
+            "disabled_patches": sorted(self.disabled_patches),
+            "warnings": list(self.warnings),
+        }
 
 
 def _flag(env: dict[str, str], name: str, default: bool, warnings: list[str]) -> bool:

@@ -6,11 +6,12 @@ calls may race (threads) or nest (a hook firing inside another import).
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._locks import ForkSafeRLock
-from .codes import APPLIED, FAILED, PENDING, REFUSED, REVERTED, SKIPPED, Code
+from .codes import Code
 
 if TYPE_CHECKING:
     from .config import Config
@@ -18,9 +19,27 @@ if TYPE_CHECKING:
     from .patches import ExtraSpec, PatchSpec
     from .patches._wrap import Replacement
 
-# The verdicts and codes are ``codes``' (the one vocabulary); re-exported for the runtime.
-UNDECIDED, ARMED = Code.WAITING, Code.ARMED
-__all__ = ["APPLIED", "ARMED", "FAILED", "PENDING", "REFUSED", "REVERTED", "SKIPPED", "UNDECIDED"]
+
+class ForkSafeRLock:
+    """An ``RLock`` that a forked child gets back unlocked: a lock held by another
+    thread at ``fork()`` would stay held forever there (vLLM and data loaders fork)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.RLock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
 
 LOCK = ForkSafeRLock()
 
@@ -28,7 +47,7 @@ LOCK = ForkSafeRLock()
 @dataclass
 class Record:
     patch: PatchSpec
-    code: Code = UNDECIDED
+    code: Code = Code.WAITING
     reason: str = "target module not imported yet"
     shape: str | None = None
     fingerprints: dict[str, str] = field(default_factory=dict)
@@ -36,7 +55,7 @@ class Record:
 
     @property
     def status(self) -> str:
-        return Code(self.code).verdict
+        return self.code.status
 
     def set(self, code: Code, reason: str) -> None:
         self.code, self.reason = Code(code), reason
@@ -44,7 +63,7 @@ class Record:
     def as_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
-            "code": self.code.word,
+            "code": self.code.value,
             "reason": self.reason,
             "target": self.patch.target,
             "releases": self.patch.releases,
@@ -71,24 +90,18 @@ class State:
     install: VllmInstall | None = None
     records: dict[str, Record] = field(default_factory=dict)
     extras: dict[str, ExtraRecord] = field(default_factory=dict)
-    sources: list[str] = field(default_factory=list)
     hooks_registered: bool = False
     enabled: bool = False
     logged: bool = False
     verify: dict[str, Any] | None = None
-    # The eagle_aux_hidden_state_layer_ids of the connector this process registered:
-    # provenance stamps them, so ``repair`` knows which layers a file holds.
+    # What provenance stamps, so ``repair`` knows which layers a file holds and runs its
+    # engine as the extraction ran: the connector's aux layer ids and engine settings.
     aux_layers: tuple[int, ...] | None = None
-    # The engine settings that change hidden states (dtype, SSM cache dtype, language
-    # model only, max_model_len), as the connector's config has them: provenance stamps
-    # them, so ``repair`` runs its engine the way the extraction ran.
     engine: dict[str, Any] | None = None
     errors: list[str] = field(default_factory=list)
-    # unapply() was called: later activations (plugin, import watcher, bootstrap) keep
-    # out; only an explicit apply() patches this process again.
+    # unapply() was called: only an explicit apply() patches this process again.
     unapplied: bool = False
-    # refuse-config (the extra of that id): what it found at each engine start in this
-    # process (hazard id -> the WARNING's text).
+    # refuse-config: hazard id -> the WARNING an engine start in this process gave.
     config_hazards: dict[str, str] = field(default_factory=dict)
 
 

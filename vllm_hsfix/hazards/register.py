@@ -1,5 +1,5 @@
-"""The register's rows (the fields: ``hazards.model.Hazard``; what each means: the
-``hazards`` package docstring)."""
+"""The register's rows (fields: ``hazards.Hazard``); each row's evidence, read from
+the releases' files, and what was measured: ``docs/hazards.md``."""
 
 from __future__ import annotations
 
@@ -36,29 +36,6 @@ HAZARDS: tuple[Hazard, ...] = (
         why_action=(
             "a backport of both halves of 56841's effect: request_finished declines a request "
             "it has no file for, and the worker does not report it"
-        ),
-        evidence=(
-            "0.24.0 CONN:480, 0.25.0-0.28.0 CONN:523, 0.29.0 CONN:518, 0.30.0 CONN:520: "
-            "`self._request_filenames.pop(req_id)` without a default; file names are "
-            "recorded only for scheduled_new_reqs (0.24.0 CONN:443-463)",
-            "0.24.0 v1/core/sched/scheduler.py:2057 (_free_request -> _connector_finished -> "
-            "request_finished for an aborted waiting request), :2060 (its id into "
-            "finished_req_ids), :2446-2449 (`assert req_id in self.requests` for each "
-            "finished_sending id); 0.24.0 CONN:527-531 (get_finished reports every finished "
-            "id without a copy event)",
-            "0.31.0 CONN:532-538 (pop with a default, return False, None) and CONN:587-593 "
-            "(get_finished reports only requests with a copy): the fix",
-            "not affected: 0.17.0-0.21.0 pop with a default and never hold blocks (0.17.0 "
-            "CONN:326-330, no get_finished); 0.22.0-0.23.0 pop with a default, hold every "
-            "request and report it (0.22.0 CONN:458-481)",
-        ),
-        measured=(
-            "vllm-cpu 0.24.0 and 0.25.0, in-process engine, tiny dense Qwen3, max_num_seqs=1, "
-            "three 50-token prompts, the third aborted before any step: unpatched KeyError "
-            "from request_finished (in finish_requests); patched no error, the two other files "
-            "50 rows, their own token ids, every row within 0.01 of a transformers forward; "
-            "connector half alone: AssertionError in Scheduler._update_from_kv_xfer_finished "
-            "(tests/test_hazards_e2e.py)"
         ),
     ),
     Hazard(
@@ -97,30 +74,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "choose max_model_len so that max_model_len - 2 is not a multiple of the block "
             "size, or turn prefix caching off"
         ),
-        evidence=(
-            "0.25.0 v1/core/sched/scheduler.py:812-826, 0.26.0 :843-857, 0.27.0 :881-895, "
-            "0.28.0 :934-948: pad to 1 + num_spec_tokens unless "
-            "num_computed_tokens + num_new_tokens > max_model_len",
-            "0.25.0 v1/worker/gpu_model_runner.py:4440-4453 (_input_fits_in_drafter: "
-            "max_seq_len + num_spec_tokens <= max_model_len) and :4534-4570 (the drafter runs "
-            "only when it fits); the same in 0.26.0-0.28.0 (:4481, :4537, :4652)",
-            "0.29.0 scheduler.py:961-977 (and 0.30.0-0.33.0): pad only when num_computed + 1 + "
-            "num_spec + num_sampled_tokens_per_step <= max_model_len: the fix",
-            "not affected: 0.17.0-0.24.0 have no such padding; their running requests are "
-            "capped at max_model_len - 1 (0.24.0 scheduler.py:470-478)",
-        ),
-        measured=(
-            "vllm-cpu 0.25.0, in-process engine, tiny dense Qwen3, block size 16, "
-            "max_model_len 66, prefix caching on (tests/test_hazards_e2e.py, prefix case): "
-            "P (65 tokens, 64 cached) was scheduled with 2 tokens beside R's decode and Q's "
-            "20-token prefill, _input_fits_in_drafter answered False for that step, and "
-            "P's file had its last position wrong (3 of 195 rows) and Q's file all 20 "
-            "positions (60 of 60 rows) against a transformers forward; W, S, R right. "
-            "The same prompts on 0.24.0: P scheduled with 1 token, every file right. "
-            "refuse-config: that 0.25.0 engine start logs one WARNING naming the hazard, "
-            "--no-enable-prefix-caching and --max-model-len 65; 0.24.0 logs none; with "
-            "VLLM_HSFIX_STRICT=1 the start fails with HsfixError (tests/test_refuse_config.py)"
-        ),
     ),
     Hazard(
         id="prefix-cache-slicing",
@@ -155,25 +108,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "enable_chunked_prefill=False and every prompt of a step new (offline batches), "
             "and check every file's row count against its token_ids"
         ),
-        evidence=(
-            "0.22.0 CONN:344-351 (slot_mapping[offset:offset + num_tokens] over the step's "
-            "slot mapping, num_tokens = the full prompt) and CONN:423-432 (only "
-            "scheduled_new_reqs, token_ids = prompt_token_ids); 0.23.0's file is identical",
-            "0.22.0 config/vllm.py:738-746: VllmConfig refuses chunked prefill with this "
-            "connector (--no-enable-chunked-prefill is required there)",
-            "not this mechanism: 0.17.0-0.21.0 build each request's slot mapping from its own "
-            "block ids (0.17.0 CONN:64-72, :265-274); 0.24.0+ save at finish from the "
-            "request's block ids (0.24.0 CONN:308-330, :495-500)",
-        ),
-        measured=(
-            "vllm-cpu 0.22.0, the same run as drafter-skip's (tests/test_hazards_e2e.py): "
-            "S (65 tokens, 64 from the prefix cache, alone in its step) saved 1 row for 65 "
-            "token ids; in the step with R's decode, P (1 new token) saved 23 rows for 65 "
-            "token ids and Q 0 rows for 20; W and R (nothing cached, alone) right. On 0.24.0 "
-            "and 0.25.0 the same S, P (0.24.0) and Q (0.24.0) files are right. "
-            "refuse-config: that 0.22.0 engine start logs one WARNING naming the hazard and "
-            "--no-enable-prefix-caching; strict mode fails the start (tests/test_refuse_config.py)"
-        ),
     ),
     Hazard(
         id="aux-final-layer-dropped",
@@ -203,26 +137,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "capture of the last layer's output (before the final norm) inserted where "
             "upstream puts it, installed as a plain function so vLLM's torch.compile traces it"
         ),
-        evidence=(
-            "0.18.0 model_executor/models/deepseek_v2.py:1239, 0.21.0/0.22.0 :1313, 0.23.0 "
-            ":1328, 0.24.0 :1339: `if idx in self.aux_hidden_state_layers` before each layer "
-            "only; 0.25.0 :1489 (0.26.0-0.33.0 likewise) adds the final layer's output",
-            "0.17.0 deepseek_v2.py captures no aux states at all (the family cannot be an "
-            "extraction target there: a start-up error, not data)",
-            "0.22.0 v1/spec_decode/extract_hidden_states.py:120-124, 0.24.0 :125-129: "
-            "torch.stack then slice assignment into the [tokens, N, hidden] buffer",
-            "tensor parallelism before 0.25.0: 0.24.0 deepseek_v2.py:369-386, the "
-            "sequence-parallel MoE gathers its output back to all tokens before the layer "
-            "returns, so captured states are whole; 0.25.0's all-gather (:1462-1469) "
-            "matches its own new between-layer sharding",
-        ),
-        measured=(
-            "vllm-cpu 0.24.0, tiny DeepSeek-V3 (4 dense layers, VLLM_MLA_DISABLE=1: the CPU "
-            "build has no MLA): aux ids [1, 2, 3, 4] kill the worker at the first prefill "
-            "(RuntimeError: The expanded size of the tensor (4) must match the existing size "
-            "(3)); [2, 4] write files whose two slots are identical. Patched, both write what "
-            "vllm-cpu 0.25.0 writes for the same prompts (tests/test_aux_final_layer.py)"
-        ),
     ),
     Hazard(
         id="torn-files",
@@ -251,21 +165,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "also covers safetensors < 0.8.0 and adds the fsync 0.8.0 does not promise"
         ),
         workaround="safetensors >= 0.8.0 on a file system that supports rename",
-        evidence=(
-            "0.22.0 CONN:280-298 and 0.24.0 CONN:277-295 (_write_tensors: event.synchronize(), "
-            "save_file(tensors, filename), then close the lock fd in finally); the same code "
-            "through 0.33.0 (fingerprint 12f890abe9d72188 in 0.22.0-0.33.0)",
-            "strace of save_file on a path that exists: safetensors 0.7.0 "
-            "openat(path, O_WRONLY|O_CREAT|O_TRUNC); 0.8.0 openat(dir/.tmpXXXXXX, O_EXCL) then "
-            "renameat onto the path",
-        ),
-        measured=(
-            "the release's _write_tensors killed mid-write (SIGXFSZ at a 1 MB file-size "
-            "limit, 8 MB of tensors, an older complete file at the path): with safetensors "
-            "0.7.0's in-place write the path holds a 1 MB truncated file; patched, the older "
-            "file is intact and only a temporary file is left; with safetensors 0.8.0 the "
-            "release alone already leaves the older file intact (tests/test_hazards.py)"
-        ),
     ),
     Hazard(
         id="torn-files-in-step",
@@ -286,11 +185,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "wraps; not patched"
         ),
         workaround="safetensors >= 0.8.0, which renames into place itself",
-        evidence=(
-            "0.17.0 CONN:209-217: save_kv_layer calls safetensors.torch.save_file on the "
-            "final path, synchronously, no lock",
-        ),
-        measured="not measured: read from source; the safetensors behaviour is torn-files'",
     ),
     Hazard(
         id="cpu-amx-gdn-conv-state",
@@ -326,62 +220,11 @@ HAZARDS: tuple[Hazard, ...] = (
         why_action=(
             "the kernels get the batch's first width - 1 positions of the wide state, staged "
             "in a scratch state of their layout and written back (the positions upstream's "
-            "wide-state path uses); shown on the real kernels of an AMX Xeon: the release's "
-            "kernel refuses the wide state, the patched one gives exactly what the release's "
-            "gives on a narrow state. Not shown end to end there: on that machine vLLM's "
-            "chunk_gated_delta_rule_cpu then dies with SIGILL in every hybrid run, without "
-            "vllm-hsfix and without a speculative method too (hsfix_demo/cpu_support.py)"
+            "wide-state path uses)"
         ),
         workaround=(
-            "vLLM's CPU build on an AMX CPU only: upgrade to 0.26.0 or later. No vLLM setting "
-            "of 0.22-0.25 selects the torch path: the GDN op calls "
-            "torch.cpu._is_amx_tile_supported() itself, envs.py has no ISA switch, and the CPU "
-            "platform sets VLLM_SSM_CONV_STATE_LAYOUT=SD on AMX over any user value (DS would "
-            "fail the AMX path too). Otherwise run on a CPU (or VM CPU model) that does not "
-            "report AMX, or make torch.cpu._is_amx_tile_supported answer False in every vLLM "
-            "process before vLLM reads it (a vllm.general_plugins plugin, as this project's "
-            "CPU harness does), which also moves vLLM's CPU attention, MoE and linear kernels "
-            "off AMX (slower) and leaves prefix caching and chunked prefill at vLLM's non-AMX "
-            "defaults"
-        ),
-        evidence=(
-            "0.22.0 GDN:59-60 (`if torch.cpu._is_amx_tile_supported():` to "
-            "cpu_gdn_attention_core_amx), :220-225 (the SD conv state transposed, no width "
-            "check), :254 causal_conv1d_update_cpu, :300 causal_conv1d_fwd_cpu",
-            "0.23.0-0.25.0 GDN (one file, sha256 18b557576422...): :60 "
-            "`is_amx = torch.cpu._is_amx_tile_supported()`, :101 causal_conv1d_update_cpu, "
-            ":162 causal_conv1d_fwd_cpu, both on the whole conv state",
-            "0.22.0-0.25.0 model_executor/layers/mamba/mamba_utils.py:224-226 (conv state "
-            "`conv_kernel_size - 1 + num_spec` wide); 0.24.0 models/qwen3_next.py:855-867 "
-            "(num_spec = speculative_config.num_speculative_tokens); platforms/cpu.py sets "
-            "VLLM_SSM_CONV_STATE_LAYOUT=SD on AMX (0.22.0 :230-231, 0.23.0-0.24.0 :240-241, "
-            "0.25.0 :233-234); 0.24.0 envs.py: no ISA or AMX switch among the VLLM_CPU_* "
-            "variables",
-            "0.25.0 sdist csrc/cpu/sgl-kernels/conv.cpp:589 (causal_conv1d_fwd_cpu) and :693 "
-            "(causal_conv1d_update_cpu): CHECK_EQ(conv_states.size(2), width - 1); "
-            "sgl-kernels/common.h:188: CHECK_EQ is a TORCH_CHECK (a RuntimeError)",
-            "0.26.0 GDN:64 (`spec_decode_cache = state_len > (width - 1)`): a wider state goes "
-            "to a torch-only path, the AMX kernels only at width - 1 (:102): the fix; "
-            "0.27.0-0.30.0 :68, 0.31.0 :166, 0.32.0 :172, 0.33.0 :190 the same check, and "
-            "from 0.27.0 the wide state goes to the kernels (0.27.0 GDN:416-436, "
-            "num_accepted_tokens in _custom_ops), which accept it (0.31.0 conv.cpp:673, :780, "
-            "0.32.0-0.33.0 :685, :792 CHECK_GE(state_len, width - 1))",
-            "not affected: 0.17.0-0.20.0 have no GDN file and no causal_conv1d_*_cpu op in "
-            "_custom_ops.py; 0.21.0 GDN is torch only (:88 causal_conv1d_update_torch, :152 "
-            "causal_conv1d_torch, no AMX branch)",
-        ),
-        measured=(
-            "the dispatch on an AMX CPU and the engine's death: not measured here (no AMX on "
-            "the machines this project runs on); read from source. The kernels' check, "
-            "measured by a one-off script (not in the suite) calling vllm-cpu's own _C.abi3.so "
-            "ops directly on this AVX-512-BF16 CPU without AMX, SD conv state of 64 channels, "
-            "width 4: 0.24.0's causal_conv1d_update_cpu and causal_conv1d_fwd_cpu run with 3 "
-            "columns and raise RuntimeError `CHECK_EQ(conv_states.size(2), width - 1) failed. "
-            "4 vs 3` with 4 (the process lives on); 0.32.0's run with both. On a 2-core Xeon "
-            "with AMX (KVM guest), vllm-cpu 0.24.0: the engine dies at the first prompt of the "
-            "tiny Qwen3.5 hybrid with that RuntimeError (unpatched); with the patch the "
-            "convolution passes, and the next AMX kernel (chunk_gated_delta_rule_cpu) dies "
-            "with SIGILL, as it does without vllm-hsfix and without a speculative method"
+            "upgrade to 0.26.0 or later (no vLLM setting of 0.22-0.25 selects the torch "
+            "path), or run on a CPU that does not report AMX (docs/hazards.md)"
         ),
     ),
 )
