@@ -49,14 +49,14 @@ def test_register_rows_are_complete() -> None:
     for h in hazards.HAZARDS:
         assert h.action in hazards.ACTIONS, h.id
         assert h.loses in (hazards.PROCESS, hazards.DATA), h.id
-        assert h.trigger and h.effect and h.upstream and h.why_action, h.id
+        assert h.upstream, h.id
         assert f"### `{h.id}`" in EVIDENCE, f"{h.id}: no evidence in docs/hazards.md"
         if h.action == hazards.PATCH:
             assert h.patch in PATCH_IDS, h.id
         if h.action == hazards.REFUSE_CONFIG:
             assert h.setting, h.id
         if h.action == hazards.DOCUMENTED:
-            assert h.workaround, f"{h.id}: a documented hazard tells the user what to do"
+            assert h.workaround and h.why_action, f"{h.id}: say what to do, and why only that"
 
 
 EVIDENCE = (Path(__file__).resolve().parent.parent / "docs" / "hazards.md").read_text()

@@ -32,15 +32,13 @@ class Hazard:
     id: str
     first: str
     fixed_in: str | None
-    trigger: str
-    effect: str
     loses: str  # PROCESS or DATA
     upstream: str
     action: str
-    why_action: str
+    why_action: str = ""  # for DOCUMENTED: why nothing better is done
     patch: str = ""  # the patch row, for PATCH
     setting: str = ""  # the setting to change, for REFUSE_CONFIG
-    workaround: str = ""
+    workaround: str = ""  # for DOCUMENTED: what a user can do
     models: str = ""  # only these models are concerned ("" = any)
     ends: str | None = None
 
