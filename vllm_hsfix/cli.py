@@ -12,6 +12,7 @@ modules). Exit codes are meant for a Dockerfile ``RUN``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -215,14 +216,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from . import enginelog, verify
 
     # vLLM logs to stdout; while it loads, stdout is stderr so --json output stays parseable.
-    real_stdout, sys.stdout = sys.stdout, sys.stderr
     try:
-        code, report = verify.run(args.device)
+        with contextlib.redirect_stdout(sys.stderr):
+            code, report = verify.run(args.device)
     except Exception as exc:  # the report must come out whatever happens
         where = enginelog.origin(exc)
         code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r} (raised at {where})"}
-    finally:
-        sys.stdout = real_stdout
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
