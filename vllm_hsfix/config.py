@@ -7,7 +7,7 @@ values never raise: they become warnings in ``status()`` and the safe reading is
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 PREFIX = "VLLM_HSFIX_"
 DISABLE = PREFIX + "DISABLE"  # "1": the package does nothing in this process
@@ -24,8 +24,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     disabled: bool = False
     disabled_patches: frozenset[str] = frozenset()
     strict: bool = False
@@ -34,11 +33,11 @@ class Config:
     status_dir: str | None = None
     log_level: str = "INFO"
     provenance: bool = False
-    warnings: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
         """As reports print it (``status``, ``status()``)."""
-        out = asdict(self)
+        out = self._asdict()
         return {
             **out,
             "disabled_patches": sorted(self.disabled_patches),

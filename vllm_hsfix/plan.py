@@ -13,8 +13,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from packaging.version import Version
 
@@ -27,8 +26,7 @@ if TYPE_CHECKING:
     from .shapes import Probe
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What the gates say about one patch: ``Code.APPLY`` or the reason not to."""
 
     code: Code

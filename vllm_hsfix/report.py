@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import _lazy, tested
+from . import _lazy
 from ._version import __version__
 from .codes import APPLIED, FAILED, REFUSED, Code
 from .config import Config
@@ -88,6 +88,8 @@ def _config_checked(release: str | None) -> list[str]:
 
 
 def status_dict() -> dict[str, Any]:
+    from . import tested  # reads tested.json: not at activation
+
     cfg, inst = STATE.config, STATE.install
     assert cfg is not None and inst is not None
     return {
