@@ -44,7 +44,7 @@ class ForkSafeRLock:
 LOCK = ForkSafeRLock()
 
 
-@dataclass
+@dataclass(eq=False)
 class Record:
     patch: PatchSpec
     code: Code = Code.WAITING
@@ -73,7 +73,7 @@ class Record:
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class ExtraRecord:
     """What an extra (``patches.EXTRAS``) did in this process: its wrapper, if installed."""
 
@@ -84,25 +84,27 @@ class ExtraRecord:
         return self.replacement is not None and self.replacement.live()
 
 
-@dataclass
 class State:
-    config: Config | None = None
-    install: VllmInstall | None = None
-    records: dict[str, Record] = field(default_factory=dict)
-    extras: dict[str, ExtraRecord] = field(default_factory=dict)
-    hooks_registered: bool = False
-    enabled: bool = False
-    logged: bool = False
-    verify: dict[str, Any] | None = None
-    # What provenance stamps, so ``repair`` knows which layers a file holds and runs its
-    # engine as the extraction ran: the connector's aux layer ids and engine settings.
-    aux_layers: tuple[int, ...] | None = None
-    engine: dict[str, Any] | None = None
-    errors: list[str] = field(default_factory=list)
-    # unapply() was called: only an explicit apply() patches this process again.
-    unapplied: bool = False
-    # refuse-config: hazard id -> the WARNING an engine start in this process gave.
-    config_hazards: dict[str, str] = field(default_factory=dict)
+    """This process's state (one instance, :data:`STATE`)."""
+
+    def __init__(self) -> None:
+        self.config: Config | None = None
+        self.install: VllmInstall | None = None
+        self.records: dict[str, Record] = {}
+        self.extras: dict[str, ExtraRecord] = {}
+        self.hooks_registered = False
+        self.enabled = False
+        self.logged = False
+        self.verify: dict[str, Any] | None = None
+        # What provenance stamps, so ``repair`` knows which layers a file holds and runs
+        # its engine as the extraction ran: the connector's aux layers and settings.
+        self.aux_layers: tuple[int, ...] | None = None
+        self.engine: dict[str, Any] | None = None
+        self.errors: list[str] = []
+        # unapply() was called: only an explicit apply() patches this process again.
+        self.unapplied = False
+        # refuse-config: hazard id -> the WARNING an engine start in this process gave.
+        self.config_hazards: dict[str, str] = {}
 
 
 STATE = State()
