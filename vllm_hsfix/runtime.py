@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import _lazy, config, detect, plan, report
 from .codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
 from .errors import HsfixError
-from .patches import CONFIG_CHECK, EXTRAS, MODULES, OBSERVER, PATCH_IDS, PATCHES, STAMP
+from .patches import CONFIG_CHECK, EXTRAS, MODULES, PATCH_IDS, PATCHES, STAMP
 from .state import LOCK, STATE, ExtraRecord, Record
 
 if TYPE_CHECKING:
@@ -174,7 +174,8 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
             return
         assert rec.shape is not None
         rec.replacements = impl.apply(module, rec.shape, hooks())
-        note = impl.adopt(module) if late and hasattr(impl, "adopt") else None
+        adopt = getattr(impl, "adopt", None) if late else None
+        note = adopt(module) if adopt is not None else None
         rec.set(Code.APPLIED, decision.reason + (f"; {note}" if note else ""))
     except Exception as exc:
         # Never "failed" with wrappers live: take back whatever was installed.
@@ -283,35 +284,27 @@ def hooks() -> Hooks:
     return Hooks(on_failure=_on_failure, after_register=_after_register)
 
 
-def _applied_with(attribute: str) -> list[Record]:
-    impls = [(r, r.patch.implementation()) for r in STATE.records.values()]
-    return [r for r, impl in impls if r.status == APPLIED and getattr(impl, attribute, None)]
-
-
-def _observer_wanted(rec: ExtraRecord) -> bool:
-    """An applied patch has an in-situ check, and no row that runs
-    ``hooks.after_register`` itself is applied or about to be."""
-    if not (STATE.config and STATE.config.verify and _applied_with("in_situ")):
+def _wanted(extra: ExtraRecord) -> bool:
+    """The condition of each kind of extra (``patches.EXTRAS``: ``kind`` and ``when``)."""
+    cfg, applied = STATE.config, [r for r in STATE.records.values() if r.status == APPLIED]
+    if extra.spec.kind == CONFIG_CHECK:
+        return bool(STATE.install and STATE.install.release)
+    if extra.spec.kind == STAMP:
+        return bool(cfg and cfg.provenance and applied)
+    # OBSERVER: an applied patch has an in-situ check, and no row that runs
+    # ``hooks.after_register`` itself is applied or about to be.
+    if not (
+        cfg
+        and cfg.verify
+        and any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
+    ):
         return False
     return not any(
         r.status in (APPLIED, ON_IMPORT)
         for r in STATE.records.values()
-        if r.patch.module == rec.spec.module
+        if r.patch.module == extra.spec.module
         and getattr(r.patch.implementation(), "CALLS_AFTER_REGISTER", False)
     )
-
-
-def _stamp_wanted(rec: ExtraRecord) -> bool:
-    cfg = STATE.config
-    return bool(cfg and cfg.provenance) and any(r.status == APPLIED for r in STATE.records.values())
-
-
-def _config_check_wanted(rec: ExtraRecord) -> bool:
-    return bool(STATE.install and STATE.install.release)
-
-
-# The condition of each kind of extra (patches.EXTRAS: ``kind`` and ``when``).
-WANTED = {OBSERVER: _observer_wanted, STAMP: _stamp_wanted, CONFIG_CHECK: _config_check_wanted}
 
 
 def _install_extras() -> None:
@@ -329,7 +322,7 @@ def _install_extras() -> None:
     )
     for rec in STATE.extras.values():
         module = sys.modules.get(rec.spec.module)
-        if module is None or rec.live() or not WANTED[rec.spec.kind](rec):
+        if module is None or rec.live() or not _wanted(rec):
             continue
         try:
             rec.replacement = rec.spec.installer()(module, ctx)
