@@ -52,7 +52,7 @@ def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None
 
 def cli_rows_as_declared(got: dict[str, str]) -> dict[str, str]:
     """``got`` (a process's patch statuses) with the rows on vLLM's CLI module
-    (``cpu-dist-name``) read as the table declares them when they are "pending": such a
+    (``cpu-dist-name``) read as the table declares them when they are "on-import": such a
     row applies where the process imports the CLI (the ``vllm`` console script and the
     children it spawns, which re-import it) and waits for an import that never comes in
     processes that do not (an engine started from Python, ``python -m`` children). Any
@@ -61,7 +61,7 @@ def cli_rows_as_declared(got: dict[str, str]) -> dict[str, str]:
 
     cli = {p.id for p in PATCHES if p.module.startswith("vllm.entrypoints.cli")}
     want = declared_all()
-    return {k: (want[k] if k in cli and v == "pending" else v) for k, v in got.items()}
+    return {k: (want[k] if k in cli and v == "on-import" else v) for k, v in got.items()}
 
 
 def applies(patch_id: str, release: str | None = None) -> bool:

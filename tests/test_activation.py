@@ -36,6 +36,8 @@ REPORT = {
     "_zero_block_ids": depth(RUNNER.CPUModelRunner.__dict__["_zero_block_ids"]),
 }
 """
+# Each target wrapped exactly once, by us.
+ONCE = dict.fromkeys(["basic_cache", "__init__", "register_kv_caches", "_zero_block_ids"], 1)
 
 
 def test_status_after_import_shows_both_patches_applied_and_one_log_line() -> None:
@@ -51,12 +53,7 @@ print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
     )
     statuses, depths, sources = last_json(out.stdout)
     assert statuses == declared_all()
-    assert depths == {
-        "basic_cache": 1,
-        "__init__": 1,
-        "register_kv_caches": 1,
-        "_zero_block_ids": 1,
-    }
+    assert depths == ONCE
     assert sources == ["import", "vllm-import"]
     lines = [ln for ln in out.stderr.splitlines() if f"vllm-hsfix {__version__} pid=" in ln]
     assert len(lines) == 1, out.stderr[-3000:]
@@ -90,12 +87,7 @@ print(json.dumps([REPORT, st["activated_by"], {k: v["status"] for k, v in st["pa
         env=env,
     )
     depths, sources, statuses = last_json(out.stdout)
-    assert depths == {
-        "basic_cache": 1,
-        "__init__": 1,
-        "register_kv_caches": 1,
-        "_zero_block_ids": 1,
-    }
+    assert depths == ONCE
     assert sources[0] == "bootstrap"
     # `import vllm_hsfix` after the bootstrap finds the module already imported: no event.
     assert {"bootstrap", "plugin", "apply"} <= set(sources)
@@ -118,12 +110,7 @@ ts = [threading.Thread(target=go) for _ in range(8)]
         + WRAP_REPORT
         + "print(json.dumps(REPORT))"
     )
-    assert last_json(out.stdout) == {
-        "basic_cache": 1,
-        "__init__": 1,
-        "register_kv_caches": 1,
-        "_zero_block_ids": 1,
-    }
+    assert last_json(out.stdout) == ONCE
 
 
 def test_disable_switches() -> None:
@@ -138,7 +125,7 @@ print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
     )
     off = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLE="1")).stdout)
     assert off == [
-        {"basic_cache": 0, "__init__": 0, "register_kv_caches": 0, "_zero_block_ids": 0},
+        dict.fromkeys(ONCE, 0),
         {
             pid: ("disabled" if st == "applied" else "not-needed")
             for pid, st in declared_all().items()
@@ -146,7 +133,7 @@ print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
     ]
     one = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")).stdout)
     assert one == [
-        {"basic_cache": 0, "__init__": 1, "register_kv_caches": 1, "_zero_block_ids": 1},
+        {**ONCE, "basic_cache": 0},
         {
             **{
                 pid: ("applied" if st == "applied" else "not-needed")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from vllm_hsfix.patches import PATCHES
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_hsfix"
@@ -23,7 +25,7 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 # Lowest first. A module may import only modules of a lower layer, or of its own
 # subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
 LAYERS: list[set[str]] = [
-    {"_version", "errors", "_lazy", "_locks", "config", "releases", "codes"},
+    {"_version", "errors", "_lazy", "config", "releases", "codes"},
     {"detect", "shapes", "patches", "patches.hooks", "enginelog"},
     {
         "patches._wrap",
@@ -257,3 +259,53 @@ def test_the_core_imports_no_data_tool() -> None:
     assert {m: sorted(set(g[m]) & tools) for m in core if set(g[m]) & tools} == {}
     assert tools and "runtime" in core and "patches.aux_final_layer" in core
     assert not (PACKAGE / "demo").exists()
+
+
+# Argument-parser tables: one add_argument after another, exempt from the length bound.
+PARSER_TABLES = {"cli.build_parser", "audit.command.add_parser"}
+MAX_FUNCTION, MAX_MODULE, MAX_CORE = 60, 500, 5_000
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_a_hand_written_long_function_is_caught() -> None:
+    # Guards the check below: a 61-line body counts as over.
+    body = "def f():\n" + "    x = 1\n" * 60
+    assert [n.name for n in long_functions(ast.parse(body))] == ["f"]
+
+
+def long_functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n.end_lineno or n.lineno) - n.lineno + 1 > MAX_FUNCTION
+    ]
+
+
+@pytest.mark.xfail(strict=False, reason="audit/ and repair/ are cut by other helpers; lead flips")
+def test_no_function_is_over_60_lines() -> None:
+    over = [
+        f"{name}.{fn.name}: {(fn.end_lineno or 0) - fn.lineno + 1} lines"
+        for name, path in modules().items()
+        for fn in long_functions(ast.parse(path.read_text()))
+        if f"{name}.{fn.name}" not in PARSER_TABLES
+    ]
+    assert over == []
+
+
+def core_modules() -> dict[str, Path]:
+    return {m: p for m, p in modules().items() if group_of(m) not in DATA_TOOLS}
+
+
+def test_no_core_module_is_over_500_lines() -> None:
+    over = {m: _lines(p) for m, p in core_modules().items() if _lines(p) > MAX_MODULE}
+    assert over == {}
+
+
+@pytest.mark.xfail(strict=False, reason="the patches are cut by another helper; lead flips")
+def test_the_core_is_at_most_5000_lines() -> None:
+    total = sum(_lines(p) for p in core_modules().values())
+    assert total <= MAX_CORE, f"the core is {total} lines"

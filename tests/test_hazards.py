@@ -16,6 +16,7 @@ engine-level evidence is in test_hazards_e2e.py.
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,16 +49,17 @@ def test_register_rows_are_complete() -> None:
     for h in hazards.HAZARDS:
         assert h.action in hazards.ACTIONS, h.id
         assert h.loses in (hazards.PROCESS, hazards.DATA), h.id
-        assert h.trigger and h.effect and h.upstream and h.why_action and h.measured, h.id
-        assert h.evidence and all(e.strip() for e in h.evidence), h.id
+        assert h.upstream, h.id
+        assert f"### `{h.id}`" in EVIDENCE, f"{h.id}: no evidence in docs/hazards.md"
         if h.action == hazards.PATCH:
             assert h.patch in PATCH_IDS, h.id
         if h.action == hazards.REFUSE_CONFIG:
             assert h.setting, h.id
         if h.action == hazards.DOCUMENTED:
-            assert h.workaround, f"{h.id}: a documented hazard tells the user what to do"
+            assert h.workaround and h.why_action, f"{h.id}: say what to do, and why only that"
 
 
+EVIDENCE = (Path(__file__).resolve().parent.parent / "docs" / "hazards.md").read_text()
 LAST_READ = "0.33.0"  # the newest release whose files were read for the register
 
 
@@ -114,84 +116,56 @@ def test_affected_releases(hazard: str, release: str, affected: bool) -> None:
     assert hazards.by_id(hazard).affects(release) is affected
 
 
+ABORT, AUX, AMX = "abort-before-scheduling", "aux-final-layer", "cpu-gdn-wide-conv-state"
+
+
 @pytest.mark.parametrize(
-    ("release", "codes", "state"),
+    ("hazard", "release", "codes", "state"),
     [
-        ("0.23.0", {}, "not-affected"),
-        ("0.24.0", {"abort-before-scheduling": "would-apply"}, "patched"),
-        ("0.24.0", {"abort-before-scheduling": "applied"}, "patched"),
-        ("0.24.0", {"abort-before-scheduling": "unknown-shape"}, "open"),
-        ("0.24.0", {"abort-before-scheduling": "disabled"}, "open"),
-        ("0.31.0", {"abort-before-scheduling": "upstream-fix-present"}, "fixed-upstream"),
-        (None, {}, "unknown"),
+        (ABORT, "0.23.0", {}, "not-affected"),
+        (ABORT, "0.24.0", {ABORT: "would-apply"}, "patched"),
+        (ABORT, "0.24.0", {ABORT: "applied"}, "patched"),
+        (ABORT, "0.24.0", {ABORT: "unknown-shape"}, "open"),
+        (ABORT, "0.24.0", {ABORT: "disabled"}, "open"),
+        (ABORT, "0.31.0", {ABORT: "upstream-fix-present"}, "fixed-upstream"),
+        (ABORT, None, {}, "unknown"),
+        ("aux-final-layer-dropped", "0.17.0", {}, "not-affected"),
+        ("aux-final-layer-dropped", "0.18.0", {AUX: "would-apply"}, "patched"),
+        ("aux-final-layer-dropped", "0.24.0", {AUX: "unknown-shape"}, "open"),
+        ("aux-final-layer-dropped", "0.25.0", {AUX: "upstream-fix-present"}, "fixed-upstream"),
+        ("cpu-amx-gdn-conv-state", "0.24.0", {AMX: "applied"}, "patched"),
+        ("cpu-amx-gdn-conv-state", "0.24.0", {AMX: "disabled"}, "open"),
+        ("cpu-amx-gdn-conv-state", "0.24.0", {AMX: "not-needed"}, "not-affected"),
+        ("cpu-amx-gdn-conv-state", "0.21.0", {}, "not-affected"),
+        ("cpu-amx-gdn-conv-state", "0.26.0", {}, "fixed-upstream"),
+        ("torn-files-in-step", "0.22.0", {}, "not-affected"),  # ended, not fixed
+        ("torn-files-in-step", "not a version", {}, "unknown"),
     ],
 )
-def test_assess_a_patched_hazard(release: str | None, codes: dict[str, str], state: str) -> None:
-    got = hazards.assess(hazards.by_id("abort-before-scheduling"), release, codes)
-    assert got["state"] == state, got
-    assert got["action"] == "patch"
+def test_assess(hazard: str, release: str | None, codes: dict[str, str], state: str) -> None:
+    h = hazards.by_id(hazard)
+    got = hazards.assess(h, release, codes)
+    assert (got["state"], got["action"], got["loses"]) == (state, h.action, h.loses), got
 
 
-def test_assess_a_documented_hazard() -> None:
+def test_assess_says_why() -> None:
     torn = hazards.by_id("torn-files-in-step")
-    assert hazards.assess(torn, "0.20.0", {})["state"] == "exposed"
+    assert hazards.assess(torn, "0.20.0", {}) | {"reason": ""} == {
+        "action": "documented",
+        "releases": ">=0.17.0,<0.22.0",
+        "loses": "data",
+        "upstream": torn.upstream,
+        "state": "exposed",
+        "reason": "",
+    }
     assert hazards.assess(torn, "0.20.0", {})["reason"] == torn.workaround
-    assert hazards.assess(torn, "0.22.0", {})["state"] == "not-affected"  # ended, not fixed
-    assert hazards.assess(torn, "not a version", {})["state"] == "unknown"
-    every = hazards.assess_all("0.25.0", {"abort-before-scheduling": "would-apply"})
-    assert set(every) == set(hazards.HAZARD_IDS)
-
-
-@pytest.mark.parametrize(
-    ("release", "codes", "state"),
-    [
-        ("0.17.0", {}, "not-affected"),
-        ("0.18.0", {"aux-final-layer": "would-apply"}, "patched"),
-        ("0.24.0", {"aux-final-layer": "applied"}, "patched"),
-        ("0.24.0", {"aux-final-layer": "unknown-shape"}, "open"),
-        ("0.24.0", {"aux-final-layer": "disabled"}, "open"),
-        ("0.25.0", {"aux-final-layer": "upstream-fix-present"}, "fixed-upstream"),
-    ],
-)
-def test_the_final_aux_layer_hazard_is_patched_on_0_18_to_0_24(
-    release: str, codes: dict[str, str], state: str
-) -> None:
-    """PR 46973's hazard: 0.18.0-0.24.x (0.17.0 captures no aux states on the backbone),
-    patched by ``aux-final-layer``, fixed upstream in 0.25.0."""
-    h = hazards.by_id("aux-final-layer-dropped")
-    assert (h.action, h.patch, h.first, h.fixed_in) == (
-        "patch",
-        "aux-final-layer",
-        "0.18.0",
-        "0.25.0",
-    )
-    assert hazards.assess(h, release, codes)["state"] == state
-
-
-def test_assess_the_cpu_amx_gdn_hazard() -> None:
-    """Patched by ``cpu-gdn-wide-conv-state``, a dead process otherwise, only GDN hybrids
-    on vLLM's CPU build with AMX (the status line says so through ``models``); 0.22-0.25,
-    fixed in 0.26.0; not affected where the patch is not needed (the CUDA wheel)."""
-    h = hazards.by_id("cpu-amx-gdn-conv-state")
-    assert (h.action, h.patch, h.loses, h.first, h.fixed_in, h.ends) == (
-        "patch", "cpu-gdn-wide-conv-state", "process", "0.22.0", "0.26.0", None
-    )  # fmt: skip
-    assert h.releases == ">=0.22.0,<0.26.0"
-    assert "GDN" in h.models and "AMX" in h.models and "CPU build" in h.models
-    assert "46090" in h.upstream
-    got = hazards.assess(h, "0.24.0", {"cpu-gdn-wide-conv-state": "applied"})
-    assert got["state"] == "patched" and got["loses"] == "process"
-    got = hazards.assess(h, "0.24.0", {"cpu-gdn-wide-conv-state": "disabled"})
-    assert got["state"] == "open"
-    got = hazards.assess(h, "0.24.0", {"cpu-gdn-wide-conv-state": "not-needed"})
-    assert got["state"] == "not-affected"
-    got = hazards.assess(h, "0.24.0", {"abort-before-scheduling": "applied"})
+    amx = hazards.by_id("cpu-amx-gdn-conv-state")
+    got = hazards.assess(amx, "0.24.0", {ABORT: "applied"})  # its own patch not reported
     assert got["state"] == "open" and "missing" in got["reason"]
-    assert got["loses"] == "process" and got["models"] == h.models
-    assert hazards.assess(h, "0.21.0", {})["state"] == "not-affected"
-    assert hazards.assess(h, "0.26.0", {})["state"] == "fixed-upstream"
-    assert hazards.assess(h, "0.33.0", {})["state"] == "fixed-upstream"
-    assert h not in hazards.refuse_config("0.24.0")  # no setting avoids it
+    assert got["models"] == amx.models and "GDN" in amx.models and "AMX" in amx.models
+    assert amx not in hazards.refuse_config("0.24.0")  # no setting avoids it
+    every = hazards.assess_all("0.25.0", {ABORT: "would-apply"})
+    assert set(every) == set(hazards.HAZARD_IDS)
 
 
 # ---------------------------------------------------------------------------
@@ -255,21 +229,7 @@ def _live_class() -> Any:
     return importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
 
 
-needs_024 = pytest.mark.skipif(
-    not (
-        INSTALL.parsed
-        and INSTALL.release
-        and tuple(map(int, INSTALL.release.split("."))) >= (0, 24)
-    ),
-    reason="the check drives 0.24.0+'s connector (it holds scheduled requests)",
-)
 HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
-
-
-def _in_range() -> bool:
-    return bool(INSTALL.release) and hazards.by_id("abort-before-scheduling").affects(
-        INSTALL.release or ""
-    )
 
 
 def _switch_all(cls: type, on: bool) -> list[Any]:
@@ -285,7 +245,19 @@ def _switch_all(cls: type, on: bool) -> list[Any]:
 
 
 @pytest.mark.needs_vllm
-@needs_024
+@pytest.mark.fixed_upstream("abort-before-scheduling")
+def test_live_class_check_passes_on_upstreams_fix() -> None:
+    cls = _live_class()
+    present = _switch_all(cls, False)
+    try:
+        assert abort_unscheduled.check_abort(cls) == []
+    finally:
+        for w in present:
+            w.hsfix_set_active(True)
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.applies("abort-before-scheduling")
 def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
     """The release's own methods (any wrapper of ours switched off) fail the check; the
     connector half alone fails it too; the patch passes it and ``verify`` says so."""
@@ -296,9 +268,6 @@ def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
     present = _switch_all(cls, False)  # put back on at the end: activation had them on
     try:
         before = abort_unscheduled.check_abort(cls)
-        if not _in_range():
-            assert before == [], before  # upstream's own fix (0.31.0+)
-            return
         assert len(before) == 1 and "KeyError" in before[0], before
         half = wrap(cls, "request_finished", abort_unscheduled.decline_unknown, "test-half")
         try:
@@ -325,7 +294,7 @@ def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
 
 
 @pytest.mark.needs_vllm
-@needs_024
+@pytest.mark.applies("abort-before-scheduling")
 def test_the_mark_travels_with_the_metadata() -> None:
     """The multiprocessing executor pickles the scheduler output to the workers."""
     import importlib

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL
+from conftest import CONNECTOR_MODULE
 from support.skeletons import RELEASES, connector_file
 
-from vllm_hsfix.patches import atomic_writes, by_id
+from vllm_hsfix.patches import atomic_writes
 from vllm_hsfix.patches._wrap import ours_in
 from vllm_hsfix.patches.hooks import Hooks
 from vllm_hsfix.releases import key as release_key
@@ -28,6 +28,7 @@ KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_
 
 
 @pytest.mark.needs_vllm
+@pytest.mark.applies("atomic-writes")
 def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> None:
     """The release's ``_write_tensors`` (0.22.0+), killed by the kernel mid-write (a 1 MB
     file-size limit, 8 MB to write, an older complete file at the path). Failing first:
@@ -35,9 +36,6 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
     path then holds a truncated file a waiting reader cannot load. Patched: the older
     file is intact, only a temporary file is left. With the installed safetensors the
     release's own result is reported as measured (0.8.0 renames into place itself)."""
-    first = release_key(by_id("atomic-writes").first)
-    if not (INSTALL.release and release_key(INSTALL.release) >= first):
-        pytest.skip("no writer thread before 0.22.0")
     from conftest import clean_env, last_json, run_py
 
     argv = [str(KILL_CHILD), str(tmp_path), CONNECTOR_MODULE]
@@ -110,12 +108,10 @@ def test_a_changed_writer_is_not_patched(variant: str) -> None:
 
 
 @pytest.mark.needs_vllm
+@pytest.mark.applies("atomic-writes")
 def test_writer_check_fails_in_place_and_passes_patched() -> None:
     """``verify``'s check on the live writer: with an in-place ``save_file`` (what
     safetensors < 0.8.0 does) the release's writer fails it, the patched one passes."""
-    first = release_key(by_id("atomic-writes").first)
-    if not (INSTALL.release and release_key(INSTALL.release) >= first):
-        pytest.skip("no writer thread before 0.22.0")
     import importlib
 
     from safetensors.torch import save

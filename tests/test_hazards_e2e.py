@@ -1,28 +1,12 @@
 """Hazards on the real vLLM engine: the releases' own behaviour, and the patch where there is one.
 
-Abort before scheduling: one in-process engine per release
-(``tests/support/children/abort_case.py``; a start-up is most of the 40-90 s this takes
-on 2 cores), tiny dense Qwen3,
-``max_num_seqs=1``, three 50-token prompts, the third aborted while it waits, before
-any step:
-
-* the release's own methods (the patch's wrappers switched off): ``KeyError`` from
-  the connector's ``request_finished`` (in an engine of its own process, the engine
-  core's death);
-* patched: no exception; the two other requests' files complete (50 rows, their own
-  token ids) and equal row by row to a transformers forward of the same tokens;
-* the connector half alone (experiment): the crash moves to the scheduler's
-  ``assert req_id in self.requests`` in ``_update_from_kv_xfer_finished``, which is
-  why the patch has a worker half.
-
-Prefix caching (``tests/support/children/prefix_case.py``, one more engine): the register's claims
-for the installed release, ``prefix-cache-slicing`` (0.22-0.23) and ``drafter-skip``
-(0.25-0.28), against files the release writes; where a release is not affected, the
-same files must be right.
-
-Expected values come from the prompts and the reference model, never from the
-connector under test. The abort tests run where the patch table applies the patch
-(0.24.0-0.30.x); the prefix case on any release.
+* abort before scheduling (``support/children/abort_case.py``, in-process, tiny dense
+  Qwen3, ``max_num_seqs=1``, the third of three prompts aborted before any step): the
+  release's methods raise ``KeyError``; patched, the other files are right (against a
+  transformers forward); the connector half alone moves the crash to the scheduler's
+  assert, which is why the patch has a worker half;
+* prefix caching (``support/children/prefix_case.py``): the register's claims for the
+  installed release against the files it writes.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """``abort-before-scheduling`` where it kills a job: an engine core of its own process.
 
-In-process (test_hazards_e2e.py) the release's ``KeyError`` reaches the caller; here
-the engine core is a process of its own, as in every real job, and the error kills it:
+* ``vllm serve``, tiny dense Qwen3, ``--max-num-seqs 1``: A runs, B waits and hangs up
+  (the server aborts it), C queues. Patched, A and C are answered with right files and
+  the server keeps serving; with the release's methods the engine core dies.
+* ``LLM`` in vLLM's default multiprocess layout: the third prompt aborted while it
+  waits; patched the other files are right, unpatched ``step()`` raises ``EngineDeadError``.
 
-* ``vllm serve`` (the OpenAI server; its engine core is its own process), tiny dense
-  Qwen3, ``--max-num-seqs 1``: client A's request runs (450 tokens to generate),
-  client B's request waits behind it and B hangs up while it still waits (the
-  server aborts it: the ``with_cancellation`` disconnect path), then client C's
-  request queues. Patched, the server survives: A and C get their answers, their
-  files are complete (50 rows, their own token ids) and equal row by row to a
-  transformers forward, ``/health`` stays 200 and a later request is served. With the
-  release's own methods (``VLLM_HSFIX_DISABLED_PATCHES=abort-before-scheduling``,
-  everything else of vllm-hsfix on) the engine core dies (``KeyError`` in
-  ``request_finished``, ``EngineCore encountered a fatal error``) and A fails with it.
-* ``LLM`` with its engine core in its own process (vLLM's default, no
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): three prompts, the third aborted while it
-  waits; patched the other two files are right, unpatched the next ``step()`` raises
-  ``EngineDeadError``.
-
-Wall time (2 cores): an engine start is 40-90 s, so the default suite runs one
-server, patched, on 0.24.0; the failing-first server, the ``LLM`` runs and other
-releases in the patch's range are ``extended`` (``scripts/run_tests.py --extended``).
+Default CI runs the patched server on 0.24.0; the rest is ``extended``.
 """
 
 from __future__ import annotations
@@ -53,7 +39,6 @@ from support.procs import marked_json, run_child
 from support.serve import post
 
 from hsfix_demo import e2e
-from vllm_hsfix import releases
 from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
@@ -65,10 +50,6 @@ DEFAULT_RELEASE = "0.24.0"  # the one release whose patched server runs in defau
 A_TOKENS = 450
 
 
-IN_RANGE = bool(RELEASE) and releases.in_range(RELEASE, PATCH.first, PATCH.fixed_in)
-needs_patch_range = pytest.mark.skipif(
-    not IN_RANGE, reason=f"vLLM {RELEASE}: the patch applies to {PATCH.releases} only"
-)
 default_on_024 = [] if RELEASE == DEFAULT_RELEASE else [pytest.mark.extended]
 
 
@@ -154,7 +135,7 @@ def disconnect_while_queued(server: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@needs_patch_range
+@pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.parametrize("case", [pytest.param("patched", marks=default_on_024)])
 def test_serve_survives_a_client_that_hangs_up_while_queued(
     case: str, tmp_path_factory: pytest.TempPathFactory
@@ -177,7 +158,7 @@ def test_serve_survives_a_client_that_hangs_up_while_queued(
         assert right(r), (rid, r)
 
 
-@needs_patch_range
+@pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.extended
 def test_serve_without_the_patch_dies_when_a_queued_client_hangs_up(
     tmp_path_factory: pytest.TempPathFactory,
@@ -214,7 +195,7 @@ def run_own_process(work: Path, **extra_env: str) -> dict[str, Any]:
     return result
 
 
-@needs_patch_range
+@pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.extended
 def test_own_process_engine_without_the_patch_dies(
     tmp_path_factory: pytest.TempPathFactory,
@@ -229,7 +210,7 @@ def test_own_process_engine_without_the_patch_dies(
     assert result["later"]["ok"] is False, result["later"]
 
 
-@needs_patch_range
+@pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.extended
 def test_own_process_engine_survives_and_saves_the_other_requests(
     tmp_path_factory: pytest.TempPathFactory,

@@ -1,10 +1,5 @@
-"""``import vllm_hsfix`` must stay cheap where vLLM is never used.
-
-The sitecustomize bootstrap imports the package in every Python process of an image,
-and vLLM's plugin loader in every process vLLM starts. Speed is measured by
-``benchmarks/bench_startup.py`` (against a bare interpreter in the same run); these
-tests pin the structural facts that make it cheap: which modules the import loads,
-written out here rather than computed by the code under test.
+"""What ``import vllm_hsfix`` loads, and when activation happens (the bootstrap imports
+the package in every Python process of an image). Speed: ``benchmarks/bench_startup.py``.
 """
 
 from __future__ import annotations
@@ -19,10 +14,8 @@ from conftest import ROOT, clean_env, last_json, run_py
 
 HEAVY = ("vllm", "torch", "wrapt", "packaging", "importlib.metadata", "vllm_hsfix.runtime")
 
-# Everything ``import vllm_hsfix`` may add to a process: the package's start-up
-# modules, nothing else. Not ``typing`` (it pulls ``re``, ``contextlib``,
-# ``collections``, ``functools``...), not ``collections.abc``, not ``__future__``.
-# Any new entry here is a cost paid by every Python process of an image.
+# Everything ``import vllm_hsfix`` may add: not ``typing`` (it pulls ``re``,
+# ``collections``...), not ``__future__``. Each entry is paid by every Python process.
 ALLOWED = {
     "vllm_hsfix",
     "vllm_hsfix._version",
@@ -30,8 +23,7 @@ ALLOWED = {
     "vllm_hsfix.activation",
     "vllm_hsfix._lazy",
 }
-# What every interpreter has loaded before any user code: the modules ``site`` needs
-# (``os`` with its ``stat``/``posixpath``), and the builtins ``_thread`` and ``sys``.
+# What every interpreter has loaded before any user code.
 PRELOADED = "import _thread, os, sys"
 
 FRESH = f"""
@@ -59,19 +51,14 @@ def added_by_import(*flags: str) -> list[str]:
     return added
 
 
-def test_import_adds_only_the_packages_start_up_modules() -> None:
-    """``-S``: no ``site``, so nothing a development install's ``.pth`` files load
-    (an editable install's finder imports ``re``, ``pathlib``...) can hide a module
-    the package itself pulls in."""
-    added = added_by_import("-S")
-    assert set(added) <= ALLOWED, f"import vllm_hsfix also loads {sorted(set(added) - ALLOWED)}"
-    assert set(added) == ALLOWED  # the list is exact: it is also what the package needs
-
-
-def test_import_adds_only_the_packages_start_up_modules_with_site() -> None:
-    """The interpreter as the test environment starts it (``site`` and its ``.pth``)."""
-    added = added_by_import()
-    assert set(added) <= ALLOWED, f"import vllm_hsfix also loads {sorted(set(added) - ALLOWED)}"
+@pytest.mark.parametrize("flags", [("-S",), ()], ids=["no-site", "site"])
+def test_import_adds_only_the_packages_start_up_modules(flags: tuple[str, ...]) -> None:
+    """``-S``: no ``site``, so no development install's ``.pth`` (an editable install's
+    finder imports ``re``, ``pathlib``...) hides a module the package pulls in; there the
+    list is exact. With ``site``: the interpreter as the test environment starts it."""
+    added = set(added_by_import(*flags))
+    assert added <= ALLOWED, f"import vllm_hsfix also loads {sorted(added - ALLOWED)}"
+    assert added == ALLOWED or flags == ()
 
 
 def test_import_loads_nothing_heavy() -> None:
@@ -87,9 +74,8 @@ def test_import_loads_nothing_heavy() -> None:
 
 
 def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -> None:
-    """``_lazy.when_imported`` (the runtime's post-import hooks, so that wrapt need not
-    load before a target is imported): after the body, once, not on reload; at once
-    for a module already imported; an exception in a hook reaches the import."""
+    """``_lazy.when_imported``: after the body, once, not on reload; at once for a
+    module already imported; an exception in a hook reaches the import."""
     out = run_py(
         f"""
         import importlib, json, pathlib, sys

@@ -38,17 +38,17 @@ def decide(
     ("version", "scatter", "connector"),
     [
         ("0.16.9", "not-needed", "not-needed"),
-        ("0.17.0", "apply", "not-needed"),
-        ("0.17.0+cpu", "apply", "not-needed"),
-        ("0.21.0", "apply", "not-needed"),
-        ("0.23.0+cu128", "apply", "not-needed"),
-        ("0.24.0", "apply", "apply"),
-        ("0.24.0+cu128", "apply", "apply"),
-        ("0.24.1.dev12+gabc", "apply", "apply"),
-        ("0.24.0rc1", "apply", "apply"),
+        ("0.17.0", "would-apply", "not-needed"),
+        ("0.17.0+cpu", "would-apply", "not-needed"),
+        ("0.21.0", "would-apply", "not-needed"),
+        ("0.23.0+cu128", "would-apply", "not-needed"),
+        ("0.24.0", "would-apply", "would-apply"),
+        ("0.24.0+cu128", "would-apply", "would-apply"),
+        ("0.24.1.dev12+gabc", "would-apply", "would-apply"),
+        ("0.24.0rc1", "would-apply", "would-apply"),
         ("0.25.0", "upstream-fix-present", "upstream-fix-present"),
         # A dev build of the fixed release is probed: its code decides (here: old shape).
-        ("0.25.0.dev3", "apply", "apply"),
+        ("0.25.0.dev3", "would-apply", "would-apply"),
         ("0.28.0+cpu", "upstream-fix-present", "upstream-fix-present"),
         ("0.33.0", "upstream-fix-present", "upstream-fix-present"),
     ],
@@ -136,7 +136,7 @@ CPU_ZEROING = by_id("cpu-zero-blocks")
 @pytest.mark.parametrize(
     ("cpu_build", "version", "want"),
     [
-        (True, "0.24.0", "apply"),
+        (True, "0.24.0", "would-apply"),
         (True, "0.21.0", "not-needed"),
         (True, "0.25.0", "upstream-fix-present"),
         (False, "0.24.0", "not-needed"),  # a CUDA wheel: the CPU runner never runs
@@ -186,7 +186,7 @@ def test_each_patch_has_its_own_fixed_release() -> None:
 
     later = dataclasses.replace(by_id("scatter-clamp"), fixed_in="0.29.0")
     inst = from_version("vllm", "0.26.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
-    assert plan.decide(later, inst, ON, lambda: Probe("2d-index")).code == "apply"
+    assert plan.decide(later, inst, ON, lambda: Probe("2d-index")).code == "would-apply"
     assert plan.decide(by_id("scatter-clamp"), inst, ON, lambda: Probe("2d-index")).code == (
         "upstream-fix-present"
     )

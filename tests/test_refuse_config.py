@@ -1,20 +1,10 @@
 """``refuse-config``: the register's hazards whose trigger is a setting, checked at engine start.
 
-* the register and the checks agree (every ``refuse-config`` row has a check and a
-  setting to name), ``status`` reports such a row as ``checked-at-start``;
-* the trigger arithmetic of ``drafter-skip`` against cases worked out by hand from the
-  0.25.0 scheduler's padding rule and ``_input_fits_in_drafter`` (see the module's
-  docstring), not from the code under test;
-* on the installed vLLM (a fresh interpreter each, activation is per process): the
-  real ``ExampleHiddenStatesConnector`` built with a real ``VllmConfig`` (from
-  ``EngineArgs``, the tiny dense model, no engine) in the scheduler role logs one
-  WARNING naming the hazard and the setting where the release has the hazard and
-  the setting triggers it, nothing otherwise (the worker role never); in strict mode
-  the construction fails with the message; after ``unapply()`` nothing is checked.
-  Expected hazards per release are written here by hand.
-
-The engine-level evidence (the WARNING in a real engine start, the same start whose
-files show the damage) is in test_hazards_e2e.py's prefix case.
+The register and the checks agree; ``drafter-skip``'s arithmetic against cases worked
+out by hand from 0.25.0's padding rule; on the installed vLLM, the real connector built
+with a real ``VllmConfig`` in the scheduler role warns (strict: fails) exactly where the
+release has the hazard (expected per release written here), never in the worker role,
+nothing after ``unapply()``. The engine-level evidence: test_hazards_e2e.py.
 """
 
 from __future__ import annotations
@@ -30,8 +20,7 @@ from support.commands import cli
 
 from vllm_hsfix import hazards, refuse_config
 
-# Which hazard a trigger config must raise, by release line (read off the releases'
-# files: the hazard rows' evidence); every other release must stay silent.
+# Which hazard a trigger config must raise, by release line; others stay silent.
 EXPECTED = {
     **dict.fromkeys(["0.22", "0.23"], "prefix-cache-slicing"),
     **dict.fromkeys(["0.25", "0.26", "0.27", "0.28"], "drafter-skip"),

@@ -286,7 +286,7 @@ def _status(where: Path, pid: int, role: str, patches: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("seen", "problem"),
     [
-        ("pending", False),  # the verifier is no DeepSeek-V2-backbone model
+        ("on-import", False),  # the verifier is no DeepSeek-V2-backbone model
         ("applied", False),
         ("refused", True),  # a DeepSeek verifier whose forward is not the known one
     ],
@@ -300,8 +300,8 @@ def test_the_guard_lets_a_model_family_row_stay_pending_and_no_other(
     from vllm_hsfix.repair import guard
 
     _status(tmp_path, 11, "engine-core", {"aux-final-layer": seen, "scatter-clamp": "applied"})
-    _status(tmp_path, 12, "worker-0", {"aux-final-layer": seen, "scatter-clamp": "pending"})
+    _status(tmp_path, 12, "worker-0", {"aux-final-layer": seen, "scatter-clamp": "on-import"})
     got = guard.in_engine(str(tmp_path), ["aux-final-layer", "scatter-clamp"])
     assert bool([p for p in got if "aux-final-layer" in p]) is problem, got
-    _status(tmp_path, 11, "engine-core", {"scatter-clamp": "pending"})
+    _status(tmp_path, 11, "engine-core", {"scatter-clamp": "on-import"})
     assert any("scatter-clamp" in p for p in guard.in_engine(str(tmp_path), ["scatter-clamp"]))

@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import AFFECTED, CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -53,16 +53,15 @@ def index_of(lines: list[str], marker: str) -> int:
     return found[0]
 
 
-def test_worker_logs_its_line_when_its_targets_are_imported() -> None:
+def worker_line_and_status() -> tuple[str, str]:
     """A worker's import order: plugins first, then model, connector, model runner.
-    The line is out before the worker's next print, and says what happened."""
+    The line is out before the worker's next print."""
     lines = run_child(
         f"""
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         print("PLUGINS-LOADED")
         import {MODEL_MODULE}, {CONNECTOR_MODULE}, {RUNNER}
-        print("TARGETS-IMPORTED")
         import vllm_hsfix
         st = vllm_hsfix.status()
         print("STATUS", sorted((k, v["code"]) for k, v in st["patches"].items()))
@@ -73,14 +72,21 @@ def test_worker_logs_its_line_when_its_targets_are_imported() -> None:
     at, line = found[0]
     assert at < index_of(lines, "PLUGINS-LOADED"), "\n".join(lines[-40:])
     assert int(LINE.search(line).group(1)) > 0  # type: ignore[union-attr]
-    status = next(line for line in lines if line.startswith("STATUS"))
-    if AFFECTED:
-        # Decided from the files at activation: armed, then applied on import.
-        assert "on import scatter-clamp" in line, line
-        assert "('scatter-clamp', 'applied')" in status, status
-    else:
-        assert "upstream-fix-present" in line, line
-        assert "('scatter-clamp', 'upstream-fix-present')" in status, status
+    return line, next(line for line in lines if line.startswith("STATUS"))
+
+
+@pytest.mark.applies("scatter-clamp")
+def test_worker_line_arms_at_start_and_applies_on_import() -> None:
+    line, status = worker_line_and_status()
+    assert "on import scatter-clamp" in line, line
+    assert "('scatter-clamp', 'applied')" in status, status
+
+
+@pytest.mark.fixed_upstream("scatter-clamp")
+def test_worker_line_says_the_fix_is_upstream() -> None:
+    line, status = worker_line_and_status()
+    assert "upstream-fix-present" in line, line
+    assert "('scatter-clamp', 'upstream-fix-present')" in status, status
 
 
 def test_api_process_logs_at_activation_without_importing_any_target() -> None:

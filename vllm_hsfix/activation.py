@@ -1,12 +1,5 @@
-"""The first step of every activation path, light enough for interpreter start.
-
-``import vllm_hsfix``, the vLLM plugin and the sitecustomize bootstrap call
-:func:`activate`. It imports only ``_lazy`` (which imports only what every interpreter
-has loaded; no ``from __future__`` import here either, since ``__future__`` is a module
-too): the runtime (and what it needs: the patch table, logging set-up, later wrapt,
-packaging, metadata, the patches) loads only when vLLM is really imported, or at once
-if it already is.
-"""
+"""The first step of every activation path, light enough for interpreter start: the
+runtime loads only when vLLM is imported, or at once if it already is."""
 
 from . import _lazy
 

@@ -1,14 +1,8 @@
 """Which patches reach the connector classes speculators' backends run (``status``).
 
-speculators extracts through hs-connectors' backends: ``file`` is vLLM's own
-``ExampleHiddenStatesConnector``; ``fp8`` is hs-connectors' ``FP8HiddenStatesConnector``,
-a subclass that overrides only the writer (``_write_tensors``); ``mooncake`` is a
-connector class of its own (``MooncakeHiddenStatesConnector``, not a subclass), which
-finds the hidden-states group and its block size itself (PR 46301's fix, in its own
-code) and writes to a Mooncake store, not to files. Read from package metadata only:
-nothing is imported. What reaches a backend is derived from the patch table: a patch
-whose target is the model module reaches every connector; one on vLLM's connector class
-reaches it and its subclasses, except where a subclass overrides the method wrapped.
+hs-connectors' ``file`` backend is vLLM's own connector, ``fp8`` a subclass that
+overrides only the writer, ``mooncake`` a class of its own with PR 46301's fix in its
+own code. Read from package metadata and the patch table only: nothing is imported.
 """
 
 from __future__ import annotations
@@ -66,13 +60,13 @@ def _reaches(patch: PatchSpec, relation: str, overrides: tuple[str, ...]) -> str
 
 
 def describe(codes: dict[str, str]) -> dict[str, Any] | None:
-    """Per installed backend, each patch that would apply here and whether it reaches
-    that backend's connector; None when hs-connectors is not installed."""
+    """Per backend, whether each patch that would apply here reaches its connector;
+    None when hs-connectors is not installed."""
     version = installed()
     if version is None:
         return None
     out: dict[str, Any] = {"version": version, "backends": {}}
-    applying = [p for p in PATCHES if codes.get(p.id) == Code.APPLY.word]
+    applying = [p for p in PATCHES if codes.get(p.id) == Code.APPLY]
     for name, (cls, relation, overrides, note) in BACKENDS.items():
         out["backends"][name] = {
             "connector": cls,

@@ -1,20 +1,8 @@
-"""The byte-level and behavioural checks that prove the fix is live: the toolkit.
+"""The checks that prove the fix is live, called on the live (patched) code.
 
-Each patch module's ``verify`` (run by ``vllm-hsfix verify``) and ``in_situ`` (run
-once per worker when it registers its KV caches) are built from these, and the tests
-use them too:
-
-* :func:`scratch_case` / :func:`check_scatter`: call a ``basic_cache`` (the live one)
-  on a scratch cache with padding slots and list every byte that is wrong;
-* :func:`scatter_checks`, :func:`cuda_checks`: that check over dtypes and layouts, and
-  on CUDA: no host-device sync, capture in a CUDA graph and replay with new inputs;
-* :func:`connector_checks`: the LIVE connector class (whatever wrappers are on it) is
-  constructed on a hybrid ``KVCacheConfig`` built from vLLM's own spec classes, and
-  must read with the hidden-states group's block size;
-* :func:`in_situ_scatter`: the scatter check on a small scratch tensor with a real
-  buffer's device, dtype and row layout.
-
-torch and vLLM are imported inside functions only: importing this module stays cheap.
+Each patch module's ``verify`` (``vllm-hsfix verify``) and ``in_situ`` (once per
+worker, when it registers its KV caches) are built from these; the tests use them too.
+torch and vLLM are imported inside functions only, so importing this module is cheap.
 """
 
 from __future__ import annotations
@@ -36,8 +24,8 @@ CONNECTOR_READS_FROM = "0.24.0"
 
 @dataclass(frozen=True)
 class Context:
-    """What a patch's ``verify`` needs to know: the device to check on, the installed
-    release, and the shape the patch recognised (None when it was not applied)."""
+    """What a patch's ``verify`` gets: the device, the installed release, and the shape
+    the patch recognised (None when it was not applied)."""
 
     device: str
     version: str | None
@@ -45,8 +33,8 @@ class Context:
 
 
 def one(name: str, run: Any) -> list[dict[str, Any]]:
-    """A patch's single check as ``verify`` reports it: ``run()`` lists problems; an
-    exception is a problem too (the check could not run), never a crash of ``verify``."""
+    """One check as ``verify`` reports it: ``run()`` lists problems; an exception is a
+    problem too, never a crash of ``verify``."""
     try:
         problems = list(run())
     except Exception as exc:
@@ -67,11 +55,8 @@ def scratch_case(
     seed: int = 0,
 ) -> dict[str, Any]:
     """A scratch cache, rows to scatter and a slot mapping with ``-1`` padding mixed in.
-
-    Real slots avoid block 0 (vLLM's null block, never given to a request) and the very
-    last slot of the buffer (where an unclamped ``-1`` lands), so both misbehaviours
-    are visible as changed bytes.
-    """
+    Real slots avoid block 0 (the null block) and the buffer's last slot (where an
+    unclamped ``-1`` lands), so both misbehaviours show as changed bytes."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -90,12 +75,9 @@ def scratch_case(
 
 
 def check_scatter(fn: Any, case: dict[str, Any]) -> list[str]:
-    """Call ``fn(rows, kv_cache, slots)`` and list every byte that is not as it must be.
-
-    Must hold afterwards: each real row sits in its slot; the null block's slot 0 is
-    either untouched or holds one of the padding rows; nothing else in the whole
-    underlying buffer (including the padding of a strided view) changed.
-    """
+    """Call ``fn(rows, kv_cache, slots)`` and list what is wrong afterwards: each real
+    row must sit in its slot, the null block's slot 0 be untouched or hold a padding
+    row, and nothing else in the underlying buffer (strided view included) change."""
     import torch
 
     base, kv_cache, slots, rows = case["base"], case["kv_cache"], case["slots"], case["rows"]
@@ -141,9 +123,8 @@ def check_scatter(fn: Any, case: dict[str, Any]) -> list[str]:
 
 
 def head_major(fn: Any) -> Any:
-    """Adapt a 0.29+ ``basic_cache`` (buffer ``[num_blocks, heads, block_size, head]``) to
-    the checks' ``[num_blocks, block_size, heads, head]`` scratch cache: it writes through
-    a transposed view of the same memory, so the byte checks hold unchanged."""
+    """Adapt a 0.29+ ``basic_cache`` (``[blocks, heads, block_size, head]``) to the
+    checks' ``[blocks, block_size, heads, head]`` cache, through a transposed view."""
 
     def call(to_cache: Any, kv_cache: Any, slot_mapping: Any) -> Any:
         return fn(to_cache, kv_cache.transpose(1, 2), slot_mapping)
@@ -158,19 +139,15 @@ def live_scatter(module: Any, version: str | None) -> Any:
     return module.basic_cache
 
 
-def _dtype(name: str) -> Any:
-    import torch
-
-    return getattr(torch, name)
-
-
 def scatter_checks(fn: Any, device: str, shape: str | None) -> list[dict[str, Any]]:
     """The scatter check over dtypes and layouts the installed release supports."""
+    import torch
+
     results = []
     layouts = [False, True] if shape != "flat-view" else [False]
     for dtype in ("bfloat16", "float32"):
         for strided in layouts:
-            case = scratch_case(device=device, dtype=_dtype(dtype), strided=strided)
+            case = scratch_case(device=device, dtype=getattr(torch, dtype), strided=strided)
             t0 = time.perf_counter()
             problems = check_scatter(fn, case)
             results.append(
@@ -186,27 +163,30 @@ def scatter_checks(fn: Any, device: str, shape: str | None) -> list[dict[str, An
 
 def cuda_checks(fn: Any) -> list[dict[str, Any]]:
     """No host sync inside the scatter; capture in a CUDA graph, replay with new inputs."""
+    return [
+        *one("no host-device sync", lambda: _no_host_sync(fn)),
+        *one("CUDA graph capture and replay", lambda: _graph_replay(fn)),
+    ]
+
+
+def _no_host_sync(fn: Any) -> list[str]:
     import torch
 
-    results: list[dict[str, Any]] = []
     case = scratch_case(device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
-    problem = None
     previous = torch.cuda.get_sync_debug_mode()
     try:
         torch.cuda.set_sync_debug_mode("error")
         fn(case["rows"], case["kv_cache"], case["slots"])
     except RuntimeError as exc:
-        problem = f"the scatter synchronised the host: {exc}"
+        return [f"the scatter synchronised the host: {exc}"]
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-    results.append(
-        {
-            "check": "no host-device sync",
-            "ok": problem is None,
-            "problems": [problem] if problem else [],
-        }
-    )
+    return []
+
+
+def _graph_replay(fn: Any) -> list[str]:
+    import torch
 
     static = scratch_case(device="cuda", dtype=torch.bfloat16, seed=1)
     graph = torch.cuda.CUDAGraph()
@@ -224,23 +204,17 @@ def cuda_checks(fn: Any) -> list[dict[str, Any]]:
             fresh = scratch_case(device="cuda", dtype=torch.bfloat16, seed=seed)
             for key in ("base", "rows", "slots"):
                 static[key].copy_(fresh[key])
-            problems += [
-                f"replay with seed {seed}: {p}"
-                for p in check_scatter(lambda *_: graph.replay(), static)
-            ]
+            replayed = check_scatter(lambda *_: graph.replay(), static)
+            problems += [f"replay with seed {seed}: {p}" for p in replayed]
         torch.cuda.synchronize()
     except Exception as exc:
         problems.append(f"CUDA graph capture/replay failed: {exc!r}")
-    results.append(
-        {"check": "CUDA graph capture and replay", "ok": not problems, "problems": problems}
-    )
-    return results
+    return problems
 
 
 def hybrid_layout() -> tuple[Any, dict[str, int]]:
-    """A Qwen3.5-A3B-like hybrid ``KVCacheConfig`` from vLLM's own spec classes:
-    full attention and mamba at the bumped block size 528, the hidden-states group
-    (not first) at its own 22."""
+    """A Qwen3.5-A3B-like hybrid ``KVCacheConfig`` from vLLM's own classes: attention
+    and mamba at block size 528, the hidden-states group (not first) at its own 22."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -271,8 +245,7 @@ def hybrid_layout() -> tuple[Any, dict[str, int]]:
 
 
 def _connector_vllm_config(global_block_size: int, storage: str) -> Any:
-    """The parts of a ``VllmConfig`` the connector's constructor reads; the transfer
-    config is vLLM's real class."""
+    """The parts of a ``VllmConfig`` the connector's constructor reads."""
     from vllm.config import KVTransferConfig
 
     transfer = KVTransferConfig(
@@ -305,9 +278,8 @@ def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int)
 
 
 def connector_checks(version: str | None) -> list[dict[str, Any]]:
-    """The live connector class resolves a hybrid layout to the hidden group's own block
-    size. Expected from the installed release: 0.24.0 needs the patch for it, 0.25.0+
-    do it themselves; 0.17-0.23 never read with this block size (skipped)."""
+    """The live connector class resolves a hybrid layout to the hidden group's own
+    block size (skipped before 0.24, which never read with it)."""
     name = "connector group / block size (hybrid: 528, 528, hidden 22)"
     if version is None or Version(Version(version).public) < Version(CONNECTOR_READS_FROM):
         why = f"vLLM {version}: the connector does not read with its block size before 0.24"
@@ -356,10 +328,9 @@ def in_situ_scatter(fn: Any, buffer: Any) -> dict[str, Any] | None:
 
 
 def check_aux_capture(model_cls: type, num_layers: int = 4) -> list[str]:
-    """Call the live ``DeepseekV2Model.forward`` on a small stand-in model (plain
-    layers, one pipeline rank, its globals' ``get_pp_group`` answered for that rank)
-    asking for aux ids ``1, 2, num_layers``: each must be its own layer's state (the
-    input of layers 1 and 2, the last layer's output before the norm)."""
+    """Call the live ``DeepseekV2Model.forward`` on a small stand-in model (one pipeline
+    rank) asking for aux ids ``1, 2, num_layers``: each must be its own layer's state
+    (the input of layers 1 and 2, the last layer's output before the norm)."""
     import types
 
     import torch

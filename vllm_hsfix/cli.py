@@ -1,29 +1,18 @@
-"""``vllm-hsfix``: status | verify | run | audit | repair | bootstrap-dir.
-
-Exit codes are meant for a Dockerfile ``RUN``:
+"""``vllm-hsfix``: status | verify | run | bootstrap-dir, and audit | repair (their own
+modules). Exit codes are meant for a Dockerfile ``RUN``:
 
 * ``status``: 0 the fix will be in place or is not needed; 1 vLLM is in the affected
   range but the fix cannot apply (unknown shape or version, disabled, plugin missing
-  or filtered out), or a ``--require`` does not hold; 2 this interpreter has no vLLM
-  (a check run in the wrong virtualenv must not pass).
-  ``--require applied``: vllm-hsfix will patch this vLLM; ``--require fixed``: this
-  vLLM carries the upstream fix itself; ``--require tested``: this exact build was
-  tested (release and target fingerprints in ``tested.json``). Comma lists combine.
+  or filtered out), or a ``--require`` does not hold; 2 this interpreter has no vLLM.
 * ``verify``: 0 every check passed; 1 a check failed or a patch is not in place;
   2 it cannot run here (no vLLM, or ``--device cuda`` without a GPU).
 * ``run``: the exit code of the command.
-* ``audit``: 0 no corrupt file (suspect files are listed, not failed; pending files,
-  still locked by their writer, are not judged); 1 corrupt files found; 2 usage error
-  (missing path, ``--workers`` < 1, no ``.safetensors`` found, two outputs on stdout,
-  numpy or, for ``--ray``, Ray missing).
-* ``repair``: 0 every targeted file is ``ok`` now (or nothing needed repair); 1 a
-  targeted file is still bad or was skipped, or the fix is not active where vLLM runs
-  (nothing written); 2 usage error (missing path or model, aux layers unknown).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,7 +24,7 @@ from .codes import NOTHING_TO_DO, Code
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 ENTRY_POINT = "vllm_hsfix"
-OK_CODES = {Code.APPLY.word} | NOTHING_TO_DO
+OK_CODES = {Code.APPLY} | NOTHING_TO_DO
 
 
 def _entry_point() -> dict[str, Any]:
@@ -53,8 +42,8 @@ def _entry_point() -> dict[str, Any]:
 
 
 def static_status() -> dict[str, Any]:
-    """What activation would do here, from metadata and source files: vLLM is NOT
-    imported. The decisions come from ``plan.decide``, the runtime's own function."""
+    """What activation would do here, from metadata and source files (vLLM is not
+    imported), decided by ``plan.decide`` as the runtime decides."""
     from . import backends, config, detect, hazards, plan, tested
     from ._version import __version__
     from .patches import PATCH_IDS, PATCHES
@@ -65,7 +54,7 @@ def static_status() -> dict[str, Any]:
     for patch in PATCHES:
         decision = plan.decide_from_file(patch, inst, cfg)
         patches[patch.id] = {
-            "code": decision.code.word,
+            "code": decision.code.value,
             "reason": decision.reason,
             "target": patch.target,
             "releases": patch.releases,
@@ -84,26 +73,16 @@ def static_status() -> dict[str, Any]:
             inst, {pid: p["fingerprints"] for pid, p in patches.items()}
         ),
         "patches": patches,
-        # Known hazards of this release and what is done about each (vllm_hsfix.hazards).
-        # An "open" one is a patch above that will not be in place: the exit code already
-        # says so through that patch; an "exposed" one is documented, its reason the
-        # workaround; a "checked-at-start" one is a setting the engine start checks.
         "hazards": hazards.assess_all(
             inst.release if inst.present else None, codes, active=not cfg.disabled
         ),
-        # speculators' backends (hs-connectors), when installed: what reaches each.
         "hs_connectors": backends.describe(codes),
         "activation": {
             "entry_point": ep,
             "bootstrap_dir": str(BOOTSTRAP_DIR),
             "bootstrap_usable": (BOOTSTRAP_DIR / "sitecustomize.py").is_file(),
         },
-        "config": {
-            "disabled": cfg.disabled,
-            "disabled_patches": sorted(cfg.disabled_patches),
-            "strict": cfg.strict,
-            "warnings": list(cfg.warnings),
-        },
+        "config": cfg.as_dict(),
     }
 
 
@@ -123,7 +102,7 @@ def status_exit_code(
         if p["code"] not in OK_CODES and not (p["code"] == Code.DISABLED and p.get("optional"))
     ]
     ep = report["activation"]["entry_point"]
-    affected = Code.APPLY.word in codes
+    affected = Code.APPLY in codes
     if affected and not ep["registered"]:
         problems.append("the vllm.general_plugins entry point is not registered here")
     if affected and ep["filtered_out_by_VLLM_PLUGINS"]:
@@ -138,7 +117,7 @@ def status_exit_code(
 
 
 def _print_hazards(found: dict[str, Any]) -> None:
-    """The release's known hazards that concern it, one line each (status, verify)."""
+    """The release's hazards that concern it, one line each."""
     print("known hazards (vllm_hsfix.hazards):")
     for hid, h in found.items():
         if h["state"] in ("not-affected", "fixed-upstream"):
@@ -148,7 +127,7 @@ def _print_hazards(found: dict[str, Any]) -> None:
 
 
 def _print_backends(found: dict[str, Any] | None) -> None:
-    """speculators' backends (hs-connectors) and which of the patches above reach each."""
+    """speculators' backends (hs-connectors) and the patches that reach each."""
     if not found:
         return
     print(f"hs-connectors {found['version']} (speculators' backends): patches that reach each")
@@ -206,8 +185,8 @@ def _what_happens(report: dict[str, Any]) -> str:
     codes = {p["code"] for p in report["patches"].values()}
     if codes - {Code.NOT_NEEDED} == {Code.UPSTREAM_FIX}:
         return "fixed upstream, nothing to do"
-    if Code.APPLY.word in codes:
-        applied = [pid for pid, p in report["patches"].items() if p["code"] == Code.APPLY.word]
+    if Code.APPLY in codes:
+        applied = [pid for pid, p in report["patches"].items() if p["code"] == Code.APPLY]
         return f"will patch every vLLM process when it starts: {', '.join(applied)}"
     return "nothing to patch on this vLLM"
 
@@ -237,14 +216,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from . import enginelog, verify
 
     # vLLM logs to stdout; while it loads, stdout is stderr so --json output stays parseable.
-    real_stdout, sys.stdout = sys.stdout, sys.stderr
     try:
-        code, report = verify.run(args.device)
+        with contextlib.redirect_stdout(sys.stderr):
+            code, report = verify.run(args.device)
     except Exception as exc:  # the report must come out whatever happens
         where = enginelog.origin(exc)
         code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r} (raised at {where})"}
-    finally:
-        sys.stdout = real_stdout
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

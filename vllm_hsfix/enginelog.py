@@ -1,19 +1,15 @@
 """Why a vLLM run failed, read from its log: the root cause, not the last line.
 
-vLLM's processes write into one log, each line of a child process prefixed with the
-process it came from: ``(EngineCore_DP0 pid=123) ...`` for the engine core,
-``(Worker pid=456) ...`` or ``(Worker_TP0 pid=456) ...`` for a worker. When the engine
-core dies at start-up, the front end's own traceback comes last and says only
-``Engine core initialization failed. See root cause above``: the cause is the first
-traceback of the engine core or of a worker. :func:`root_cause` finds it: the final
-exception line of the first traceback in a model process (engine core, worker), else
-of the first traceback at all, else the first ``ERROR`` line, with the process it came
-from. Pure text: no vLLM, no torch.
+Each line of vLLM's child processes is prefixed ``(EngineCore_DP0 pid=123)`` or
+``(Worker_TP0 pid=456)``; when the engine core dies, the front end's traceback comes
+last and only points above. :func:`root_cause` finds the first traceback of a model
+process. Pure text: no vLLM, no torch.
 """
 
 from __future__ import annotations
 
 import re
+import traceback
 from dataclasses import dataclass
 
 # "(EngineCore_DP0 pid=123) " / "(Worker pid=456) " / "(Worker_TP0 pid=7) "
@@ -132,13 +128,8 @@ def one_line(path: str) -> str:
 
 def origin(exc: BaseException) -> str:
     """Where an exception was raised: ``file.py:LINE in function`` of its last frame."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return "?"
-    code = tb.tb_frame.f_code
-    return f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
 
 
 def explain(path: str, tail: int = 1500) -> str:

@@ -1,7 +1,4 @@
-"""The package's one exception type, at the bottom so every layer can raise it.
-
-Imported by ``import vllm_hsfix`` in every process: no imports here (not even
-``from __future__``, a module like any other; see ``tests/test_import_cost.py``)."""
+"""The package's one exception type (no imports: ``import vllm_hsfix`` loads it)."""
 
 
 class HsfixError(RuntimeError):

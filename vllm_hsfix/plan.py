@@ -1,28 +1,11 @@
 """The one decision function: which patch to apply on the vLLM installed here.
 
 ``decide`` is pure: from what detection found (never importing vLLM), the switches,
-the patch's declared range and, only when the release is in range, a probe of the
-target's code, it returns one :class:`Decision`. The live runtime calls it with a
-probe of the imported module; ``vllm-hsfix status`` calls it with a probe of the file
-on disk. Same inputs, same answer, same words.
-
-The order of the questions is the order of their authority:
-
-1. no vLLM -> ``no-vllm``;
-2. a release at or above the patch's own fixed release -> ``upstream-fix-present``
-   (whatever the switches say: there is nothing to turn off);
-3. a release below the patch's range -> ``not-needed``;
-4. a build of a platform the patch does not concern (``PatchSpec.platform``, e.g.
-   the CPU block zeroing on a CUDA wheel) -> ``not-needed``: its target never runs
-   there, so it is decided now instead of waiting for an import that never comes;
-5. ``VLLM_HSFIX_DISABLE`` / ``VLLM_HSFIX_DISABLED_PATCHES`` -> ``disabled``;
-6. an unreadable version -> ``unknown-version`` (refused);
-7. the shape gate: fixed code -> ``upstream-fix-present``; an unknown shape ->
-   ``unknown-shape`` (refused); a known one -> ``apply``.
-
-Every answer but the last needs no look at the target's code, so the runtime can
-decide those patches at activation, before their modules are imported
-(:func:`needs_probe`).
+the patch's row and, only when everything else allows it, a probe of the target's
+code (the live module in the runtime, the file on disk in ``vllm-hsfix status``), it
+returns one :class:`Decision`. The questions, in order of authority: no vLLM; at or
+above the row's fixed release; below its range; another platform; switched off; an
+unreadable version; then the shape gate (fixed code, unknown shape, or apply).
 """
 
 from __future__ import annotations
@@ -30,8 +13,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from packaging.version import Version
 
@@ -43,11 +25,8 @@ from .patches import PatchSpec
 if TYPE_CHECKING:
     from .shapes import Probe
 
-APPLY = Code.APPLY
 
-
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What the gates say about one patch: ``Code.APPLY`` or the reason not to."""
 
     code: Code
@@ -59,28 +38,25 @@ _ORDER = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.
 
 
 def _bound_holds(version: Version, op: str, bound: Version) -> bool:
-    """One ordered bound. Lower bounds compare the X.Y.Z release only, so a pre-release,
-    dev or local build of 0.24.0 (``0.24.0rc1``, ``0.24.1.dev12+gabc``, ``0.24.0+cu128``)
-    belongs to the line its release does. Upper bounds compare the full public version
-    in plain version order, so a pre-release or dev build of the fixed release
-    (``0.25.0rc1``, ``0.25.0.dev3``) is still in range (PEP 440's exclusive ``<V`` would
-    drop it): the shape gate then decides from its code whether it has the fix."""
+    """One ordered bound, not PEP 440's: a lower bound compares the X.Y.Z release (so
+    ``0.24.0rc1`` belongs to 0.24.0's line), an upper bound the public version in plain
+    order (so ``0.25.0rc1`` is still below 0.25.0, where ``packaging``'s exclusive
+    ``<0.25.0`` would leave it out); the shape gate then reads its code."""
     if op[0] == ">":
         return _ORDER[op](Version(".".join(str(p) for p in version.release)), bound)
     return _ORDER[op](Version(version.public), bound)
 
 
 def in_row_range(version: Version, patch: PatchSpec) -> bool:
-    """Whether ``version`` is in the row's releases, ``first`` up to ``fixed_in``: two
-    versions, no specifier to parse at activation in every vLLM process."""
+    """Whether ``version`` is in the row's releases, ``first`` up to ``fixed_in``."""
     return _bound_holds(version, ">=", Version(patch.first)) and _bound_holds(
         version, "<", Version(patch.fixed_in)
     )
 
 
 def in_release_range(version: Version, releases: str) -> bool:
-    """Whether ``version`` falls in ``releases``, PEP 440 specifiers parsed by
-    ``packaging``; ordered bounds as :func:`_bound_holds` reads them."""
+    """Whether ``version`` falls in ``releases`` (specifiers parsed by ``packaging``;
+    ordered bounds read as :func:`_bound_holds` does)."""
     from packaging.specifiers import SpecifierSet
 
     return all(
@@ -159,21 +135,14 @@ def decide(
             f"not patched ({result.detail})",
             result,
         )
-    return Decision(APPLY, f"vLLM {install.version}: shape {result.shape}", result)
-
-
-def target_file(patch: PatchSpec, install: VllmInstall) -> str:
-    """The source file of ``patch``'s target module in the installed vLLM (not imported)."""
-    root = os.path.dirname(install.location or "")
-    return os.path.join(root, *patch.module.split(".")[1:]) + ".py"
+    return Decision(Code.APPLY, f"vLLM {install.version}: shape {result.shape}", result)
 
 
 def decide_from_file(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision:
-    """:func:`decide` with the shape gate run on the target's file on disk: what
-    ``vllm-hsfix status`` reports, and what the runtime announces at activation for a
-    target not imported yet (the live module is probed again when it is)."""
+    """:func:`decide` with the shape gate run on the target's file on disk."""
     from .shapes import probe_file
 
     impl = patch.implementation()
-    path = target_file(patch, install)
+    root = os.path.dirname(install.location or "")
+    path = os.path.join(root, *patch.module.split(".")[1:]) + ".py"
     return decide(patch, install, cfg, lambda: probe_file(path, impl.probe_tree))

@@ -1,11 +1,10 @@
-"""Opt-in provenance: hidden-states files say which fix made them.
+"""Opt-in provenance (``VLLM_HSFIX_PROVENANCE=1``): hidden-states files say which fix
+made them.
 
-With ``VLLM_HSFIX_PROVENANCE=1`` and a patch applied, the connector's module-level
-``save_file`` (safetensors) is wrapped so every file it writes carries safetensors
-metadata: the vllm-hsfix version, the vLLM version, the patches in force and the
-in-situ check result. ``vllm-hsfix audit`` prints it, so a training pipeline can refuse
-data made without the fix. Metadata the caller passes is kept; ours only adds keys
-under the ``vllm_hsfix.`` prefix. Off by default: it changes the files' headers.
+The connector module's ``save_file`` is wrapped so every file carries safetensors
+metadata under the ``vllm_hsfix.`` prefix (versions, patches in force, in-situ check,
+aux layers, engine settings); the caller's own metadata is kept. ``audit`` and
+``repair`` read it. Off by default: it changes the files' headers.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ def _installed(metadata: Callable[[], dict[str, str]]) -> Any:
 
 
 def install(module: object, ctx: ExtraContext) -> Replacement | None:
-    """The ``provenance`` extra (``patches.EXTRAS``): wrap the connector module's
-    ``save_file``; ``ctx.provenance_metadata()`` gives the keys (without the prefix) for
-    a file written now. None if the module has no ``save_file``."""
+    """The ``provenance`` extra: wrap the connector module's ``save_file`` (None if it
+    has none); ``ctx.provenance_metadata()`` gives the keys of a file written now."""
     if not callable(getattr(module, "save_file", None)):
         return None
     return wrap(module, "save_file", _installed(ctx.provenance_metadata), PATCH_ID)

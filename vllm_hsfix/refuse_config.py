@@ -1,31 +1,10 @@
 """``refuse-config``: the hazards whose trigger is a setting, checked at engine start.
 
-Some hazards of the register (``hazards``, action ``refuse-config``) cannot be
-patched (the fix sits inside a method with no wrappable target, or is a different
-save design), but their trigger is a setting the engine is started with. Where the
-installed release has such a hazard, the connector's ``__init__`` is wrapped: when
-the SCHEDULER's connector is built (once per engine: it is where the engine core's
-settings are final, after the KV-cache groups are known; the workers' connectors see
-the same settings and are not checked again), each check below reads the
-``VllmConfig`` and the ``KVCacheConfig`` the release passed it, and a triggered one
-is handed to ``on_trigger`` with a message naming the hazard and the exact setting to
-change. The runtime logs it as a WARNING, records it in ``status()``, and in strict
-mode raises ``HsfixError`` there, so start-up fails. Which hazards are checked on a
-release is the register's (``hazards.refuse_config``), never decided here.
-
-The checks read the releases' own rules:
-
-* ``drafter-skip`` (0.25.0-0.28.x, fixed by vLLM PR 53962): the scheduler pads a
-  waiting request with one token left to ``1 + n`` tokens (``n``:
-  ``num_speculative_tokens``) while another request decodes, if that fits in
-  ``max_model_len``; the worker's ``_input_fits_in_drafter`` then requires
-  ``max_seq_len + n <= max_model_len``. A prompt whose cached part is ``m`` tokens
-  (a prefix-cache hit, a multiple of the scheduler's block size) is skipped when
-  ``max_model_len - 2n <= m <= max_model_len - 1 - n``; for ``n = 1``:
-  ``m = max_model_len - 2``. The block size is the scheduler's
-  (``resolve_kv_cache_block_sizes``: the group's block size, or the LCM of the
-  groups' with several), which is what cache hits are aligned to.
-* ``prefix-cache-slicing`` (0.22.0-0.23.x, issue 44485): prefix caching on.
+Where the release has such hazards (``hazards.refuse_config``), the connector's
+``__init__`` is wrapped: when the SCHEDULER's connector is built (once per engine,
+with the settings final), each check reads the ``VllmConfig`` and ``KVCacheConfig``
+and hands what it finds to ``on_trigger``: a WARNING naming the setting to change, or
+in strict mode an error that fails start-up.
 """
 
 from __future__ import annotations
@@ -51,15 +30,9 @@ NO_PREFIX_CACHING = "--no-enable-prefix-caching (enable_prefix_caching=False)"
 Check = Callable[[Any, Any], "str | None"]
 
 
-# ---------------------------------------------------------------------------
-# The checks: (vllm_config, kv_cache_config) -> the message, or None when clear
-
-
 def scheduler_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
-    """The block size the scheduler aligns prefix-cache hits to, as the release's
-    engine core computes it (``resolve_kv_cache_block_sizes``); the same rule by
-    hand where that function is missing: the one group's block size, or the LCM
-    of the groups' block sizes."""
+    """The block size prefix-cache hits are aligned to: the release's
+    ``resolve_kv_cache_block_sizes``, else its rule by hand (the LCM of the groups')."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     try:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -74,8 +47,10 @@ def scheduler_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
 
 
 def drafter_skip_lengths(max_model_len: int, block_size: int, num_spec: int) -> list[int]:
-    """Cached lengths ``m`` (multiples of ``block_size``, > 0) for which a waiting
-    request with one token left is padded and then skips the drafter."""
+    """Cached lengths ``m`` (multiples of ``block_size``) for which a waiting request
+    with one token left is padded to ``1 + num_spec`` tokens (it fits in max_model_len)
+    and the worker's ``_input_fits_in_drafter`` then skips the drafter for the step:
+    ``max_model_len - 2n <= m <= max_model_len - 1 - n`` (0.25-0.28, PR 53962)."""
     low, high = max(1, max_model_len - 2 * num_spec), max_model_len - 1 - num_spec
     first = -(-low // block_size) * block_size
     return list(range(first, high + 1, block_size))
@@ -91,7 +66,7 @@ def safe_max_model_len(max_model_len: int, block_size: int, num_spec: int) -> in
 
 
 def drafter_skip(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """Prefix caching on and a cached length that the scheduler pads to max_model_len."""
+    """drafter-skip: prefix caching on and a cached length padded to max_model_len."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return None
     spec = vllm_config.speculative_config
@@ -116,7 +91,7 @@ def drafter_skip(vllm_config: Any, kv_cache_config: Any) -> str | None:
 
 
 def prefix_cache_slicing(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """Prefix caching on, with this release's connector."""
+    """prefix-cache-slicing (0.22-0.23, issue 44485): prefix caching on."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return None
     return (
@@ -139,10 +114,6 @@ def message(hazard: Hazard, version: str, found: str) -> str:
     """The WARNING (and, in strict mode, the error): hazard, release, what was found."""
     span = f"{hazard.first} up to {hazard.until}" if hazard.until else f"{hazard.first} on"
     return f"hazard {hazard.id} on vLLM {version} (affects {span}): {found}"
-
-
-# ---------------------------------------------------------------------------
-# Where they run: the connector's __init__, scheduler role
 
 
 def _role_name(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -179,9 +150,8 @@ def _installed(
 
 
 def install(module: object, ctx: ExtraContext) -> Replacement | None:
-    """The ``refuse-config`` extra (``patches.EXTRAS``): wrap the connector's
-    ``__init__`` to check the register's ``refuse-config`` rows of ``ctx.release``.
-    None when there is nothing to check or no connector class."""
+    """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the
+    rows of ``ctx.release`` (None: nothing to check, or no connector class)."""
     rows, version = hazards.refuse_config(ctx.release), ctx.release
     on_trigger, on_error = ctx.on_config_hazard, ctx.on_config_error
     cls = getattr(module, ATTRIBUTE, None)

@@ -1,15 +1,8 @@
 """What this process tells the world: the status dict, the one log line, status files.
 
-Reads the records the runtime keeps (``state``); changes nothing in them.
-
-Logging follows the library convention: every module logs through a child of the
-``vllm_hsfix`` logger, which propagates, so an application's logging configuration
-(JSON collectors, vLLM's own handlers on the root) receives the lines. The one
-summary line per process must still be seen where nobody configured logging (vLLM
-configures only its own ``vllm`` logger, and Python's last-resort handler drops INFO),
-so ``vllm_hsfix`` carries one fallback handler that writes to the current
-``sys.stderr`` only when no other handler on the way to the root would take the
-record.
+Reads the records the runtime keeps (``state``). Every module logs through a child of
+the ``vllm_hsfix`` logger, which propagates to the application's handlers; where nobody
+configured logging, one fallback handler writes the line to ``sys.stderr``.
 """
 
 from __future__ import annotations
@@ -21,18 +14,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import _lazy, tested
+from . import _lazy
 from ._version import __version__
+from .codes import APPLIED, FAILED, REFUSED, Code
 from .config import Config
-from .state import APPLIED, ARMED, FAILED, REFUSED, STATE, UNDECIDED
+from .state import STATE
 
 log = logging.getLogger("vllm_hsfix")
 
 
 class FallbackStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to whatever ``sys.stderr`` is at emit time (a stream swapped and closed
-    since set-up, e.g. by pytest's capture or a daemon, is never hit), and only when
-    the record would reach no other handler."""
+    """Writes to whatever ``sys.stderr`` is at emit time (never a stream closed since),
+    and only when the record would reach no other handler."""
 
     @property  # type: ignore[override]
     def stream(self) -> Any:
@@ -86,8 +79,7 @@ def _extra_live(extra_id: str) -> bool:
 
 
 def _config_checked(release: str | None) -> list[str]:
-    """The ``refuse-config`` hazards this process checks at engine start: those of the
-    release, where the extra's wrapper is in place."""
+    """The ``refuse-config`` hazards checked at engine start in this process."""
     if not (release and _extra_live("refuse-config")):
         return []
     from . import hazards
@@ -96,6 +88,8 @@ def _config_checked(release: str | None) -> list[str]:
 
 
 def status_dict() -> dict[str, Any]:
+    from . import tested  # reads tested.json: not at activation
+
     cfg, inst = STATE.config, STATE.install
     assert cfg is not None and inst is not None
     return {
@@ -109,20 +103,10 @@ def status_dict() -> dict[str, Any]:
         "tested_build": tested.describe(
             inst, {pid: rec.fingerprints for pid, rec in STATE.records.items()}
         ),
-        "config": {
-            "disabled": cfg.disabled,
-            "disabled_patches": sorted(cfg.disabled_patches),
-            "strict": cfg.strict,
-            "verify": cfg.verify,
-            "provenance": cfg.provenance,
-            "vllm_version_override": cfg.vllm_version_override,
-            "warnings": list(cfg.warnings),
-        },
+        "config": cfg.as_dict(),
         "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
         "verify": STATE.verify,
         "provenance": _extra_live("provenance"),
-        # refuse-config (vllm_hsfix.refuse_config): the hazards whose settings this
-        # process checks when an engine starts, and those an engine start triggered.
         "config_checks": {
             "checked": _config_checked(inst.release),
             "triggered": dict(STATE.config_hazards),
@@ -132,20 +116,19 @@ def status_dict() -> dict[str, Any]:
 
 
 def summary_line() -> str:
-    """The process's one line: which patches are applied, armed (patched when their
-    module is imported), skipped (with the code saying why), refused or failed."""
+    """The process's one line: the patches applied, armed (patched on import), and
+    those skipped, refused or failed, each with its code."""
     inst = STATE.install
     vllm = "absent"
     if inst is not None and inst.present:
         build = ", CPU build" if inst.cpu_build else ""
-        vllm = (
-            f"{inst.version or inst.raw_version or '?'} ({inst.distribution or inst.source}{build})"
-        )
+        found = inst.version or inst.raw_version or "?"
+        vllm = f"{found} ({inst.distribution or inst.source}{build})"
     groups: dict[str, list[str]] = {}
     for rec in STATE.records.values():
         if rec.status == APPLIED:
             groups.setdefault(APPLIED, []).append(rec.patch.id)
-        elif rec.code == ARMED:
+        elif rec.code == Code.ARMED:
             groups.setdefault("on import", []).append(rec.patch.id)
         else:
             groups.setdefault(rec.status, []).append(f"{rec.patch.id} [{rec.code}]")
@@ -159,17 +142,15 @@ def summary_line() -> str:
     return line
 
 
-def _bad() -> bool:
-    return any(r.status in (REFUSED, FAILED) for r in STATE.records.values())
-
-
-def log_summary_once() -> None:
-    """Log the per-process line once every patch is decided (armed counts: decided from
-    its file at activation), at WARNING when one was refused or failed."""
-    if STATE.logged or any(r.code == UNDECIDED for r in STATE.records.values()):
+def log_summary_once(at_exit: bool = False) -> None:
+    """Log the process's line once every patch is decided (armed counts), or at exit
+    once any is; at WARNING when one was refused or failed."""
+    waiting = [r.code == Code.WAITING for r in STATE.records.values()]
+    if STATE.logged or (all(waiting) if at_exit else any(waiting)):
         return
     STATE.logged = True
-    log.log(logging.WARNING if _bad() else logging.INFO, summary_line())
+    bad = any(r.status in (REFUSED, FAILED) for r in STATE.records.values())
+    log.log(logging.WARNING if bad else logging.INFO, summary_line())
 
 
 def deviation(rec: Any) -> None:
@@ -182,9 +163,7 @@ def deviation(rec: Any) -> None:
 
 def at_exit() -> None:
     """The line for a process that never decided all patches, and the last status file."""
-    if not STATE.logged and any(r.code != UNDECIDED for r in STATE.records.values()):
-        STATE.logged = True
-        log.log(logging.WARNING if _bad() else logging.INFO, summary_line())
+    log_summary_once(at_exit=True)
     write_status_file()
 
 
@@ -209,11 +188,9 @@ def provenance_metadata() -> dict[str, str]:
     check = STATE.verify
     out = {
         "version": __version__,
-        "vllm": (inst.version or "unknown") if inst else "unknown",
+        "vllm": (inst.version if inst else None) or "unknown",
         "patches": ",".join(applied) or "none",
-        "in_situ_check": "not run"
-        if check is None
-        else ("passed" if check.get("ok") else "FAILED"),
+        "in_situ_check": "not run" if check is None else ("passed" if check["ok"] else "FAILED"),
     }
     if STATE.aux_layers is not None:
         out["aux_layers"] = ",".join(map(str, STATE.aux_layers))

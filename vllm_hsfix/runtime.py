@@ -1,22 +1,11 @@
 """The live runtime: decide and patch each target as vLLM imports it, revert, report.
 
-Every activation path (``import vllm_hsfix``, the vLLM plugin, the sitecustomize
-bootstrap, ``apply()``) ends in :func:`start`. Patching happens in post-import hooks
-on the target modules (``_lazy.when_imported``: wrapt's contract, without loading
-wrapt into processes that never import a target), so it is right whether vLLM was
-imported before or after activation. For each target the flow is one way:
-
-    detect (``detect``) -> plan (``plan.decide``) -> patch (``patches.<id>.apply``)
-    -> report (``report``)
-
-Failures are recorded and logged, never raised, unless strict mode is on. The
-runtime hands the patches their callbacks (``patches.hooks.Hooks``); nothing below
-imports this module.
-
-Start-up cost: vLLM's plugin starts the runtime in every process it creates, and most
-of them never import a target module. So what only a target import needs (the
-patches, wrapt, the checks, provenance) is imported where it is first used
-(``benchmarks/bench_startup.py`` measures the plugin against a process without it).
+Every activation path ends in :func:`start`. Patching happens in post-import hooks on
+the target modules (``_lazy.when_imported``), so it is right whether vLLM was imported
+before or after activation: detect -> ``plan.decide`` -> ``patches.<id>.apply`` ->
+``report``. Failures are recorded and logged, never raised, unless strict mode is on.
+What only a target import needs (the patches, wrapt, the checks) is imported where it
+is first used: most vLLM processes never import a target.
 """
 
 from __future__ import annotations
@@ -30,22 +19,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lazy, config, detect, plan, report
-from .codes import Code
+from .codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
 from .errors import HsfixError
-from .patches import CONFIG_CHECK, EXTRAS, MODULES, OBSERVER, PATCH_IDS, PATCHES, STAMP
-from .state import (
-    APPLIED,
-    ARMED,
-    FAILED,
-    LOCK,
-    PENDING,
-    REFUSED,
-    REVERTED,
-    STATE,
-    UNDECIDED,
-    ExtraRecord,
-    Record,
-)
+from .patches import CONFIG_CHECK, EXTRAS, MODULES, PATCH_IDS, PATCHES, STAMP
+from .state import LOCK, STATE, ExtraRecord, Record
 
 if TYPE_CHECKING:
     from .hazards import Hazard
@@ -77,19 +54,15 @@ def install() -> detect.VllmInstall:
             try:
                 STATE.install = detect.detect(cfg.vllm_version_override)
             except Exception as exc:
-                STATE.install = detect.VllmInstall(
-                    present=False, source="error", problem=f"vLLM detection failed: {exc!r}"
-                )
-                internal_error(STATE.install.problem or "", exc)
+                problem = f"vLLM detection failed: {exc!r}"
+                STATE.install = detect.VllmInstall(present=False, source="error", problem=problem)
+                internal_error(problem, exc)
         return STATE.install
 
 
 def _plugins_warning() -> None:
     allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is None:
-        return
-    names = [n.strip() for n in allowed.split(",")]
-    if "vllm_hsfix" not in names:
+    if allowed is not None and "vllm_hsfix" not in [n.strip() for n in allowed.split(",")]:
         log.warning(
             "VLLM_PLUGINS=%r leaves out 'vllm_hsfix': processes vLLM starts (engine core, "
             "workers) will NOT be patched unless they import vllm_hsfix themselves or run "
@@ -99,11 +72,8 @@ def _plugins_warning() -> None:
 
 
 def start(source: str) -> None:
-    """Entry point of every activation path. Idempotent and thread-safe.
-
-    After :func:`unapply`, only ``source == "apply"`` (the user's explicit call)
-    patches again; the plugin, the import watcher and the bootstrap keep out.
-    """
+    """Entry point of every activation path. Idempotent and thread-safe. After
+    :func:`unapply`, only ``source == "apply"`` (the user's explicit call) patches again."""
     try:
         with LOCK:
             cfg = _init_locked()
@@ -116,14 +86,15 @@ def start(source: str) -> None:
             if not cfg.disabled and not STATE.enabled and not STATE.hooks_registered:
                 _plugins_warning()
             STATE.enabled = not cfg.disabled
-            _plan_ahead(cfg)
+            _plan_ahead()
             if STATE.enabled:
-                # Targets imported before (or reverted since): decide now, as a late patch.
-                for name in MODULES:
-                    module = sys.modules.get(name)
-                    if module is not None:
-                        _on_import(module, late=True)
-                _register_hooks()
+                for name in MODULES:  # targets imported before (or reverted since)
+                    if name in sys.modules:
+                        _on_import(sys.modules[name], late=True)
+                if not STATE.hooks_registered:
+                    for name in MODULES:
+                        _lazy.when_imported(name, _on_import)
+                    STATE.hooks_registered = True
             _report()
     except HsfixError:
         raise
@@ -131,27 +102,29 @@ def start(source: str) -> None:
         internal_error(f"activation from {source} failed: {exc!r}", exc)
 
 
-def _plan_ahead(cfg: config.Config) -> None:
-    """Decide every undecided patch now, so the process's line can be logged at
-    activation: what needs no look at the code (release, platform, switches) is
-    final; a patch that needs its target's shape is ``armed``: the shape gate runs on
-    the live module when it is imported. Not on the file now: parsing and
-    fingerprinting the target files cost every vLLM process tens of milliseconds,
-    most of them never import a target (``vllm-hsfix status`` still reads the files)."""
+def _plan_ahead() -> None:
+    """Decide now what needs no look at the code (release, platform, switches), so the
+    process's line is logged at activation; a patch that needs its target's shape is
+    ``armed``: the shape gate runs on the live module when it is imported (parsing the
+    files here would cost every vLLM process tens of milliseconds)."""
     inst = install()
     for rec in STATE.records.values():
-        if rec.code not in (UNDECIDED, ARMED):
+        if rec.code not in (Code.WAITING, Code.ARMED):
             continue
         if inst.source == "error":
             rec.set(Code.ERROR, inst.problem or "vLLM detection failed")
             continue
-        decision = plan.without_probe(rec.patch, inst, cfg)
+        decision = plan.without_probe(rec.patch, inst, STATE.config)  # type: ignore[arg-type]
         if decision is None:
             rec.set(Code.ARMED, f"vLLM {inst.version}: in range; shape checked on import")
-            continue
-        rec.set(decision.code, decision.reason)
-        if rec.status == REFUSED:
-            log.warning("%s refused: %s", rec.patch.id, rec.reason)
+        else:
+            _set(rec, decision.code, decision.reason)
+
+
+def _set(rec: Record, code: Code, reason: str) -> None:
+    rec.set(code, reason)
+    if rec.status == REFUSED:
+        log.warning("%s refused: %s", rec.patch.id, rec.reason)
 
 
 def internal_error(message: str, exc: BaseException | None = None) -> None:
@@ -166,37 +139,25 @@ def internal_error(message: str, exc: BaseException | None = None) -> None:
         raise HsfixError(message) from exc
 
 
-def _register_hooks() -> None:
-    if STATE.hooks_registered:
-        return
-    for name in MODULES:
-        _lazy.when_imported(name, _on_import)
-    STATE.hooks_registered = True
-
-
 def _on_import(module: ModuleType, late: bool = False) -> None:
     with LOCK:
         if not STATE.enabled or STATE.unapplied:
             return
         for rec in STATE.records.values():
-            if rec.patch.module == module.__name__ and rec.status in (PENDING, REVERTED):
+            if rec.patch.module == module.__name__ and rec.status in (ON_IMPORT, REVERTED):
                 _decide(rec, module, late)
                 if rec.status in (REFUSED, FAILED):
                     report.deviation(rec)
         _install_extras()
         _report()
-        cfg = STATE.config
-        if cfg is not None and cfg.strict:
-            bad = [r for r in STATE.records.values() if r.status in (REFUSED, FAILED)]
-            if bad:
-                raise HsfixError(
-                    "strict mode: " + "; ".join(f"{r.patch.id} {r.status}: {r.reason}" for r in bad)
-                )
+        bad = [r for r in STATE.records.values() if r.status in (REFUSED, FAILED)]
+        if bad and STATE.config is not None and STATE.config.strict:
+            raise HsfixError(
+                "strict mode: " + "; ".join(f"{r.patch.id} {r.status}: {r.reason}" for r in bad)
+            )
 
 
 def _decide(rec: Record, module: ModuleType, late: bool) -> None:
-    cfg = STATE.config
-    assert cfg is not None
     patch = rec.patch
     try:
         inst = install()
@@ -204,23 +165,18 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
             rec.set(Code.ERROR, inst.problem or "vLLM detection failed")
             return
         impl = patch.implementation()
-        decision = plan.decide(patch, inst, cfg, lambda: impl.probe(module))
+        decision = plan.decide(patch, inst, STATE.config, lambda: impl.probe(module))  # type: ignore[arg-type]
         if decision.probe is not None:
             rec.shape = decision.probe.shape
             rec.fingerprints = dict(decision.probe.fingerprints)
-        if decision.code != plan.APPLY:
-            rec.set(decision.code, decision.reason)
-            if rec.status == REFUSED:
-                log.warning("%s refused: %s", patch.id, rec.reason)
+        if decision.code != Code.APPLY:
+            _set(rec, decision.code, decision.reason)
             return
         assert rec.shape is not None
         rec.replacements = impl.apply(module, rec.shape, hooks())
-        reason = decision.reason
-        adopt = getattr(impl, "adopt", None)
-        if late and adopt is not None:
-            note = adopt(module)
-            reason += f"; {note}" if note else ""
-        rec.set(Code.APPLIED, reason)
+        adopt = getattr(impl, "adopt", None) if late else None
+        note = adopt(module) if adopt is not None else None
+        rec.set(Code.APPLIED, decision.reason + (f"; {note}" if note else ""))
     except Exception as exc:
         # Never "failed" with wrappers live: take back whatever was installed.
         for rep in reversed(rec.replacements):
@@ -233,22 +189,23 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
         log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-def _live_owner(owner: object) -> bool:
-    """``owner`` (a module or a class) is still what its import path leads to, not an
-    old object left behind by ``importlib.reload``."""
+def _live(rep: Any) -> bool:
+    """The wrapper is in place, on an owner (module or class) that is still what its
+    import path leads to, not an old object left behind by ``importlib.reload``."""
+    owner = rep.owner
     if isinstance(owner, ModuleType):
-        return sys.modules.get(owner.__name__) is owner
-    module = sys.modules.get(getattr(owner, "__module__", ""))
-    return module is not None and getattr(module, getattr(owner, "__name__", ""), None) is owner
+        current: object = sys.modules.get(owner.__name__)
+    else:
+        module = sys.modules.get(getattr(owner, "__module__", ""))
+        current = getattr(module, getattr(owner, "__name__", ""), None)
+    return current is owner and bool(rep.live())
 
 
 def _refresh() -> None:
-    """Make the records true again: an applied patch whose wrapper is no longer what
-    the target's path leads to (module reloaded, attribute reassigned) is marked."""
+    """Mark an applied patch whose wrapper is no longer what the target's path leads
+    to (module reloaded, attribute reassigned); forget such an extra's wrapper."""
     for rec in STATE.records.values():
-        if rec.status != APPLIED:
-            continue
-        stale = [r for r in rec.replacements if not (r.live() and _live_owner(r.owner))]
+        stale = [r for r in rec.replacements if not _live(r)] if rec.status == APPLIED else []
         if stale:
             names = ", ".join(f"{getattr(r.owner, '__name__', r.owner)}.{r.name}" for r in stale)
             rec.replacements = []
@@ -258,8 +215,7 @@ def _refresh() -> None:
                 "attribute reassigned); vllm_hsfix.apply() patches it again",
             )
     for extra in STATE.extras.values():
-        r = extra.replacement
-        if r is not None and not (r.live() and _live_owner(r.owner)):
+        if extra.replacement is not None and not _live(extra.replacement):
             extra.replacement = None  # installed again on the next target import
 
 
@@ -274,9 +230,8 @@ def _on_failure(patch_id: str, exc: BaseException) -> None:
 
 
 def _after_register(connector: Any) -> None:
-    """The in-situ checks, once per process, when a worker registers its KV caches:
-    every applied patch that declares one (``in_situ`` in its module) runs it. Also
-    notes the connector's aux layer ids (provenance stamps them)."""
+    """Once per process, when a worker registers its KV caches: note what provenance
+    stamps, and run the in-situ check of every applied patch that has one."""
     from . import provenance
 
     STATE.aux_layers = provenance.aux_layers(connector)
@@ -287,26 +242,26 @@ def _after_register(connector: Any) -> None:
     results = []
     for rec in list(STATE.records.values()):
         in_situ = getattr(rec.patch.implementation(), "in_situ", None)
-        if rec.status == APPLIED and in_situ is not None:
-            result = in_situ(connector)
-            if result is not None:
-                results.append({"patch": rec.patch.id, **result})
+        found = in_situ(connector) if rec.status == APPLIED and in_situ is not None else None
+        if found is not None:
+            results.append({"patch": rec.patch.id, **found})
     if not results:
         return
     result = results[0] if len(results) == 1 else _merge(results)
     with LOCK:
         STATE.verify = result
         report.write_status_file()
+    ok = result["ok"]
     log.log(
-        logging.INFO if result["ok"] else logging.ERROR,
+        logging.INFO if ok else logging.ERROR,
         "in-situ check %s on %s %s in %s ms%s",
-        "passed" if result["ok"] else "FAILED",
+        "passed" if ok else "FAILED",
         result.get("device"),
         result.get("dtype"),
         result.get("ms"),
-        "" if result["ok"] else f": {result['problems']}",
+        "" if ok else f": {result['problems']}",
     )
-    if not result["ok"] and cfg.strict:
+    if not ok and cfg.strict:
         raise HsfixError(f"in-situ check failed: {result['problems']}")
 
 
@@ -329,43 +284,32 @@ def hooks() -> Hooks:
     return Hooks(on_failure=_on_failure, after_register=_after_register)
 
 
-def _observer_wanted(rec: ExtraRecord) -> bool:
-    """The in-situ observer: an applied patch has an in-situ check, and no row that runs
-    ``hooks.after_register`` itself (``CALLS_AFTER_REGISTER``) is applied or about to be."""
-    cfg = STATE.config
-    if cfg is None or not cfg.verify:
-        return False
-    applied = [r for r in STATE.records.values() if r.status == APPLIED]
-    if not any(getattr(r.patch.implementation(), "in_situ", None) for r in applied):
+def _wanted(extra: ExtraRecord) -> bool:
+    """The condition of each kind of extra (``patches.EXTRAS``: ``kind`` and ``when``)."""
+    cfg, applied = STATE.config, [r for r in STATE.records.values() if r.status == APPLIED]
+    if extra.spec.kind == CONFIG_CHECK:
+        return bool(STATE.install and STATE.install.release)
+    if extra.spec.kind == STAMP:
+        return bool(cfg and cfg.provenance and applied)
+    # OBSERVER: an applied patch has an in-situ check, and no row that runs
+    # ``hooks.after_register`` itself is applied or about to be.
+    if not (
+        cfg
+        and cfg.verify
+        and any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
+    ):
         return False
     return not any(
-        r.status in (APPLIED, PENDING)
+        r.status in (APPLIED, ON_IMPORT)
         for r in STATE.records.values()
-        if r.patch.module == rec.spec.module
+        if r.patch.module == extra.spec.module
         and getattr(r.patch.implementation(), "CALLS_AFTER_REGISTER", False)
     )
 
 
-def _stamp_wanted(rec: ExtraRecord) -> bool:
-    """Provenance: switched on, and a patch applied in this process."""
-    cfg = STATE.config
-    return bool(cfg and cfg.provenance) and any(r.status == APPLIED for r in STATE.records.values())
-
-
-def _config_check_wanted(rec: ExtraRecord) -> bool:
-    """The start-up config check: wherever the release is known (``install`` returns
-    None when the release has no hazard whose trigger is a setting)."""
-    return bool(STATE.install and STATE.install.release)
-
-
-# The condition of each kind of extra (patches.EXTRAS: ``kind`` and ``when``).
-WANTED = {OBSERVER: _observer_wanted, STAMP: _stamp_wanted, CONFIG_CHECK: _config_check_wanted}
-
-
 def _install_extras() -> None:
-    """Install each extra whose module is imported, whose wrapper is not in place and
-    whose condition holds. A failure is logged (the config check's as an internal
-    error): an extra never stops a patch or the engine."""
+    """Install each extra whose module is imported and whose condition holds, unless
+    its wrapper is in place. A failure is logged: an extra never stops a patch."""
     from .patches.hooks import ExtraContext
 
     inst = STATE.install
@@ -378,7 +322,7 @@ def _install_extras() -> None:
     )
     for rec in STATE.extras.values():
         module = sys.modules.get(rec.spec.module)
-        if module is None or rec.live() or not WANTED[rec.spec.kind](rec):
+        if module is None or rec.live() or not _wanted(rec):
             continue
         try:
             rec.replacement = rec.spec.installer()(module, ctx)
@@ -391,21 +335,20 @@ def _install_extras() -> None:
 
 
 def _on_config_hazard(hazard: Hazard, message: str) -> None:
-    """A setting at engine start triggers a hazard: one WARNING; strict mode refuses
-    to start (the exception leaves the connector's __init__, so the engine fails)."""
-    from .config import STRICT
-
+    """A setting at engine start triggers a hazard: one WARNING, or in strict mode an
+    error out of the connector's __init__, so the engine fails to start."""
     with LOCK:
         STATE.config_hazards[hazard.id] = message
         report.write_status_file()
-        cfg = STATE.config
-    if cfg is not None and cfg.strict:
-        log.error("%s", message)
-        raise HsfixError(
-            f"strict mode ({STRICT}=1): refusing to start: {message} "
-            f"(or run without {STRICT}=1 to start with this WARNING)"
-        )
-    log.warning("%s", message)
+        strict = STATE.config is not None and STATE.config.strict
+    if not strict:
+        log.warning("%s", message)
+        return
+    log.error("%s", message)
+    raise HsfixError(
+        f"strict mode ({config.STRICT}=1): refusing to start: {message} "
+        f"(or run without {config.STRICT}=1 to start with this WARNING)"
+    )
 
 
 def _on_config_check_error(exc: BaseException) -> None:
@@ -413,9 +356,8 @@ def _on_config_check_error(exc: BaseException) -> None:
 
 
 def unapply() -> None:
-    """Stop patching in this process, for good unless :func:`start` is called with
-    "apply": every wrapper is switched to pass-through and, where it is still the
-    outermost, the original object is put back."""
+    """Stop patching in this process until :func:`start` is called with "apply": every
+    wrapper passes through, and the original is put back where ours is outermost."""
     with LOCK:
         _init_locked()
         STATE.enabled = False
@@ -426,16 +368,15 @@ def unapply() -> None:
                 extra.replacement.restore()
                 extra.replacement = None
         for rec in STATE.records.values():
-            results = [rep.restore() for rep in reversed(rec.replacements)]
+            kept = [rep.restore() for rep in reversed(rec.replacements)].count("pass-through")
             if rec.replacements:
-                kept = results.count("pass-through")
                 rec.set(
                     Code.REVERTED,
                     "unapply() restored the original objects"
                     + (f" ({kept} left as pass-through beneath a later wrapper)" if kept else ""),
                 )
                 rec.replacements = []
-            elif rec.status == PENDING:
+            elif rec.status == ON_IMPORT:
                 rec.set(
                     Code.REVERTED,
                     "unapply() was called before the target was imported: it stays "
@@ -459,8 +400,8 @@ def _report() -> None:
 
 
 def _forked_child() -> None:
-    """A forked child (vLLM's workers and engine core by default) is a process of its
-    own: it logs its own line and runs its own in-situ check."""
+    """A forked child (vLLM's workers, engine core) logs its own line and runs its own
+    in-situ check."""
     STATE.logged = False
     STATE.verify = None
 

@@ -6,11 +6,12 @@ calls may race (threads) or nest (a hook firing inside another import).
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._locks import ForkSafeRLock
-from .codes import APPLIED, FAILED, PENDING, REFUSED, REVERTED, SKIPPED, Code
+from .codes import Code
 
 if TYPE_CHECKING:
     from .config import Config
@@ -18,17 +19,35 @@ if TYPE_CHECKING:
     from .patches import ExtraSpec, PatchSpec
     from .patches._wrap import Replacement
 
-# The verdicts and codes are ``codes``' (the one vocabulary); re-exported for the runtime.
-UNDECIDED, ARMED = Code.WAITING, Code.ARMED
-__all__ = ["APPLIED", "ARMED", "FAILED", "PENDING", "REFUSED", "REVERTED", "SKIPPED", "UNDECIDED"]
+
+class ForkSafeRLock:
+    """An ``RLock`` that a forked child gets back unlocked: a lock held by another
+    thread at ``fork()`` would stay held forever there (vLLM and data loaders fork)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.RLock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
 
 LOCK = ForkSafeRLock()
 
 
-@dataclass
+@dataclass(eq=False)
 class Record:
     patch: PatchSpec
-    code: Code = UNDECIDED
+    code: Code = Code.WAITING
     reason: str = "target module not imported yet"
     shape: str | None = None
     fingerprints: dict[str, str] = field(default_factory=dict)
@@ -36,7 +55,7 @@ class Record:
 
     @property
     def status(self) -> str:
-        return Code(self.code).verdict
+        return self.code.status
 
     def set(self, code: Code, reason: str) -> None:
         self.code, self.reason = Code(code), reason
@@ -44,7 +63,7 @@ class Record:
     def as_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
-            "code": self.code.word,
+            "code": self.code.value,
             "reason": self.reason,
             "target": self.patch.target,
             "releases": self.patch.releases,
@@ -54,7 +73,7 @@ class Record:
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class ExtraRecord:
     """What an extra (``patches.EXTRAS``) did in this process: its wrapper, if installed."""
 
@@ -65,31 +84,27 @@ class ExtraRecord:
         return self.replacement is not None and self.replacement.live()
 
 
-@dataclass
 class State:
-    config: Config | None = None
-    install: VllmInstall | None = None
-    records: dict[str, Record] = field(default_factory=dict)
-    extras: dict[str, ExtraRecord] = field(default_factory=dict)
-    sources: list[str] = field(default_factory=list)
-    hooks_registered: bool = False
-    enabled: bool = False
-    logged: bool = False
-    verify: dict[str, Any] | None = None
-    # The eagle_aux_hidden_state_layer_ids of the connector this process registered:
-    # provenance stamps them, so ``repair`` knows which layers a file holds.
-    aux_layers: tuple[int, ...] | None = None
-    # The engine settings that change hidden states (dtype, SSM cache dtype, language
-    # model only, max_model_len), as the connector's config has them: provenance stamps
-    # them, so ``repair`` runs its engine the way the extraction ran.
-    engine: dict[str, Any] | None = None
-    errors: list[str] = field(default_factory=list)
-    # unapply() was called: later activations (plugin, import watcher, bootstrap) keep
-    # out; only an explicit apply() patches this process again.
-    unapplied: bool = False
-    # refuse-config (the extra of that id): what it found at each engine start in this
-    # process (hazard id -> the WARNING's text).
-    config_hazards: dict[str, str] = field(default_factory=dict)
+    """This process's state (one instance, :data:`STATE`)."""
+
+    def __init__(self) -> None:
+        self.config: Config | None = None
+        self.install: VllmInstall | None = None
+        self.records: dict[str, Record] = {}
+        self.extras: dict[str, ExtraRecord] = {}
+        self.hooks_registered = False
+        self.enabled = False
+        self.logged = False
+        self.verify: dict[str, Any] | None = None
+        # What provenance stamps, so ``repair`` knows which layers a file holds and runs
+        # its engine as the extraction ran: the connector's aux layers and settings.
+        self.aux_layers: tuple[int, ...] | None = None
+        self.engine: dict[str, Any] | None = None
+        self.errors: list[str] = []
+        # unapply() was called: only an explicit apply() patches this process again.
+        self.unapplied = False
+        # refuse-config: hazard id -> the WARNING an engine start in this process gave.
+        self.config_hazards: dict[str, str] = {}
 
 
 STATE = State()

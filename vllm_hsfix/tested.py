@@ -109,7 +109,7 @@ def _mismatches(entry: dict[str, Any], given: dict[tuple[str, str], str]) -> lis
 
 def _words(expected: dict[str, str]) -> dict[str, str]:
     """The pinned decisions as ``status`` words them (``apply`` -> ``would-apply``)."""
-    return {pid: Code.read(code).word for pid, code in expected.items()}
+    return {pid: Code.read(code).value for pid, code in expected.items()}
 
 
 def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict[str, Any]:

@@ -1,13 +1,9 @@
 """``vllm-hsfix verify``: import vLLM, activate, and run the checks on the live code.
 
-Every row of the patch table whose release and platform this build concerns is
-checked: its target module is imported (activation patches it on that import) and
-the patch module's own ``verify`` runs on the live target, whatever wrappers are on
-it; for a release carrying upstream's fix that checks upstream's code. A row that is
-not needed here (release, platform) or turned off is listed as skipped with the
-reason. The report also lists the release's known hazards (``hazards``) and what is
-done about each. Exit codes: 0 verified, 1 a check failed or a patch is not in place,
-2 it cannot run here.
+Each row whose release and platform this build concerns has its target imported
+(activation patches it) and its ``verify`` run on the live target, whatever wrappers
+are on it; a release with upstream's fix has upstream's code checked. Rows not needed
+here or turned off are listed as skipped, with the reason; the release's hazards too.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ import importlib
 from typing import Any
 
 from . import checks, enginelog, hazards, runtime
-from .codes import Code
+from .codes import FAILED, REFUSED, Code
 from .patches import PATCHES
 
 # Decisions under which a patch's target is not checked here.
@@ -71,12 +67,9 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
     }
     report["checks"] = results
-    # The known hazards of this release and what is done about each, judged on the
-    # patches as they now are in this process (a patch meant for it that is not in
-    # place makes its hazard "open", and that patch already fails the run).
     codes = {k: v["code"] for k, v in st["patches"].items()}
     report["hazards"] = hazards.assess_all(inst.release, codes, active=st["enabled"])
-    bad_patch = [k for k, v in st["patches"].items() if v["status"] in ("refused", "failed")]
+    bad_patch = [k for k, v in st["patches"].items() if v["status"] in (REFUSED, FAILED)]
     if bad_patch:
         report["error"] = f"patches not in place: {bad_patch}"
     report["ok"] = all(c["ok"] for c in results) and not bad_patch

@@ -1,11 +1,8 @@
 """Bootstrap for ``vllm-hsfix run``: activates vllm-hsfix in every Python process.
 
-This directory is put at the head of ``PYTHONPATH``; Python imports this file as
-``sitecustomize`` at start-up in the process and in all its Python children (the
-environment variable is inherited). It then hands over to the user's own
-``sitecustomize``, if any, by taking its own directory off ``sys.path`` for that
-import (so it cannot import itself again), and finally activates vllm-hsfix, which is
-cheap until vLLM is imported. Nothing here may break the interpreter's start-up.
+This directory heads ``PYTHONPATH``, so Python imports this file as ``sitecustomize``
+in the process and its Python children. It runs the user's own ``sitecustomize`` (if
+any), then activates vllm-hsfix. Nothing here may break the interpreter's start-up.
 """
 
 import os
@@ -22,7 +19,6 @@ def _is_here(entry: str) -> bool:
 
 
 def _report_user_error() -> None:
-    # What site.py would have printed for the user's own sitecustomize; start-up goes on.
     import traceback
 
     sys.stderr.write("Error in sitecustomize (run by the vllm-hsfix bootstrap):\n")

@@ -12,7 +12,7 @@ ones being repaired. So, before anything is written, twice:
    core, the workers). Every patch the preflight expected to apply must be applied in
    one of them and refused, failed or reverted in none, and the in-situ check, where
    it ran, must have passed. A process without a status file did not load vllm-hsfix.
-   A patch of one family of models (``PatchSpec.models``) may also stay pending: the
+   A patch of one family of models (``PatchSpec.models``) may also stay on-import: the
    verifier is of another family and never imports its target.
 """
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..codes import APPLIED, FAILED, PENDING, REFUSED, REVERTED, Code
+from ..codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
 
 BAD_STATUSES = frozenset({REFUSED, FAILED, REVERTED})
 FRONT_END = "vllm.entrypoints.cli."
@@ -48,7 +48,7 @@ def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     needed = [
         pid
         for pid, p in report.get("patches", {}).items()
-        if p["code"] == Code.APPLY.word and not _front_end_only(pid)
+        if p["code"] == Code.APPLY and not _front_end_only(pid)
     ]
     return problems, needed
 
@@ -99,7 +99,7 @@ def in_engine(status_dir: str, needed: list[str], in_process: bool = False) -> l
     for pid in needed:
         seen = {s["role"]: s["patches"].get(pid, {}).get("status") for s in procs}
         bad = {role: st for role, st in seen.items() if st in BAD_STATUSES}
-        other_model = by_id(pid).models and set(seen.values()) == {PENDING}
+        other_model = by_id(pid).models and set(seen.values()) == {ON_IMPORT}
         if bad:
             problems.append(f"{pid} is {bad} in the engine")
         elif APPLIED not in seen.values() and not other_model:
