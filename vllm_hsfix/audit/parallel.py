@@ -18,7 +18,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import batched, blas, kernel, wire
+from . import batched, kernel
+from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
 
 if TYPE_CHECKING:
@@ -83,14 +84,13 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
-    """One task: judge each file (``pending`` while its writer holds the lock; small
-    files of one shape as one array, :mod:`.batched`; never raises), the reports packed
-    for the trip to the driver (:mod:`.wire`). ``total_bytes``: the whole audit's size, which
-    decides whether this worker uses the compiled kernel (:func:`.kernel.enable`)."""
+    """One task: judge each file (``pending`` while its writer holds the lock; never
+    raises). ``total_bytes``: the whole audit's size, which decides whether this worker
+    uses the compiled kernel (:func:`.kernel.enable`)."""
     if total_bytes:
         kernel.enable(total_bytes)
-    with blas.single_thread():  # whole products for the prefix sketches (:mod:`.blas`)
-        return wire.Reports(batched.audit_files(paths))  # pickled as columns
+    with single_blas_thread():  # whole products for the prefix sketches
+        return batched.audit_files(paths)
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:

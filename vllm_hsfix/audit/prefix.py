@@ -33,12 +33,12 @@ with; counted as ``unchecked``), and rows past the shared prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import blas
 from .prefix_columns import Columns
 
 if TYPE_CHECKING:
@@ -66,15 +66,39 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
     return (rng.standard_normal((hidden, SKETCH_DIM)) / np.sqrt(SKETCH_DIM)).astype(np.float32)
 
 
-def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
-    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM].
+_one_blas_thread = False
 
-    One 2-D product where BLAS runs on one thread (:mod:`.blas`, the audit's workers);
-    elsewhere one small product per token, which stays single-threaded in BLAS: a whole
-    product is large enough for OpenBLAS to start its threads, which spin (two workers
-    on two cores then ran 10x slower, measured)."""
+
+@contextlib.contextmanager
+def single_blas_thread() -> Iterator[bool]:
+    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged.
+
+    A whole 2-D product is the fastest way to make a file's sketches, but one that large
+    makes OpenBLAS start threads that spin, which slows parallel workers many times over;
+    where the thread count cannot be set the sketches are made one token at a time."""
+    global _one_blas_thread
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield False
+        return
+    if _one_blas_thread:
+        yield True
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        _one_blas_thread = True
+        try:
+            yield True
+        finally:
+            _one_blas_thread = False
+
+
+def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
+    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM]:
+    one 2-D product inside :func:`single_blas_thread`, else one small product per token
+    (small enough that BLAS stays on one thread)."""
     matrix = sketch_matrix(rows.shape[-1])
-    if blas.on():
+    if _one_blas_thread:
         return (rows.reshape(-1, rows.shape[-1]) @ matrix).reshape(*rows.shape[:-1], SKETCH_DIM)
     return rows @ matrix
 
