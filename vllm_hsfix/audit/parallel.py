@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import batched, kernel
+from . import batched, window
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
 
@@ -86,9 +86,9 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file (``pending`` while its writer holds the lock; never
     raises). ``total_bytes``: the whole audit's size, which decides whether this worker
-    uses the compiled kernel (:func:`.kernel.enable`)."""
+    uses the compiled kernel (:func:`.window.enable`)."""
     if total_bytes:
-        kernel.enable(total_bytes)
+        window.enable(total_bytes)
     with single_blas_thread():  # whole products for the prefix sketches
         return batched.audit_files(paths)
 
@@ -136,7 +136,7 @@ def run_pool(
     # The compiled kernel, when the audit is large enough: compiled here once, so forked
     # workers inherit it (others compile or load numba's cache in run_batch).
     total = int(numpy.asarray(sizes).sum())
-    kernel.enable(total)
+    window.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     # A worker that dies breaks the whole pool, so every file still in flight lands
     # here: retry each alone, and only then decide which ones kill a worker.
