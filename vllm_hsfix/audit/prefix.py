@@ -69,6 +69,17 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
 _one_blas_thread = False
 
 
+@lru_cache(maxsize=1)
+def _blas_controller() -> Any:
+    """threadpoolctl's view of this process's thread pools (found once: a fresh look at
+    the loaded libraries costs half a millisecond), or None without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    return ThreadpoolController()
+
+
 @contextlib.contextmanager
 def single_blas_thread() -> Iterator[bool]:
     """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged.
@@ -77,15 +88,11 @@ def single_blas_thread() -> Iterator[bool]:
     makes OpenBLAS start threads that spin, which slows parallel workers many times over;
     where the thread count cannot be set the sketches are made one token at a time."""
     global _one_blas_thread
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield False
+    controller = _blas_controller()
+    if controller is None or _one_blas_thread:
+        yield _one_blas_thread
         return
-    if _one_blas_thread:
-        yield True
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
+    with controller.limit(limits=1, user_api="blas"):
         _one_blas_thread = True
         try:
             yield True
