@@ -35,12 +35,8 @@ from .scan import (
     sound_layer_stats,
 )
 
-# A group holds at most this many bytes of rows: its arrays then stay in the CPU's
-# caches and come from the allocator's free memory. Measured on 3,000 files of 48 KB
-# (us a file, best of 6): groups of 0.25 MB 116, 0.5 MB 102, 1 MB 97, 2 MB 98, 32 MB
-# 117 (fresh pages for every large array), the per-file path 132. (Only files read
-# whole take the group pass: up to :data:`.scan.WHOLE_FILE_BYTES`; past that a file's
-# own numpy calls are a small part of its time.)
+# A group holds at most this many bytes of rows, so its arrays stay in the CPU's caches
+# (only files read whole, :data:`.scan.WHOLE_FILE_BYTES`, take the group pass).
 MAX_GROUP_BYTES = 1024 * 1024
 # Stored row formats the group pass takes (fp8 rows carry per-file scales, F64 is rare:
 # those go through the per-file path).

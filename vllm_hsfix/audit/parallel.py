@@ -68,7 +68,7 @@ def default_workers() -> int:
 
 def batches(sizes: Sequence[int], workers: int) -> list[range]:
     """File indices cut into consecutive tasks (see ``MAX_BATCH_*``), each a range: no
-    object per file (at 10^6 files, lists of indices were 36 MB of the driver)."""
+    object per file in the driver."""
     n = len(sizes)
     per = max(1, min(MAX_BATCH_FILES, -(-n // max(1, workers * TASKS_PER_WORKER))))
     out: list[range] = []
@@ -180,8 +180,7 @@ def _first_pass(
             for batch in batches(sizes, workers)
         }
         # Popped as they are done, so a future and the reports it holds go once they are
-        # handed on (kept, every file's report stayed until the pool closed: 6 KB a file
-        # of the driver's memory on small files).
+        # handed on, not when the pool closes.
         for batch, fut in _as_done(pool, futures, files, stall_s):
             try:
                 reps = fut.result()

@@ -72,10 +72,8 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
 
 def _first_of_each_file(paths: list[str]) -> list[str]:
     """``paths`` without the later names of a file named more than once (two spellings,
-    a link): one stat per path, the identities in two arrays. The command hands its
-    expanded list back to :func:`audit_paths`: a set of (device, inode) tuples raised
-    the driver's peak by about 260 bytes a file, these arrays and their sort by about
-    115 (tracemalloc, 20,000 named files)."""
+    a link): one stat per path, the (device, inode) identities in two arrays, not a set
+    of tuples (the driver's memory per file)."""
     if len(paths) < 2:
         return paths
     from array import array

@@ -46,15 +46,12 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _local = threading.local()  # the window buffer (:func:`_window_buffer`)
 
-# Bytes of rows read at once into one reused buffer (larger files are read window by
-# window, so the resident set stays near this size whatever the file size). Reads, not
-# a memory map: as fast (measured on 1-30 MB files in the page cache), and a file that
-# shrinks mid-scan is a short read (a finding), not a SIGBUS that kills the worker.
+# Bytes of rows read at once into one reused buffer, so the resident set stays near this
+# size whatever the file size. Reads, not a memory map: a file that shrinks mid-scan is
+# a short read (a finding), not a SIGBUS that kills the worker.
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read() (what ``cat`` does; the small
-# files :mod:`.batched` judges a group at a time); larger ones window by window into
-# the thread's buffer. Whole reads of files up to 8 MB, each into fresh memory, ran at
-# 0.58 of ``cat`` against 0.68 with this limit (bf16 corpus, kernel on, EPYC).
+# Files up to this size are read whole with one read() (the small files :mod:`.batched`
+# judges a group at a time); larger ones window by window into the thread's buffer.
 WHOLE_FILE_BYTES = 1024 * 1024
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
