@@ -1,14 +1,11 @@
 """Judging many files in worker processes, in batches (:func:`.batched.audit_files`).
 
-The pool is the one part of the audit with process-level concerns: the start method
-(fork where it is safe, else forkserver or spawn), numpy loaded before forking so the
-workers inherit it, batching (one task per file costs a pickle round trip and a queue
-hop per file: on small files that, not the disk, set the pace), and a worker that dies
-(OOM, a signal) pinned on the file that killed it, not on the files it took down with
-it nor, when no worker can run at all, on any file (see :func:`run_pool`), and a run
-in which nothing comes back for ``stall_s`` seconds ended by :class:`Stalled`, naming
-the batches still out, instead of waiting forever. :func:`batches` and the stall bound
-are shared with the Ray backend.
+The start method (fork where it is safe, else forkserver or spawn), batching (a task
+per file costs a pickle round trip per file), a worker that dies (OOM, a signal)
+pinned on the file that killed it, not on the files it took down nor, when no worker
+can run at all, on any file, and a run in which nothing comes back for ``stall_s``
+seconds ended by :class:`Stalled`, naming the batches still out. :func:`batches` and
+the stall bound are shared with the Ray backend.
 """
 
 from __future__ import annotations

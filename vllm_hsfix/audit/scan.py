@@ -112,6 +112,23 @@ def _scan_hidden(
                 raw = part.view(rows.raw_dtype).reshape(n, hidden)
                 window.fill(scan, raw, rows, t0 * n_aux, cols, mult)
 
+    _row_findings(rep, scan, path, offset, rows, shape, token_ids)
+
+
+def _row_findings(
+    rep: FileReport,
+    scan: window.RowNumbers,
+    path: str,
+    offset: int,
+    rows: Rows,
+    shape: tuple[int, int, int],
+    token_ids: NDArray[Any] | None,
+) -> None:
+    """The findings and statistics of a file from its rows' numbers."""
+    import numpy as np
+
+    n_tokens, n_aux, _ = shape
+    n_rows = n_tokens * n_aux
     rep.nan_count, rep.inf_count = scan.nan, scan.inf
     zero = scan.zero.reshape(n_tokens, n_aux)
     bad = scan.bad.reshape(n_tokens, n_aux)
@@ -136,10 +153,10 @@ def _scan_hidden(
     keys = scan.keys.reshape(n_tokens, n_aux)
     skip = zero | bad
     dups = repeats.duplicates(rep, keys, skip, path, offset, rows, ids)
-    repeats.identical_aux(rep, keys, skip, path, offset, row_bytes)
+    repeats.identical_aux(rep, keys, skip, path, offset, rows.row_bytes)
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
-    if with_prefix and n_tokens:
+    if token_ids is not None and len(token_ids) == n_tokens and n_tokens:
         rep.prefix = prefix.from_head(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
     near_zero(rep)
