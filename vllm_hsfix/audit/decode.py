@@ -123,6 +123,18 @@ class Rows:
             return work, ints
         return raw, ints
 
+    def into(self, raw: Any, out: Any) -> None:
+        """The float32 values of stored BF16/F16/F32 rows ``raw`` written straight into
+        ``out`` (no working block: the kernel's head rows)."""
+        import numpy as np
+
+        if self.dtype == "BF16":
+            bits = out.view(np.uint32)
+            bits[...] = raw.view(np.uint16)
+            bits <<= 16
+        else:
+            out[...] = raw
+
     def canonical(self, stored: bytes, token: int) -> bytes:
         """The bytes of one stored row's values (row of token position ``token``)."""
         if not self.fp8:

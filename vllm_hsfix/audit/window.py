@@ -197,7 +197,11 @@ def _kernel_rows(
         return False
     if row0 < len(nums.head):
         take = min(len(nums.head) - row0, n)
-        _keep_head(nums, row0, rows.block(raw[:take], row0, rows.buffer(take))[0])
+        head = nums.head[row0 : row0 + take]
+        if rows.fp8:
+            _kernel.fp8_values(rows.table, raw[:take], rows.row_scales[row0 : row0 + take], head)
+        else:
+            rows.into(raw[:take], head)
     return True
 
 
