@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from support import hsrows
 from support.hsfiles import hs_file, write_raw
 
-from vllm_hsfix.audit import batched, blas, prefix, scan
+from vllm_hsfix.audit import batched, prefix, scan
 
 
 def _corpus(root: Path) -> dict[str, tuple[Path, str]]:
@@ -135,7 +135,7 @@ def test_the_group_pass_gives_every_file_the_per_file_verdict(
         return alone
 
     monkeypatch.setattr(batched, "_group_pass", spy)
-    with blas.single_thread():
+    with prefix.single_blas_thread():
         got = batched.audit_files(paths)
     assert {Path(r.path).stem: r.verdict for r in got} == {
         name: verdict for name, (_, verdict) in corpus.items()
@@ -183,17 +183,18 @@ def test_a_locked_file_is_pending(corpus: dict[str, tuple[Path, str]]) -> None:
 
 
 def test_one_blas_thread_inside_and_the_same_sketches() -> None:
-    fns = blas._openblas()
-    if fns is None:
-        pytest.skip("numpy's BLAS here is not an OpenBLAS whose threads can be set")
-    get, _ = fns
-    before = get()
+    from threadpoolctl import threadpool_info
+
+    def blas_threads() -> list[int]:
+        return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
+
+    before = blas_threads()
     rows = np.random.default_rng(0).standard_normal((16, 4, 4096)).astype(np.float32)
     stacked = prefix.sketch_rows(rows)
-    with blas.single_thread() as on:
-        assert on and blas.on() and get() == 1
+    with prefix.single_blas_thread() as on:
+        assert on and blas_threads() and set(blas_threads()) == {1}
         flat = prefix.sketch_rows(rows)
-    assert get() == before and not blas.on()
+    assert blas_threads() == before
     want = rows.astype(np.float64) @ prefix.sketch_matrix(4096).astype(np.float64)
     np.testing.assert_allclose(flat, want, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(stacked, want, rtol=1e-4, atol=1e-3)

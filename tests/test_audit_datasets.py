@@ -18,7 +18,7 @@ import torch
 from support.hsfiles import A, H, hs_file, write_raw
 from support.load import busy_cores
 
-from vllm_hsfix.audit import batched, command, parallel, pipeline, reports, scan
+from vllm_hsfix.audit import batched, command, parallel, pipeline, reports
 
 # ----------------------------------------------------------------- datasets
 
@@ -208,33 +208,11 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
     assert "cannot run" in capsys.readouterr().err
 
 
-def test_a_report_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
-    """A lone report (what ``check_file`` gives a caller, who may pickle it) comes back
-    whole: every field, the layer statistics, the findings (with their hazard) and the
-    prefix sketches. (A worker's batch travels as columns: the next test.)"""
-    import pickle
-
-    import numpy as np
-
-    f = hs_file(tmp_path / "z.safetensors", seed=3, edit=lambda h, i: h[2, 1].zero_())
-    rep = scan.audit_file(f)
-    rep.problems[0].hazard = "torn-files"
-    rep.provenance = {"vllm_hsfix.version": "x"}
-    assert rep.layers and rep.problems and rep.prefix is not None
-    back = pickle.loads(pickle.dumps(rep))
-    assert type(back) is reports.FileReport
-    assert back.to_dict() == rep.to_dict()
-    assert back.layers == rep.layers and back.problems == rep.problems
-    assert back.provenance == rep.provenance
-    assert back.prefix.token_ids == rep.prefix.token_ids
-    for name in ("sketches", "norms", "sound"):
-        assert np.array_equal(getattr(back.prefix, name), getattr(rep.prefix, name))
-
-
 def test_a_workers_batch_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
-    """What a worker hands back (``parallel.run_batch``: packed as columns, one byte
-    string per prefix array for the whole batch) comes back as the same reports: clean
-    and damaged files, one without a prefix sketch, one of another shape."""
+    """What a worker hands back (``parallel.run_batch``, pickled) comes back as the same
+    reports: every field, the layer statistics, the findings (with their hazard), the
+    provenance and the prefix sketches; clean and damaged files, one without a prefix
+    sketch, one of another shape."""
     import pickle
 
     import numpy as np
@@ -247,11 +225,16 @@ def test_a_workers_batch_crosses_the_process_boundary_whole(tmp_path: Path) -> N
         hs_file(tmp_path / "b.safetensors", seed=5, tokens=40),
     ]
     got = parallel.run_batch([str(p) for p in paths])
+    got[1].problems[0].hazard = "torn-files"
+    got[1].provenance = {"vllm_hsfix.version": "x"}
     back = pickle.loads(pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL))
     assert [type(r) for r in back] == [reports.FileReport] * len(paths)
     assert [r.to_dict() for r in back] == [r.to_dict() for r in got]
     assert [r.verdict for r in back] == ["ok", "corrupt", "corrupt", "ok", "ok"]
     assert [r.prefix is None for r in back] == [False, False, True, False, False]
+    assert back[1].problems[0].hazard == "torn-files" and back[1].provenance == {
+        "vllm_hsfix.version": "x"
+    }
     for b, r in zip(back, got, strict=True):
         assert b.layers == r.layers and b.problems == r.problems
         if r.prefix is not None:
@@ -263,26 +246,13 @@ def test_a_workers_batch_crosses_the_process_boundary_whole(tmp_path: Path) -> N
                 assert getattr(b.prefix, name).dtype == want.dtype
 
 
-def test_many_named_files_are_deduplicated_in_tens_of_bytes_each(tmp_path: Path) -> None:
+def test_many_named_files_are_deduplicated(tmp_path: Path) -> None:
     """The command hands its expanded list back to ``audit_paths``: 20,000 named files
-    (one named twice) come back once each, in order, and finding the duplicates costs
-    tens of bytes a file at its peak (a set of (device, inode) tuples cost about 260)."""
-    import tracemalloc
-
-    import numpy as np
-
+    (one named twice, one under a second spelling) come back once each, in order."""
     names = []
     for i in range(20_000):
         p = tmp_path / f"hs_{i}.safetensors"
         p.touch()
         names.append(str(p))
-    np.unique(np.zeros((3, 2), np.uint64), axis=0, return_index=True)  # numpy's own first
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        out = pipeline.expand_paths([*names, names[5], str(tmp_path / "." / "hs_7.safetensors")])
-        peak = tracemalloc.get_traced_memory()[1] - before
-    finally:
-        tracemalloc.stop()
+    out = pipeline.expand_paths([*names, names[5], str(tmp_path / "." / "hs_7.safetensors")])
     assert out == names
-    assert peak / len(names) < 200, f"{peak / len(names):.0f} bytes a file"

@@ -182,7 +182,7 @@ def test_wrong_fp8_files_are_corrupt(
     )
 
 
-@pytest.mark.parametrize("hidden", [15, 16])  # odd: byte by byte; even: two bytes at once
+@pytest.mark.parametrize("hidden", [15, 16])  # odd and even row widths
 def test_fp8_statistics_are_of_torchs_dequantized_values(hidden: int, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(hidden)
     hs = torch.randn(40, 3, hidden, generator=g) * torch.logspace(-3, 2, 40)[:, None, None]

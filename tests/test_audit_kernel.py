@@ -1,8 +1,8 @@
 """The compiled kernel of the audit (``vllm_hsfix.audit.kernel``, numba: vLLM requires
 it, so every vLLM image has it): its squared norms are torch's, and with it every
-finding of the audit is the same as without it, on clean and damaged files of every
-format it takes (BF16, F32, hs-connectors' fp8). Its speed is measured by
-``benchmarks/bench_audit.py``, never asserted here.
+finding, statistic and prefix sketch of the audit is the same as without it, on clean
+and damaged files of every format it takes (BF16, F32, hs-connectors' fp8). Its speed
+is measured by ``benchmarks/bench_audit.py``, never asserted here.
 """
 
 from __future__ import annotations
@@ -20,9 +20,18 @@ from safetensors.torch import load_file, save_file
 from support import hsrows
 from support.hsfiles import hs_file
 
-from vllm_hsfix.audit import kernel, scan, window
+from vllm_hsfix.audit import scan, window
+from vllm_hsfix.audit.decode import fp8_e4m3fn_table
 
 pytest.importorskip("numba")
+from vllm_hsfix.audit import kernel
+
+
+def _run(raw: np.ndarray, name: str, scales: Any, sumsq: np.ndarray, keys: np.ndarray) -> bool:
+    cols, mult = window.key_columns(raw.shape[1])
+    if name == "F8_E4M3":
+        return kernel.fp8(fp8_e4m3fn_table(), raw, scales, cols, mult, sumsq, keys)
+    return getattr(kernel, name.lower())(raw, cols, mult, sumsq, keys)
 
 
 def _values(path: Path) -> torch.Tensor:
@@ -44,8 +53,7 @@ def _stored(path: Path) -> tuple[np.ndarray, str, Any]:
     if hs.dtype == torch.float32:
         return hs.numpy().reshape(n, -1), "F32", None
     scales = t["hidden_states_scales"].reshape(-1).float().numpy()
-    factor = np.repeat(scales * np.float32(2.0**120), hs.shape[1]).astype(np.float32)
-    return hs.view(torch.uint8).numpy().reshape(n, -1), "F8_E4M3", factor
+    return hs.view(torch.uint8).numpy().reshape(n, -1), "F8_E4M3", np.repeat(scales, hs.shape[1])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32", "fp8"])
@@ -59,10 +67,10 @@ def test_the_kernels_squared_norms_are_torchs(dtype: str, hidden: int, tmp_path:
     else:
         cast = torch.bfloat16 if dtype == "bf16" else torch.float32
         save_file({"hidden_states": rows.to(cast), "token_ids": torch.arange(30)}, str(path))
-    raw, name, factor = _stored(path)
+    raw, name, scales = _stored(path)
     cols, mult = window.key_columns(hidden)
     sumsq, keys = np.zeros(len(raw)), np.zeros(len(raw), np.uint64)
-    assert kernel.rows(raw, name, factor, cols, mult, sumsq, keys) is False
+    assert _run(raw, name, scales, sumsq, keys) is False
     want = (_values(path) ** 2).sum(dim=-1).reshape(-1).numpy()
     np.testing.assert_allclose(sumsq, want, rtol=2e-5)
     # The row keys sample the bits of the values the consumer reads (fp8: de-quantized).
@@ -114,42 +122,52 @@ def _damaged(root: Path) -> list[Path]:
     return out
 
 
-def _judged(paths: list[Path]) -> tuple[list[dict[str, Any]], list[float | None]]:
-    """Every file's report, and apart the norm statistics (float32 sums in another
-    order: equal to about 1e-7, compared with a tolerance)."""
-    reports, stats = [], []
+def _judged(paths: list[Path]) -> tuple[list[dict[str, Any]], list[float | None], list[Any]]:
+    """Every file's report, apart the norm statistics (float32 sums in another order:
+    equal to about 1e-7, compared with a tolerance), and its prefix sketches."""
+    reports, stats, prefixes = [], [], []
     for p in paths:
-        d = scan.audit_file(p).to_dict()
+        rep = scan.audit_file(p)
+        prefixes.append(rep.prefix)
+        d = rep.to_dict()
         d.pop("seconds")
         for st in d["layers"]:
             for k in list(st):
                 if k.endswith("_norm"):
                     stats.append(st.pop(k))
         reports.append(d)
-    return reports, stats
+    return reports, stats, prefixes
 
 
 def test_every_finding_is_the_same_with_the_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     paths = _damaged(tmp_path)
-    monkeypatch.setattr(kernel, "ON", False)
+    monkeypatch.setattr(window, "_kernel", False)
     without = _judged(paths)
-    assert kernel.enable(kernel.MIN_BYTES) and kernel.ON
+    monkeypatch.setattr(window, "_kernel", None)
+    assert window.enable(window.MIN_BYTES)
     used = []
-    real = kernel.rows
+    for name in ("bf16", "f32", "fp8"):
+        real = getattr(kernel, name)
 
-    def counting(raw: Any, dtype: str, *args: Any) -> bool | None:
-        odd = real(raw, dtype, *args)
-        used.append((dtype, odd is False))
-        return odd
+        def counting(*args: Any, _real: Any = real, _name: str = name) -> bool:
+            odd = _real(*args)
+            used.append((_name, not odd))
+            return odd
 
-    monkeypatch.setattr(kernel, "rows", counting)
+        monkeypatch.setattr(kernel, name, counting)
     with_kernel = _judged(paths)
     assert with_kernel[0] == without[0]
     assert with_kernel[1] == pytest.approx(without[1], rel=1e-6)
+    for path, a, b in zip(paths, without[2], with_kernel[2], strict=True):
+        assert (a is None) == (b is None), path
+        if a is not None:
+            assert a.token_ids == b.token_ids
+            for name in ("sketches", "norms", "sound"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=path.name)
     # It ran on every format (and the damaged files' windows went the numpy way).
-    assert {d for d, ok in used if ok} == {"BF16", "F32", "F8_E4M3"}
+    assert {d for d, ok in used if ok} == {"bf16", "f32", "fp8"}
     verdicts = {Path(d["path"]).name: d["verdict"] for d in without[0]}
     assert verdicts == {
         "bf16_0.safetensors": "ok", "bf16_1.safetensors": "ok", "bf16_2.safetensors": "ok",
@@ -161,7 +179,7 @@ def test_every_finding_is_the_same_with_the_kernel(
 
 
 def _enabled(env: dict[str, str], total: int) -> str:
-    code = f"from vllm_hsfix.audit import kernel; print(kernel.enable({total}), kernel.ON)"
+    code = f"from vllm_hsfix.audit import window; print(window.enable({total}))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
@@ -170,59 +188,26 @@ def _enabled(env: dict[str, str], total: int) -> str:
 
 
 def test_the_kernel_is_used_only_past_min_bytes_and_can_be_switched_off() -> None:
-    env = {k: v for k, v in os.environ.items() if k != kernel.ENV}
-    assert _enabled(env, kernel.MIN_BYTES - 1) == "False False"
-    assert _enabled(env, kernel.MIN_BYTES) == "True True"
-    assert _enabled({**env, kernel.ENV: "0"}, kernel.MIN_BYTES) == "False False"
+    env = {k: v for k, v in os.environ.items() if k != window.KERNEL_ENV}
+    assert _enabled(env, window.MIN_BYTES - 1) == "False"
+    assert _enabled(env, window.MIN_BYTES) == "True"
+    assert _enabled({**env, window.KERNEL_ENV: "0"}, window.MIN_BYTES) == "False"
 
 
 def test_the_fp8_kernel_squares_every_byte_value() -> None:
     """Every float8_e4m3fn byte (normal, subnormal, both signs, zero) in rows the kernel
-    squares from its bits: the sums are the exact squares of the format's values (torch's
-    own decode), scaled; a NaN byte makes its row odd."""
-    if not kernel.available():
-        pytest.skip("the compiled kernel does not load here")
+    squares: the sums are the exact squares of the format's values (torch's own
+    decode), scaled; a NaN byte makes its row odd."""
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = every[(every & 0x7F) != 0x7F]  # 254 bytes: all but the two NaNs
     raw = torch.stack([finite, finite.flip(0), finite.roll(7)]).numpy()
     values = torch.from_numpy(raw.copy()).view(torch.float8_e4m3fn).double()
     scale = np.array([1.0, 2.0**-20, 3.5], dtype=np.float32)
     want = (values**2).sum(dim=1).numpy() * scale.astype(np.float64) ** 2
-    cols, mult = window.key_columns(raw.shape[1])
     sumsq, keys = np.zeros(3), np.zeros(3, np.uint64)
-    factor = scale * np.float32(2.0**120)
-    assert kernel.rows(raw, "F8_E4M3", factor, cols, mult, sumsq, keys) is False
+    assert _run(raw, "F8_E4M3", scale, sumsq, keys) is False
     np.testing.assert_allclose(sumsq, want, rtol=1e-6)
     nan_row = raw.copy()
     nan_row[1, 100] = 0xFF
-    assert kernel.rows(nan_row, "F8_E4M3", factor, cols, mult, sumsq, keys) is True
+    assert _run(nan_row, "F8_E4M3", scale, sumsq, keys) is True
     assert np.isnan(sumsq[1]) and not np.isnan(sumsq[0])
-
-
-def test_the_prefix_rows_the_kernel_decodes_are_the_numpy_decodes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first rows the prefix check keeps come from the kernel's decode where it is
-    on: the same float32 values as the numpy decode, bit for bit (so the same sketches),
-    for BF16 and fp8 (F32 is kept as stored either way)."""
-    paths = _damaged(tmp_path)
-    monkeypatch.setattr(kernel, "ON", False)
-    without = [scan.audit_file(p).prefix for p in paths]
-    assert kernel.enable(kernel.MIN_BYTES) and kernel.ON
-    decoded = []
-    real = kernel.values
-
-    def counting(raw: Any, dtype: str, *args: Any) -> bool:
-        done = real(raw, dtype, *args)
-        decoded.append((dtype, done))
-        return done
-
-    monkeypatch.setattr(kernel, "values", counting)
-    with_kernel = [scan.audit_file(p).prefix for p in paths]
-    assert {d for d, done in decoded if done} == {"BF16", "F8_E4M3"}
-    for path, a, b in zip(paths, without, with_kernel, strict=True):
-        assert (a is None) == (b is None), path
-        if a is not None:
-            assert a.token_ids == b.token_ids
-            for name in ("sketches", "norms", "sound"):
-                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=path.name)

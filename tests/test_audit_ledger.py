@@ -6,8 +6,6 @@ memory bound is the one the columns were introduced for."""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 
 from vllm_hsfix.audit.dataset import dataset_pass
@@ -92,21 +90,3 @@ def test_no_majority_no_shape_outliers() -> None:
     findings: dict = {}
     info = dataset_pass(ledger, ledger.judged(), findings)
     assert info["majority_shape"] is None and findings == {}
-
-
-def test_a_file_costs_tens_of_bytes_not_hundreds() -> None:
-    """What stays per file for the dataset pass: 200,000 files' entries. One object per
-    file (path, verdict, sizes and a tuple of float objects) held about 265 bytes."""
-    n = 200_000
-    reps = [report(i % 50, [1.0, 2.0, 3.0, 4.0]) for i in range(50)]
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        ledger = Ledger(n)
-        for i in range(n):
-            ledger.put(i, reps[i % 50])
-        held = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    assert held / n < 100, f"{held / n:.0f} bytes a file"
-    assert ledger.medians(np.array([0, n - 1]), 3).tolist() == [4.0, 4.0]

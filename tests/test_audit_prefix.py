@@ -68,13 +68,29 @@ def test_a_dataset_written_entirely_wrong_has_no_reference_and_every_file_is_fla
     assert report.dataset["prefix"]["groups_without_consensus"] >= 1
 
 
-def test_a_bare_plurality_is_no_consensus(tmp_path: Path) -> None:
-    """5 files: 2 agree, 3 are wrong each in its own way: 2 of 5 is the largest
-    agreeing set but not a majority, so nobody is the reference and all are flagged."""
-    report = pipeline.audit_paths(
-        dataset(tmp_path, wrong={2, 3, 4}, n_shared=5, n_alone=0), workers=1
-    )
-    assert len(prefix_flags(report)) == 5
+@pytest.mark.parametrize(
+    ("wrong", "flagged"),
+    [({0, 1, 2}, set(range(5))), ({3, 4}, {3, 4})],
+    ids=["right-minority", "right-majority"],
+)
+def test_right_files_among_wrong_ones_that_share_their_prefix(
+    tmp_path: Path, wrong: set[int], flagged: set[int]
+) -> None:
+    """The mixed case: 5 files share their prompt's prefix, ``wrong`` hold other memory
+    (each its own). Where the right files are a strict majority they are the consensus
+    and only the wrong ones are flagged. Where they are not (2 of 5: the largest
+    agreeing set, but no majority), nothing tells them from wrong files that happen to
+    agree, so every file of the group is flagged corrupt, the right ones included, with
+    "no majority" in the detail: ``repair`` then regenerates them, finds them right row
+    by row and keeps them byte for byte (docs/audit.md says so)."""
+    report = pipeline.audit_paths(dataset(tmp_path, wrong=wrong, n_shared=5, n_alone=0), workers=1)
+    flags = prefix_flags(report)
+    assert flags.keys() == {f"f{i:03d}.safetensors" for i in flagged}
+    assert {Path(p).name for p in report.regenerate} == set(flags)
+    right_flagged = [d for n, d in flags.items() if int(n[1:4]) not in wrong]
+    assert all("no majority of them agree" in d for d in right_flagged)
+    if len(flagged) < 5:
+        assert all("differs from the consensus" in d for d in flags.values())
 
 
 def test_zero_rows_never_vote(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ can be made, after a disk fills up half-way, and with huge groups read in chunks
 from __future__ import annotations
 
 import errno
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -75,30 +74,19 @@ def expected(data: list[prefix.PrefixData]) -> tuple[Any, ...]:
     return got
 
 
-def test_the_sketches_wait_on_disk_not_in_memory() -> None:
-    """40,000 files' sketches in the store: the old in-memory columns held 4.4 KB a
-    file here (16 positions x 4 aux layers x 32 float16 numbers, plus norms); what stays
-    in memory now is the token ids and soundness, under 0.5 KB a file."""
+def test_the_sketches_go_to_disk_and_come_back_as_they_went_in() -> None:
+    """The sketches wait in a temporary file (their memory budget is measured by
+    ``benchmarks/bench_audit.py``): each one read back is what went in."""
     one = contributions(1, set())[0]
-    n = 40_000
-    tracemalloc.start()
-    try:
-        store = prefix.Store()
-        before = tracemalloc.get_traced_memory()[0]
+    n = 3_000
+    with prefix.Store() as store:
         for i in range(n):
             store.add(i, one)
-        held = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    cols = store.shapes()[0]
-    try:
-        assert held / n < 500, f"{held / n:.0f} bytes a file in memory"
-        # ... and the sketches are on disk, every one, readable back as they went in.
+        cols = store.shapes()[0]
+        assert cols._spill is not None
         back = cols.rows(np.array([0, n - 1]), 5)
         want = one.sketches[5].astype(np.float32) * one.norms[5][:, None]
         np.testing.assert_array_equal(back, np.stack([want, want]))
-    finally:
-        store.close()
 
 
 def test_the_same_verdicts_with_the_sketches_in_memory_when_no_temporary_file_can_be_made(

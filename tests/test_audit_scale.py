@@ -303,6 +303,29 @@ def test_state_lines_it_cannot_read_back_are_scanned_again(tmp_path: Path) -> No
     assert again.reused == 1 and again.count("ok") == 5
 
 
+def test_the_store_appends_reads_whole_records_and_rewrites_atomically(tmp_path: Path) -> None:
+    """``audit.store``, the JSON Lines file ``--state`` (and the repair journal) keep:
+    appended records read back in order, a torn last line and a non-object line skipped,
+    a rewrite that leaves no temporary file and replaces the records."""
+    from vllm_hsfix.audit import store
+
+    path = tmp_path / "j.jsonl"
+    assert store.read(path) == []
+    out = store.Appender(path)
+    out.append({"a": 1})
+    out.append(store.dumps({"b": [1, 2]}))
+    out.close()
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('[1, 2]\n{"c": ')  # a line that is no object, then a torn one
+    assert store.read(path) == [{"a": 1}, {"b": [1, 2]}]
+    store.rewrite(path, [{"z": None}])
+    assert path.read_text() == '{"z":null}\n' and os.listdir(tmp_path) == ["j.jsonl"]
+    fresh = store.Appender(path, fresh=True)
+    fresh.append({"y": 2})
+    fresh.close()
+    assert store.read(path) == [{"y": 2}]
+
+
 # ----------------------------------------------------------------- API and usage
 
 

@@ -1,25 +1,19 @@
 """Many small files of one shape judged together: the row checks as one pass over all.
 
-A file of a few tens of KB costs the per-file path (:func:`.scan.scan_rows`) about a
-hundred numpy calls, each a few microseconds, for a few hundred rows: on datasets of
-10^5-10^6 short samples that overhead, not the bytes, set the pace. Here a worker's
-small files of one ``[dtype, n_aux, hidden]`` are read and their headers judged one
-by one as before (:func:`.scan.prepare`), then their rows go through the checks as one
-array: the per-row numbers (:mod:`.window`), the repeat candidates, every layer's
-statistics and the prefix sketches, each one call for the whole group, cut back into
-files at the end.
-
-Only files the group pass can judge whole take it: a file with any all-zero or
-non-finite row, or any two rows whose keys repeat (a duplicate row, two identical aux
-layers), is judged again alone by the per-file path, which has the rules for those
-(rare: damaged files). So the verdicts are the per-file path's, whichever way a file
-went (``tests/test_audit_batched.py`` compares the two on clean and damaged files).
+On datasets of short samples the per-file path's hundred numpy calls a file, not the
+bytes, set the pace. Here a worker's small files of one ``[dtype, n_aux, hidden]`` have
+their headers judged one by one (:func:`.scan.prepare`), then their rows go through
+the checks as one array (row numbers, repeat candidates, layer statistics, prefix
+sketches), cut back into files at the end. A file with an all-zero, non-finite or
+repeating row is judged again alone by the per-file path, which has the rules for
+those, so every verdict is the per-file path's (``tests/test_audit_batched.py``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from . import prefix, window
 from .reports import FileReport
@@ -35,12 +29,8 @@ from .scan import (
     sound_layer_stats,
 )
 
-# A group holds at most this many bytes of rows: its arrays then stay in the CPU's
-# caches and come from the allocator's free memory. Measured on 3,000 files of 48 KB
-# (us a file, best of 6): groups of 0.25 MB 116, 0.5 MB 102, 1 MB 97, 2 MB 98, 32 MB
-# 117 (fresh pages for every large array), the per-file path 132. (Only files read
-# whole take the group pass: up to :data:`.scan.WHOLE_FILE_BYTES`; past that a file's
-# own numpy calls are a small part of its time.)
+# A group holds at most this many bytes of rows, so its arrays stay in the CPU's caches
+# (only files read whole, :data:`.scan.WHOLE_FILE_BYTES`, take the group pass).
 MAX_GROUP_BYTES = 1024 * 1024
 # Stored row formats the group pass takes (fp8 rows carry per-file scales, F64 is rare:
 # those go through the per-file path).
@@ -118,6 +108,49 @@ def _judge(items: list[Item], out: list[FileReport | None]) -> None:
         out[i] = conclude(rep, t)
 
 
+def _group_stats(norms: Any, tokens: Any, tok_start: Any, owner: Any) -> list[list[Any]]:
+    """Every file's per-layer statistics from ``norms`` [all tokens, n_aux]: the median,
+    mean, standard deviation, minimum, maximum and near-zero count, each [files][n_aux].
+    The norms are sorted within each (file, layer) run, which starts at ``seg`` and holds
+    ``run`` values."""
+    import numpy as np
+
+    n_files, n_aux = len(tokens), norms.shape[1]
+    aux = np.tile(np.arange(n_aux), len(norms))
+    who = np.repeat(owner, n_aux)
+    srt = norms.ravel()[np.lexsort((norms.ravel(), aux, who))]
+    run = np.repeat(tokens, n_aux)
+    seg = np.repeat(tok_start * n_aux, n_aux) + np.tile(np.arange(n_aux), n_files) * run
+    mid = seg + run // 2
+    odd = run % 2 == 1
+    med = np.where(odd, srt[mid], (srt[mid - 1 + odd] + srt[mid]) / 2).reshape(n_files, n_aux)
+    lo = srt[seg].reshape(n_files, n_aux)
+    hi = srt[seg + run - 1].reshape(n_files, n_aux)
+    mean = np.add.reduceat(norms, tok_start, axis=0) / tokens[:, None]
+    dev = norms - mean[owner]
+    dev *= dev
+    std = np.sqrt(np.add.reduceat(dev, tok_start, axis=0) / tokens[:, None])
+    near = np.add.reduceat(norms < NEAR_ZERO_FRACTION * med[owner], tok_start, axis=0)
+    return [x.tolist() for x in (med, mean, std, lo, hi, near)]
+
+
+def _group_heads(raw: Any, rows: Any, tokens: Any, tok_start: Any, n_aux: int) -> tuple[Any, ...]:
+    """The prefix sketches of every file's first rows, one product for all: each file's
+    head length and start in them, the unit sketches, their norms and soundness."""
+    import numpy as np
+
+    hidden = raw.shape[1]
+    heads = np.minimum(tokens, prefix.PREFIX_ROWS)
+    head_start = np.zeros(len(tokens), dtype=np.int64)
+    np.cumsum(heads[:-1], out=head_start[1:])
+    pick = np.arange(int(heads.sum())) + np.repeat(tok_start - head_start, heads)
+    head_raw = raw.reshape(-1, n_aux, hidden)[pick].reshape(-1, hidden)
+    values = rows.block(head_raw, 0, rows.buffer(len(head_raw)))[0]
+    sound = np.ones((len(pick), n_aux), dtype=bool)
+    unit, sk_norms, sound = prefix.sketch_heads(values.reshape(-1, n_aux, hidden), sound)
+    return heads, head_start, unit, sk_norms, sound
+
+
 def _group_pass(items: list[Item], done: list[bool]) -> set[int]:
     """The row checks of every file of ``items`` (one dtype, n_aux, hidden), written
     into their reports (``done[k]`` once file ``k``'s are); returns the positions of the
@@ -158,34 +191,8 @@ def _group_pass(items: list[Item], done: list[bool]) -> set[int]:
         for b in range(a + 1, n_aux):
             alone |= np.logical_and.reduceat(keys[:, a] == keys[:, b], tok_start)
 
-    # Every layer's statistics of every file: its norms sorted within each (file,
-    # layer) run, which starts at ``seg`` and holds ``run`` values.
-    norms = np.sqrt(nums.sumsq).reshape(-1, n_aux)
-    srt = norms.ravel()[np.lexsort((norms.ravel(), aux, who))]
-    run = np.repeat(tokens, n_aux)
-    seg = np.repeat(tok_start * n_aux, n_aux) + np.tile(np.arange(n_aux), n_files) * run
-    mid = seg + run // 2
-    odd = run % 2 == 1
-    med = np.where(odd, srt[mid], (srt[mid - 1 + odd] + srt[mid]) / 2).reshape(n_files, n_aux)
-    lo = srt[seg].reshape(n_files, n_aux)
-    hi = srt[seg + run - 1].reshape(n_files, n_aux)
-    mean = np.add.reduceat(norms, tok_start, axis=0) / tokens[:, None]
-    dev = norms - mean[owner]
-    dev *= dev
-    std = np.sqrt(np.add.reduceat(dev, tok_start, axis=0) / tokens[:, None])
-    near = np.add.reduceat(norms < NEAR_ZERO_FRACTION * med[owner], tok_start, axis=0)
-
-    # The prefix sketches of every file's first rows, one product for all.
-    heads = np.minimum(tokens, prefix.PREFIX_ROWS)
-    head_start = np.zeros(n_files, dtype=np.int64)
-    np.cumsum(heads[:-1], out=head_start[1:])
-    pick = np.arange(int(heads.sum())) + np.repeat(tok_start - head_start, heads)
-    head_raw = raw.reshape(-1, n_aux, hidden)[pick].reshape(-1, hidden)
-    values = rows.block(head_raw, 0, rows.buffer(len(head_raw)))[0]
-    sound = np.ones((len(pick), n_aux), dtype=bool)
-    unit, sk_norms, sound = prefix.sketch_heads(values.reshape(-1, n_aux, hidden), sound)
-
-    columns = [x.tolist() for x in (med, mean, std, lo, hi, near)]
+    columns = _group_stats(np.sqrt(nums.sumsq).reshape(-1, n_aux), tokens, tok_start, owner)
+    heads, head_start, unit, sk_norms, sound = _group_heads(raw, rows, tokens, tok_start, n_aux)
     no_dups = [0] * n_aux
     lists = (alone.tolist(), tokens.tolist(), heads.tolist(), head_start.tolist())
     per_file = zip(*lists, strict=True)

@@ -212,10 +212,8 @@ def _fanout(sinks: list[Callable[[Record], None]]) -> Callable[[Record], None]:
     return emit
 
 
-def run(args: argparse.Namespace) -> int:
-    """The ``audit`` subcommand: 0 no corrupt file, 1 corrupt files, 2 usage error (a
-    missing dependency included: exit 1 must only ever mean "corrupt files found")."""
-    err = sys.stderr
+def _usage(args: argparse.Namespace) -> str | None:
+    """What makes the command unable to start (exit 2), before any work."""
     problem = (
         missing_dependency()
         or _output_usage(args)
@@ -226,37 +224,59 @@ def run(args: argparse.Namespace) -> int:
 
         problem = on_ray.missing_dependency()
     if problem:
+        return problem
+    if args.workers is not None and args.workers < 1:
+        return f"vllm-hsfix audit: --workers must be >= 1, got {args.workers}"
+    if not args.stall_timeout >= 0:
+        return f"vllm-hsfix audit: --stall-timeout must be >= 0, got {args.stall_timeout}"
+    return None
+
+
+def _open_outputs(args: argparse.Namespace) -> JsonlWriter | None:
+    """The ``--jsonl`` writer, and every output file tried for writing before the scan
+    (not after hours of it). Raises ``OSError``."""
+    jsonl = JsonlWriter(args.jsonl) if args.jsonl else None
+    for dest in [d for _, d in args.list if d != "-"] + ([args.csv] if args.csv else []):
+        open(dest, "a", encoding="utf-8").close()
+    return jsonl
+
+
+def _say_reference(report: Any, model_dir: str, err: Any) -> None:
+    ref = report.dataset.get("reference")
+    if ref:
+        print(
+            f"reference: {ref['files_compared']} files recomputed with {model_dir} "
+            f"({ref['dtype']}), {ref['files_wrong']} wrong; {ref['seconds_per_file']:.3f} s "
+            f"per file after {ref['model_load_s']:.1f} s to load the model",
+            file=err,
+        )
+        for k, rule in ref.get("conventions", {}).items():
+            print(f"reference: aux id {k} = {rule}", file=err)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``audit`` subcommand: 0 no corrupt file, 1 corrupt files, 2 usage error (a
+    missing dependency included: exit 1 must only ever mean "corrupt files found")."""
+    err = sys.stderr
+    problem = _usage(args)
+    files: list[str] = []
+    if not problem:
+        try:
+            files = expand_paths(args.paths)
+        except FileNotFoundError as exc:
+            problem = f"vllm-hsfix audit: {exc}"
+    if not problem and not files:
+        problem = f"vllm-hsfix audit: no {SUFFIX} files in {' '.join(args.paths)}"
+    if problem:
         print(problem, file=err)
         return 2
-    if args.workers is not None and args.workers < 1:
-        print(f"vllm-hsfix audit: --workers must be >= 1, got {args.workers}", file=err)
-        return 2
-    if not args.stall_timeout >= 0:
-        print(f"vllm-hsfix audit: --stall-timeout must be >= 0, got {args.stall_timeout}", file=err)
-        return 2
-    try:
-        files = expand_paths(args.paths)
-    except FileNotFoundError as exc:
-        print(f"vllm-hsfix audit: {exc}", file=err)
-        return 2
-    if not files:
-        print(f"vllm-hsfix audit: no {SUFFIX} files in {' '.join(args.paths)}", file=err)
-        return 2
     digest = Digest(args.show)
-    sinks: list[Callable[[Record], None]] = [digest]
-    jsonl = None
     try:
-        if args.jsonl:
-            jsonl = JsonlWriter(args.jsonl)
-            sinks.append(jsonl)
-        for _, dest in args.list:  # fail before the scan, not after hours of it
-            if dest != "-":
-                open(dest, "a", encoding="utf-8").close()
-        if args.csv:
-            open(args.csv, "a", encoding="utf-8").close()
+        jsonl = _open_outputs(args)
     except OSError as exc:
         print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
         return 2
+    sinks: list[Callable[[Record], None]] = [digest] + ([jsonl] if jsonl else [])
     reference = None
     if args.reference:
         aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
@@ -280,22 +300,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if jsonl:
             jsonl.close()
-    ref = report.dataset.get("reference")
-    if ref:
-        print(
-            f"reference: {ref['files_compared']} files recomputed with {args.reference} "
-            f"({ref['dtype']}), {ref['files_wrong']} wrong; {ref['seconds_per_file']:.3f} s "
-            f"per file after {ref['model_load_s']:.1f} s to load the model",
-            file=err,
-        )
-        for k, rule in ref.get("conventions", {}).items():
-            print(f"reference: aux id {k} = {rule}", file=err)
+    _say_reference(report, args.reference, err)
     if report.dataset.get("state_note"):
         print(report.dataset["state_note"], file=err)
     stdout_taken = args.json or args.jsonl == "-" or any(d == "-" for _, d in args.list)
-    text = format_human(report, digest)
     # The text summary goes to stdout unless a machine output has it; then to stderr.
-    print(text, file=err if stdout_taken else sys.stdout)
+    print(format_human(report, digest), file=err if stdout_taken else sys.stdout)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     for kind, dest in args.list:

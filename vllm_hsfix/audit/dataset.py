@@ -73,40 +73,54 @@ def dataset_pass(ledger: Ledger, judged: NDArray[Any], findings: Findings) -> di
     for s, (n_aux, hidden) in enumerate(shapes.tolist()):  # ascending, as sorted() gives
         group = shaped[which == s]
         for a in range(n_aux):
-            have = group[ledger.layers[group] > a]
-            vals = ledger.medians(have, a)
-            keep = ~np.isnan(vals)
-            members, vals = have[keep], vals[keep]
-            if len(members) < MIN_FILES_FOR_OUTLIERS:
-                continue
-            med = float(np.median(vals))
-            mad = float(np.median(np.abs(vals - med)))
-            scale = max(MAD_SCALE * mad, REL_FLOOR * abs(med))
-            info["norm_reference"].append(
-                {
-                    "n_aux": n_aux,
-                    "hidden": hidden,
-                    "aux": a,
-                    "files": len(members),
-                    "median": med,
-                    "mad": mad,
-                    "threshold": OUTLIER_MADS * scale,
-                }
-            )
-            if scale <= 0:
-                continue
-            z = np.abs(vals - med) / scale
-            for k in np.flatnonzero(z > OUTLIER_MADS).tolist():
-                v = float(vals[k])
-                ratio = v / med if med else math.inf
-                detail = (
-                    f"aux layer {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
-                    f"median {med:.4g} (robust z {float(z[k]):.1f} > {OUTLIER_MADS:g})"
-                )
-                add_finding(
-                    findings, ledger, int(members[k]), Problem("norm_outlier", SUSPECT, detail)
-                )
+            _norm_outliers(ledger, group, n_aux, hidden, a, info, findings)
     return info
+
+
+def _norm_outliers(
+    ledger: Ledger,
+    group: NDArray[Any],
+    n_aux: int,
+    hidden: int,
+    a: int,
+    info: dict[str, Any],
+    findings: Findings,
+) -> None:
+    """Aux layer ``a`` of the files ``group`` (one shape): files whose median row norm is
+    a robust outlier among theirs."""
+    import numpy as np
+
+    have = group[ledger.layers[group] > a]
+    vals = ledger.medians(have, a)
+    keep = ~np.isnan(vals)
+    members, vals = have[keep], vals[keep]
+    if len(members) < MIN_FILES_FOR_OUTLIERS:
+        return
+    med = float(np.median(vals))
+    mad = float(np.median(np.abs(vals - med)))
+    scale = max(MAD_SCALE * mad, REL_FLOOR * abs(med))
+    info["norm_reference"].append(
+        {
+            "n_aux": n_aux,
+            "hidden": hidden,
+            "aux": a,
+            "files": len(members),
+            "median": med,
+            "mad": mad,
+            "threshold": OUTLIER_MADS * scale,
+        }
+    )
+    if scale <= 0:
+        return
+    z = np.abs(vals - med) / scale
+    for k in np.flatnonzero(z > OUTLIER_MADS).tolist():
+        v = float(vals[k])
+        ratio = v / med if med else math.inf
+        detail = (
+            f"aux layer {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
+            f"median {med:.4g} (robust z {float(z[k]):.1f} > {OUTLIER_MADS:g})"
+        )
+        add_finding(findings, ledger, int(members[k]), Problem("norm_outlier", SUSPECT, detail))
 
 
 def prefix_pass(

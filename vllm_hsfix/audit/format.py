@@ -199,34 +199,36 @@ def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
         elif rep.format == FP8 and not _check_scales(rep, tensors[SCALES_KEY]):
             hs_ok = False
 
-    ti_ok = ti is not None
-    if ti is not None:
-        if ti["dtype"] not in TOKEN_DTYPES:
-            rep.add(
-                "unsupported_dtype",
-                UNSUPPORTED,
-                f"{TOKEN_KEY} dtype {ti['dtype']}: the audit knows I64 token ids only",
-            )
-            ti_ok = False
-        if len(ti["shape"]) != 1:
-            rep.add("bad_shape", CORRUPT, f"{TOKEN_KEY} has shape {ti['shape']}, expected 1-D")
-            ti_ok = False
-        else:
-            rep.n_token_ids = ti["shape"][0]
-            if rep.n_token_ids == 0:
-                ti_ok = False
-                if rep.n_tokens != 0:  # an empty hidden_states already said "empty"
-                    rep.add("empty", CORRUPT, f"{TOKEN_KEY} is empty")
-        known = rep.n_tokens is not None and rep.n_token_ids is not None
-        if known and rep.n_token_ids != rep.n_tokens:
-            rep.token_mismatch = True
-            rep.add(
-                "token_mismatch",
-                CORRUPT,
-                f"{rep.n_token_ids} token_ids for {rep.n_tokens} hidden-state tokens",
-            )
-            ti_ok = False
-    return hs_ok, ti_ok
+    return hs_ok, ti is not None and _check_token_ids(rep, ti)
+
+
+def _check_token_ids(rep: FileReport, ti: dict[str, Any]) -> bool:
+    """``token_ids``: I64, 1-D, not empty, one per hidden-state token."""
+    ok = True
+    if ti["dtype"] not in TOKEN_DTYPES:
+        rep.add(
+            "unsupported_dtype",
+            UNSUPPORTED,
+            f"{TOKEN_KEY} dtype {ti['dtype']}: the audit knows I64 token ids only",
+        )
+        ok = False
+    if len(ti["shape"]) != 1:
+        rep.add("bad_shape", CORRUPT, f"{TOKEN_KEY} has shape {ti['shape']}, expected 1-D")
+        return False
+    rep.n_token_ids = ti["shape"][0]
+    if rep.n_token_ids == 0:
+        ok = False
+        if rep.n_tokens != 0:  # an empty hidden_states already said "empty"
+            rep.add("empty", CORRUPT, f"{TOKEN_KEY} is empty")
+    if rep.n_tokens is not None and rep.n_token_ids != rep.n_tokens:
+        rep.token_mismatch = True
+        rep.add(
+            "token_mismatch",
+            CORRUPT,
+            f"{rep.n_token_ids} token_ids for {rep.n_tokens} hidden-state tokens",
+        )
+        ok = False
+    return ok
 
 
 def _check_encoding(rep: FileReport, hs: dict[str, Any], scales: dict[str, Any] | None) -> bool:

@@ -3,11 +3,9 @@
 The per-file reports are written out as they come (``--jsonl``) and dropped; the
 cross-file checks (:mod:`.dataset`) read, of each judged file, its verdict (kept in
 step with their findings), token count, ``[n_aux, hidden]`` and each aux layer's median
-row norm. One Python object per file held those in about 265 bytes (the object, a tuple
-and an int or float object per value; tracemalloc, 20,000 files): here they are numpy
-columns allocated once for every file of the audit, and the medians one growing array
-of doubles, about 60 bytes a file. A file with no verdict here (pending, or not back
-from its worker yet) takes no part.
+row norm: numpy columns allocated once for the whole audit (an object per file held
+several times as much). A file with no verdict here (pending, or not back from its
+worker yet) takes no part.
 """
 
 from __future__ import annotations

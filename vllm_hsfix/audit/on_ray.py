@@ -1,23 +1,14 @@
 """``audit --ray [ADDRESS]``: the per-file scan as Ray tasks across a cluster's machines.
 
-vLLM's own multi-node backend is Ray, so the clusters that write hidden-states datasets
-already run it. Only the per-file pass is spread: tasks over batches of files (the
-same :func:`.parallel.batches` as the local pool), each returning its files' reports
-with the small per-file sketches; the dataset-level checks (shape majority, norms,
-shared prefixes) stay one reduce on the driver, so the verdicts are the local run's.
-
-The files must be readable at the same path on every node (a shared filesystem). The
-package itself is shipped with the tasks (``runtime_env`` ``py_modules``): the
-workers need numpy, not vllm-hsfix installed, and always run the driver's version.
-
-A worker that dies mid-task (a node lost, OOM, a process killed) makes Ray run the
-task again elsewhere (``max_retries``); a result is only taken from a task that
-finished, so a file is never counted twice nor lost. A task that keeps dying is split
-into one task per file, and a file that still kills its worker is reported
-``unreadable`` like the local pool does. When no task comes back for ``stall_s``
-seconds (a read that never returns: a hung filesystem, a FIFO among the files; a
-cluster with no CPU left for them) the tasks still out are cancelled and the run ends
-with :class:`.parallel.Stalled` naming their files, rather than wait forever.
+Only the per-file pass is spread, as tasks over the same batches as the local pool;
+the dataset-level checks stay one reduce on the driver, so the verdicts are the local
+run's. The files must be at the same path on every node; the package is shipped with
+the tasks (``runtime_env`` ``py_modules``). A task whose worker dies is run again
+(``max_retries``) and results are taken only from finished tasks, so a file is never
+counted twice nor lost; a task that keeps dying is split into one task per file, and
+a file that still kills its worker is reported ``unreadable``. When no task comes back
+for ``stall_s`` seconds the tasks still out are cancelled and the run ends with
+:class:`.parallel.Stalled`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Judging many files in worker processes, in batches (:func:`.batched.audit_files`).
 
-The pool is the one part of the audit with process-level concerns: the start method
-(fork where it is safe, else forkserver or spawn), numpy loaded before forking so the
-workers inherit it, batching (one task per file costs a pickle round trip and a queue
-hop per file: on small files that, not the disk, set the pace), and a worker that dies
-(OOM, a signal) pinned on the file that killed it, not on the files it took down with
-it nor, when no worker can run at all, on any file (see :func:`run_pool`), and a run
-in which nothing comes back for ``stall_s`` seconds ended by :class:`Stalled`, naming
-the batches still out, instead of waiting forever. :func:`batches` and the stall bound
-are shared with the Ray backend.
+The start method (fork where it is safe, else forkserver or spawn), batching (a task
+per file costs a pickle round trip per file), a worker that dies (OOM, a signal)
+pinned on the file that killed it, not on the files it took down nor, when no worker
+can run at all, on any file, and a run in which nothing comes back for ``stall_s``
+seconds ended by :class:`Stalled`, naming the batches still out. :func:`batches` and
+the stall bound are shared with the Ray backend.
 """
 
 from __future__ import annotations
@@ -18,7 +15,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import batched, blas, kernel, wire
+from . import batched, window
+from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
 
 if TYPE_CHECKING:
@@ -67,7 +65,7 @@ def default_workers() -> int:
 
 def batches(sizes: Sequence[int], workers: int) -> list[range]:
     """File indices cut into consecutive tasks (see ``MAX_BATCH_*``), each a range: no
-    object per file (at 10^6 files, lists of indices were 36 MB of the driver)."""
+    object per file in the driver."""
     n = len(sizes)
     per = max(1, min(MAX_BATCH_FILES, -(-n // max(1, workers * TASKS_PER_WORKER))))
     out: list[range] = []
@@ -83,14 +81,13 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
-    """One task: judge each file (``pending`` while its writer holds the lock; small
-    files of one shape as one array, :mod:`.batched`; never raises), the reports packed
-    for the trip to the driver (:mod:`.wire`). ``total_bytes``: the whole audit's size, which
-    decides whether this worker uses the compiled kernel (:func:`.kernel.enable`)."""
+    """One task: judge each file (``pending`` while its writer holds the lock; never
+    raises). ``total_bytes``: the whole audit's size, which decides whether this worker
+    uses the compiled kernel (:func:`.window.enable`)."""
     if total_bytes:
-        kernel.enable(total_bytes)
-    with blas.single_thread():  # whole products for the prefix sketches (:mod:`.blas`)
-        return wire.Reports(batched.audit_files(paths))  # pickled as columns
+        window.enable(total_bytes)
+    with single_blas_thread():  # whole products for the prefix sketches
+        return batched.audit_files(paths)
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:
@@ -136,7 +133,7 @@ def run_pool(
     # The compiled kernel, when the audit is large enough: compiled here once, so forked
     # workers inherit it (others compile or load numba's cache in run_batch).
     total = int(numpy.asarray(sizes).sum())
-    kernel.enable(total)
+    window.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     # A worker that dies breaks the whole pool, so every file still in flight lands
     # here: retry each alone, and only then decide which ones kill a worker.
@@ -180,8 +177,7 @@ def _first_pass(
             for batch in batches(sizes, workers)
         }
         # Popped as they are done, so a future and the reports it holds go once they are
-        # handed on (kept, every file's report stayed until the pool closed: 6 KB a file
-        # of the driver's memory on small files).
+        # handed on, not when the pool closes.
         for batch, fut in _as_done(pool, futures, files, stall_s):
             try:
                 reps = fut.result()

@@ -72,10 +72,8 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
 
 def _first_of_each_file(paths: list[str]) -> list[str]:
     """``paths`` without the later names of a file named more than once (two spellings,
-    a link): one stat per path, the identities in two arrays. The command hands its
-    expanded list back to :func:`audit_paths`: a set of (device, inode) tuples raised
-    the driver's peak by about 260 bytes a file, these arrays and their sort by about
-    115 (tracemalloc, 20,000 named files)."""
+    a link): one stat per path, the (device, inode) identities in two arrays, not a set
+    of tuples (the driver's memory per file)."""
     if len(paths) < 2:
         return paths
     from array import array
@@ -148,134 +146,157 @@ def audit_paths(
     of files comes back for this long the run stops with :class:`.parallel.Stalled`
     (0: wait forever). Raises ``FileNotFoundError`` for a missing path and
     ``ValueError`` for ``workers`` < 1."""
-    import numpy as np
-
     t0 = time.perf_counter()
     files = expand_paths(paths)
     n = default_workers() if workers is None else workers
     if n < 1:
         raise ValueError(f"workers must be >= 1, got {n}")
-    emit = on_record or (lambda r: None)
-    streaming = on_record is not None  # build records only for someone who reads them
-    store = State(os.fspath(state)) if state is not None else None
-    sizes, mtimes = _stats(files)
-    full: list[FileReport | None] = [None] * len(files)
-    ledger = Ledger(len(files))  # what the dataset pass reads of each judged file
-    prefixes = prefix.Store()  # each file's prefix sketches: ids here, rows on disk
+    run = _Run(files, on_record, keep, State(os.fspath(state)) if state is not None else None)
+    run.bar = progress("scan", len(files), int(run.sizes.sum()))
+    try:
+        todo = run.reuse_state()
+        backend = "local"
+        if len(todo):
+            n, backend = run.scan(todo, n, ray, stall_s)
+    finally:
+        run.bar.close()
+        if run.state is not None:
+            run.state.save()
+    dataset, findings = run.dataset_pass(progress, reference)
+    return run.finish(findings, dataset, t0, n, backend)
 
-    def take(i: int, rep: FileReport, cached: bool = False) -> None:
-        if store is not None and not cached and rep.verdict != PENDING:
-            store.put(rep, int(sizes[i]), int(mtimes[i]))
-        if streaming:
-            emit(records.file_record(rep, cached))
+
+class _Run:
+    """One audit's files and what the driver keeps of them as they are judged."""
+
+    def __init__(
+        self, files: list[str], on_record: RecordFn | None, keep: bool, state: State | None
+    ) -> None:
+        self.files, self.keep, self.state = files, keep, state
+        self.emit = on_record or (lambda r: None)
+        self.streaming = on_record is not None  # records only for someone who reads them
+        self.sizes, self.mtimes = _stats(files)
+        self.full: list[FileReport | None] = [None] * len(files)
+        self.ledger = Ledger(len(files))  # what the dataset pass reads of each judged file
+        self.prefixes = prefix.Store()  # each file's prefix sketches: ids here, rows on disk
+        self.reused = 0
+        self.bar: Any = None
+
+    def take(self, i: int, rep: FileReport, cached: bool = False) -> None:
+        """File ``i``'s per-file report: streamed, stored, kept for the dataset pass."""
+        if self.state is not None and not cached and rep.verdict != PENDING:
+            self.state.put(rep, int(self.sizes[i]), int(self.mtimes[i]))
+        if self.streaming:
+            self.emit(records.file_record(rep, cached))
         if rep.verdict != PENDING:
-            ledger.put(i, rep)
-            prefixes.add(i, rep.prefix)
+            self.ledger.put(i, rep)
+            self.prefixes.add(i, rep.prefix)
         rep.prefix = None  # the store holds it now
-        if keep or rep.verdict == PENDING:
-            full[i] = rep
+        if self.keep or rep.verdict == PENDING:
+            self.full[i] = rep
+        self.bar.update(1, rep.bytes)
 
-    scan_bar = progress("scan", len(files), int(sizes.sum()))
+    def reuse_state(self) -> Any:
+        """Take the files ``--state`` supplies; the indices of those left to scan. A file
+        still being written is found where it is judged: here for the state's files."""
+        import numpy as np
 
-    def scanned(i: int, rep: FileReport, cached: bool = False) -> None:
-        take(i, rep, cached)
-        scan_bar.update(1, rep.bytes)
-
-    fresh = np.ones(len(files), dtype=bool)  # to scan: not supplied by the state
-    reused = 0
-    if store is not None:
-        for i, p in enumerate(files):
-            # A file still being written is found where it is judged: in the workers
-            # for the files they scan, here for the ones the state would supply.
-            cached = store.lookup(p, int(sizes[i]), int(mtimes[i]))
+        fresh = np.ones(len(self.files), dtype=bool)
+        if self.state is None:
+            return np.flatnonzero(fresh)
+        for i, p in enumerate(self.files):
+            cached = self.state.lookup(p, int(self.sizes[i]), int(self.mtimes[i]))
             if cached is None:
                 continue
             fresh[i] = False
             if (pending := locked(p)) is not None:
-                scanned(i, pending)
+                self.take(i, pending)
             else:
-                reused += 1
-                scanned(i, cached, cached=True)
-    todo = np.flatnonzero(fresh)  # an array: no int object per file for the whole run
-    backend = "local"
-    if len(todo):
-        paths_todo = [files[i] for i in todo.tolist()]
-        todo_sizes = sizes[todo]
+                self.reused += 1
+                self.take(i, cached, cached=True)
+        return np.flatnonzero(fresh)  # an array: no int object per file for the whole run
+
+    def scan(self, todo: Any, n: int, ray: str | bool | None, stall_s: float) -> tuple[int, str]:
+        """The per-file pass over files ``todo``, here or on Ray: (workers, backend)."""
+        paths_todo = [self.files[i] for i in todo.tolist()]
+        todo_sizes = self.sizes[todo]
 
         def on_result(k: int, rep: FileReport) -> None:
-            scanned(int(todo[k]), rep)
+            self.take(int(todo[k]), rep)
 
-        try:
-            if ray is not None and ray is not False:
-                from . import on_ray
+        if ray is None or ray is False:
+            n = max(1, min(n, len(todo)))
+            run_pool(paths_todo, todo_sizes, n, on_result, stall_s)
+            return n, "local"
+        from . import on_ray
 
-                # Ray's driver prints the cluster's notices (a task retried after its
-                # worker died) on stdout: they would land in a --jsonl - stream.
-                with contextlib.redirect_stdout(sys.stderr):
-                    cluster = on_ray.connect(None if ray is True else str(ray))
-                    try:
-                        n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
-                    finally:
-                        cluster.shutdown()
-                backend = "ray"
-            else:
-                n = max(1, min(n, len(todo)))
-                run_pool(paths_todo, todo_sizes, n, on_result, stall_s)
-        finally:
-            del paths_todo, todo_sizes
-            scan_bar.close()
-            if store is not None:
-                store.save()
-    else:
-        scan_bar.close()
-        if store is not None:
-            store.save()
+        # Ray's driver prints the cluster's notices (a task retried after its worker
+        # died) on stdout: they would land in a --jsonl - stream.
+        with contextlib.redirect_stdout(sys.stderr):
+            cluster = on_ray.connect(None if ray is True else str(ray))
+            try:
+                n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
+            finally:
+                cluster.shutdown()
+        return n, "ray"
 
-    # Files of a format the audit does not know have no rows read: they take no part
-    # in the cross-file checks (their verdict stays ``unsupported``).
-    judged = ledger.judged()
-    findings: Findings = {}
-    dataset: dict = {}
-    if len(judged):
+    def dataset_pass(
+        self, progress: Factory, reference: Reference | None
+    ) -> tuple[dict[str, Any], Findings]:
+        """The cross-file checks over the judged files (files of a format the audit does
+        not know take no part: they stay ``unsupported``)."""
+        import numpy as np
+
+        judged = self.ledger.judged()
+        findings: Findings = {}
+        if not len(judged):
+            self.prefixes.close()
+            return {}, findings
         bar = progress("norms", len(judged))
-        dataset = dataset_pass(ledger, judged, findings)
+        dataset = dataset_pass(self.ledger, judged, findings)
         bar.update(len(judged))
         bar.close()
         bar = progress("prefix", len(judged))
-        positions = np.full(len(files), -1, dtype=np.int64)
+        positions = np.full(len(self.files), -1, dtype=np.int64)
         positions[judged] = np.arange(len(judged))
-        with prefixes:  # its temporary files go now
+        with self.prefixes:  # its temporary files go now
             dataset["prefix"] = prefix_pass(
-                ledger, judged, findings, prefixes, positions, bar.update
+                self.ledger, judged, findings, self.prefixes, positions, bar.update
             )
         bar.close()
         if reference is not None:
-            _reference_pass(files, ledger, judged, findings, reference, dataset, progress)
-    final = ledger.verdicts()
-    for i, problems in sorted(findings.items()):
-        if full[i] is not None:
-            for pr in problems:
-                full[i].add(pr.code, pr.severity, pr.detail)  # type: ignore[union-attr]
-        emit(records.update_record(files[i], final[i], problems))  # type: ignore[arg-type]
+            _reference_pass(self.files, self.ledger, judged, findings, reference, dataset, progress)
+        return dataset, findings
 
-    verdicts = [
-        (p, v if v is not None else full[i].verdict)  # type: ignore[union-attr]
-        for i, (p, v) in enumerate(zip(files, final, strict=True))
-    ]
-    report = AuditReport(
-        files=[r for r in full if r is not None] if keep else [],
-        wall_s=time.perf_counter() - t0,
-        workers=n,
-        dataset=dataset,
-        backend=backend,
-        reused=reused,
-        verdicts=verdicts,
-        total_bytes=int(sizes.sum()),
-    )
-    if store is not None and store.note:
-        report.dataset["state_note"] = store.note
-    emit(records.summary_record(report))
-    return report
+    def finish(
+        self, findings: Findings, dataset: dict[str, Any], t0: float, n: int, backend: str
+    ) -> AuditReport:
+        """The dataset checks' updates streamed and applied; the report; the summary."""
+        final = self.ledger.verdicts()
+        full = self.full
+        for i, problems in sorted(findings.items()):
+            if full[i] is not None:
+                for pr in problems:
+                    full[i].add(pr.code, pr.severity, pr.detail)  # type: ignore[union-attr]
+            self.emit(records.update_record(self.files[i], final[i], problems))  # type: ignore[arg-type]
+        verdicts = [
+            (p, v if v is not None else full[i].verdict)  # type: ignore[union-attr]
+            for i, (p, v) in enumerate(zip(self.files, final, strict=True))
+        ]
+        report = AuditReport(
+            files=[r for r in full if r is not None] if self.keep else [],
+            wall_s=time.perf_counter() - t0,
+            workers=n,
+            dataset=dataset,
+            backend=backend,
+            reused=self.reused,
+            verdicts=verdicts,
+            total_bytes=int(self.sizes.sum()),
+        )
+        if self.state is not None and self.state.note:
+            report.dataset["state_note"] = self.state.note
+        self.emit(records.summary_record(report))
+        return report
 
 
 def _reference_pass(

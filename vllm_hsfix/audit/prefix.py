@@ -1,44 +1,33 @@
 """Shared-prefix consistency: catching files that hold other blocks' memory, no reference.
 
-A token's hidden state depends only on the tokens before it (causal attention and
-causal linear attention alike). So every file whose prompt starts with the same k
-token ids must hold the same first k rows (per aux layer), up to numerical noise;
-chat-templated datasets start every prompt with the same template tokens. Files that
-vLLM 0.24.0 filled from other blocks' memory look like real hidden states (no zeros,
-no NaN, plausible norms) but disagree with every correct file on those rows.
+A token's hidden state depends only on the tokens before it, so every file whose
+prompt starts with the same k token ids must hold the same first k rows (per aux
+layer), up to numerical noise. Files filled from other blocks' memory look like real
+hidden states but disagree with every correct file on those rows.
 
-How it stays near disk speed and bounded in memory on 10^6 files:
+* A worker keeps each file's first ``PREFIX_ROWS`` token ids and a fixed random
+  projection (``SKETCH_DIM`` numbers) of those rows; a Gaussian projection keeps
+  distances to about 1/sqrt(``SKETCH_DIM``), far inside the gap between agreeing and
+  wrong rows. The driver holds them in :mod:`.prefix_columns` until this pass.
+* Files are sorted by those ids; neighbours' common prefixes give, for every position,
+  the groups of files that share the tokens up to it.
+* Per group and aux layer, a consensus is formed only from sound rows (not zero, not
+  NaN) and only by a strict majority of a sample of the group agreeing within
+  ``TOLERANCE``. Files that disagree are flagged at their first disagreeing position;
+  a group with no consensus is flagged whole (none can be taken as the reference).
 
-* while a worker scans a file it also keeps its first ``PREFIX_ROWS`` token ids and a
-  random projection (``SKETCH_DIM`` numbers, fixed seed) of each of those rows: about
-  4 KB per file instead of the rows themselves. A Gaussian projection preserves
-  distances to within ~1/sqrt(``SKETCH_DIM``) relative error, far below the gap between
-  agreeing rows (bf16 batch noise, measured 0.00-0.07) and wrong ones (1.0 and more).
-  The driver keeps the token ids in memory and the sketches on disk until this pass
-  (:mod:`.prefix_columns`), which reads them back a group chunk at a time;
-* files are sorted by those token ids; neighbours' longest common prefixes give, for
-  every position p, the groups of files that share tokens 0..p (a trie, walked as runs
-  of the sorted order);
-* per group and aux layer, a consensus is formed only from rows that are themselves
-  sound (not zero, not NaN) and only by a strict majority of a sample of the group
-  that agree with each other within ``TOLERANCE``; a bare plurality is no consensus.
-  Files that disagree with the consensus are flagged with the first disagreeing
-  position. Where there is no consensus (a dataset written by a broken vLLM: every
-  file wrong in its own way), every file of the group is flagged and none is taken as
-  the reference.
-
-What it cannot catch: a file that shares no prefix with any other (nothing to compare
-with; counted as ``unchecked``), and rows past the shared prefix.
+It cannot catch a file that shares no prefix with another (``unchecked``) or rows
+past the shared prefix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import blas
 from .prefix_columns import Columns
 
 if TYPE_CHECKING:
@@ -48,10 +37,9 @@ Tick = Callable[[int], None]  # progress: ``tick(n)`` after n more files are don
 
 PREFIX_ROWS = 16
 SKETCH_DIM = 32
-# Agreeing rows differ by bf16 batch noise: measured up to 0.07 (relative L2, between
-# files a correct vLLM wrote in different batches, through the sketch); rows from other
-# blocks' memory differ by 1.0 or more. The tolerance sits between, with margin for the
-# sketch's own error.
+# Agreeing rows differ by batch noise, rows from other blocks' memory by 1.0 and more
+# (relative L2; docs/audit.md): the tolerance sits between, with room for the sketch's
+# own error.
 TOLERANCE = 0.3
 CONSENSUS_SAMPLE = 16
 _SEED = 0x48534658
@@ -66,15 +54,46 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
     return (rng.standard_normal((hidden, SKETCH_DIM)) / np.sqrt(SKETCH_DIM)).astype(np.float32)
 
 
-def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
-    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM].
+_one_blas_thread = False
 
-    One 2-D product where BLAS runs on one thread (:mod:`.blas`, the audit's workers);
-    elsewhere one small product per token, which stays single-threaded in BLAS: a whole
-    product is large enough for OpenBLAS to start its threads, which spin (two workers
-    on two cores then ran 10x slower, measured)."""
+
+@lru_cache(maxsize=1)
+def _blas_controller() -> Any:
+    """threadpoolctl's view of this process's thread pools (found once: a fresh look at
+    the loaded libraries costs half a millisecond), or None without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    return ThreadpoolController()
+
+
+@contextlib.contextmanager
+def single_blas_thread() -> Iterator[bool]:
+    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged.
+
+    A whole 2-D product is the fastest way to make a file's sketches, but one that large
+    makes OpenBLAS start threads that spin, which slows parallel workers many times over;
+    where the thread count cannot be set the sketches are made one token at a time."""
+    global _one_blas_thread
+    controller = _blas_controller()
+    if controller is None or _one_blas_thread:
+        yield _one_blas_thread
+        return
+    with controller.limit(limits=1, user_api="blas"):
+        _one_blas_thread = True
+        try:
+            yield True
+        finally:
+            _one_blas_thread = False
+
+
+def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
+    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM]:
+    one 2-D product inside :func:`single_blas_thread`, else one small product per token
+    (small enough that BLAS stays on one thread)."""
     matrix = sketch_matrix(rows.shape[-1])
-    if blas.on():
+    if _one_blas_thread:
         return (rows.reshape(-1, rows.shape[-1]) @ matrix).reshape(*rows.shape[:-1], SKETCH_DIM)
     return rows @ matrix
 

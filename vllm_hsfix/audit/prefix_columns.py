@@ -1,23 +1,14 @@
 """Where the files' prefix sketches wait for the dataset pass: token ids in memory, rows on disk.
 
-The shared-prefix check (:mod:`.prefix`, whose ``Store`` holds one :class:`Columns` per
-shape) needs every file's first token ids (to sort and group the files) and, per group,
-the sketches of one position. The token ids stay in memory (about 120 bytes a file with
-its soundness and index: int32 ids where they fit); the sketches (about 4 KB a file with
-4 aux layers, 16 positions) go to an unnamed temporary file per ``[n_aux, hidden]``
-shape as the files are judged, and are read back with ``pread``, a group at a time. So
-the driver's memory no longer grows by kilobytes per file: at speculators' 10^6 files
-the sketches alone were 4-5 GB of it. The file is written a chunk of 1,024 files at a
-time, position by position within the chunk: one position of a group's files is then one
-block of each chunk (read whole where many of its files are wanted), not every file's
-whole record. Reads, not a memory map: mapping the page cache brought whole large folios
-into the resident set (a sample of 16 files mapped 8-12 MB; a 20,000-file audit's peak
-RSS rose 26 MB in this pass).
-
-The temporary files live in the system's temporary directory (``TMPDIR``) and are gone
-when the audit ends, or when the process does. Where one cannot be created or written
-(a full disk), the sketches stay in memory instead, as before: slower to hold, never an
-error.
+The shared-prefix check (:mod:`.prefix`, one :class:`Columns` per ``[n_aux, hidden]``
+shape) needs every file's first token ids (to sort and group the files) and, per
+group, the sketches of one position. The ids stay in memory; the sketches (kilobytes a
+file) go to an unnamed temporary file in ``TMPDIR`` as the files are judged, written a
+chunk of files at a time, position by position within the chunk, and are read back
+with ``pread`` a group at a time (one position of a group is then a block of each
+chunk). Reads, not a memory map, which would bring large page-cache folios into the
+resident set. Where no temporary file can be made or written (a full disk) the
+sketches stay in memory: slower to hold, never an error.
 """
 
 from __future__ import annotations
@@ -148,7 +139,7 @@ class Columns:
         """Files ``at`` of chunks ``chunk`` at ``position``, read with ``pread``: per
         chunk, this position's whole block where many of its files are wanted, else
         each file's cell. Reads, not a memory map: a mapped page cache brings whole
-        large folios into the resident set (a sample of 16 files mapped 8-12 MB)."""
+        large folios into the resident set."""
         import os
 
         import numpy as np

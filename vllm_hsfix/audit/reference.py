@@ -1,23 +1,15 @@
 """``vllm-hsfix audit --reference MODEL_DIR``: recompute a sample of files and compare.
 
-The shared-prefix check needs no model but cannot see a file that shares no prefix
-with another. With the verifier's weights at hand, a ``transformers`` forward of the
-saved token ids gives the true hidden states, and every row of a sampled file is
-compared with it: relative L2 error under ``THRESHOLD`` is a correct row (measured on
-vLLM's bf16 output against an fp32 forward: correct rows 0.01-0.12, wrong rows 1.0-2.1).
-
-Which state an aux layer id names is vLLM's convention, not transformers': aux id
-k < num_hidden_layers is the input of decoder layer k, ``hidden_states[k]`` of
-``output_hidden_states=True``; aux id k == num_hidden_layers (speculators always adds
-it) is the output of the LAST decoder layer BEFORE the final norm, while
-transformers' ``hidden_states[num_hidden_layers]`` is after the norm. That one is
-taken with a forward hook on the last decoder layer (:func:`conventions` says which
-rule each id follows; the report prints it). Files are read through
-:func:`.decode.read_rows`, so fp8 files are compared de-quantized.
-
-Of ``audit``, only this module imports torch and transformers, and only when
-``--reference`` is given. The end-to-end harness (``demo/e2e.py``) compares vLLM's
-output through the same ``load_model`` / ``aux_rows`` / ``row_errors``.
+The shared-prefix check cannot see a file that shares no prefix with another. With the
+verifier's weights, a ``transformers`` forward of the saved token ids gives the true
+hidden states; a sampled file's row whose relative L2 error is ``THRESHOLD`` or more
+is wrong (docs/audit.md). Aux id k < num_hidden_layers is the input of decoder layer k
+(``hidden_states[k]``); aux id k == num_hidden_layers (speculators always adds it) is
+the last decoder layer's output BEFORE the final norm, taken with a forward hook
+(:func:`conventions` says which rule each id follows). Files are read through
+:func:`.decode.read_rows` (fp8 de-quantized). Only this module of ``audit`` imports
+torch and transformers; ``demo/e2e.py`` compares vLLM's output through the same
+``load_model`` / ``aux_rows`` / ``row_errors``.
 """
 
 from __future__ import annotations

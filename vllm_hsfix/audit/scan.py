@@ -46,15 +46,12 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _local = threading.local()  # the window buffer (:func:`_window_buffer`)
 
-# Bytes of rows read at once into one reused buffer (larger files are read window by
-# window, so the resident set stays near this size whatever the file size). Reads, not
-# a memory map: as fast (measured on 1-30 MB files in the page cache), and a file that
-# shrinks mid-scan is a short read (a finding), not a SIGBUS that kills the worker.
+# Bytes of rows read at once into one reused buffer, so the resident set stays near this
+# size whatever the file size. Reads, not a memory map: a file that shrinks mid-scan is
+# a short read (a finding), not a SIGBUS that kills the worker.
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read() (what ``cat`` does; the small
-# files :mod:`.batched` judges a group at a time); larger ones window by window into
-# the thread's buffer. Whole reads of files up to 8 MB, each into fresh memory, ran at
-# 0.58 of ``cat`` against 0.68 with this limit (bf16 corpus, kernel on, EPYC).
+# Files up to this size are read whole with one read() (the small files :mod:`.batched`
+# judges a group at a time); larger ones window by window into the thread's buffer.
 WHOLE_FILE_BYTES = 1024 * 1024
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
@@ -115,6 +112,23 @@ def _scan_hidden(
                 raw = part.view(rows.raw_dtype).reshape(n, hidden)
                 window.fill(scan, raw, rows, t0 * n_aux, cols, mult)
 
+    _row_findings(rep, scan, path, offset, rows, shape, token_ids)
+
+
+def _row_findings(
+    rep: FileReport,
+    scan: window.RowNumbers,
+    path: str,
+    offset: int,
+    rows: Rows,
+    shape: tuple[int, int, int],
+    token_ids: NDArray[Any] | None,
+) -> None:
+    """The findings and statistics of a file from its rows' numbers."""
+    import numpy as np
+
+    n_tokens, n_aux, _ = shape
+    n_rows = n_tokens * n_aux
     rep.nan_count, rep.inf_count = scan.nan, scan.inf
     zero = scan.zero.reshape(n_tokens, n_aux)
     bad = scan.bad.reshape(n_tokens, n_aux)
@@ -139,10 +153,10 @@ def _scan_hidden(
     keys = scan.keys.reshape(n_tokens, n_aux)
     skip = zero | bad
     dups = repeats.duplicates(rep, keys, skip, path, offset, rows, ids)
-    repeats.identical_aux(rep, keys, skip, path, offset, row_bytes)
+    repeats.identical_aux(rep, keys, skip, path, offset, rows.row_bytes)
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
-    if with_prefix and n_tokens:
+    if token_ids is not None and len(token_ids) == n_tokens and n_tokens:
         rep.prefix = prefix.from_head(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
     near_zero(rep)

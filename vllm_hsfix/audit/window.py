@@ -2,25 +2,47 @@
 
 Per row: the squared norm, a cheap key (sampled columns; equal keys are confirmed by
 :mod:`.repeats`), and whether it is all zero or holds NaN/Inf. They come from the
-compiled kernel (:mod:`.kernel`: numba, large audits) in one pass over the stored
-bits, or from numpy: each window converted in small float32 blocks by :mod:`.decode`
-(fp8 rows de-quantized there), then reduced (:func:`_block_rows`). A window with a zero
-or non-finite row always takes the numpy path, which tells an all-zero row from
-underflow and NaN/Inf from overflow. The first rows of a file are also kept as values
+compiled kernel (:mod:`.kernel`, numba, audits of at least ``MIN_BYTES``) in one pass
+over the stored bits, or from numpy: each window converted in small float32 blocks by
+:mod:`.decode`, then reduced (:func:`_block_rows`). A window with a zero or non-finite
+row always takes the numpy path, which tells an all-zero row from underflow and NaN/Inf
+from overflow. The first rows of a file are also kept as values
 (:attr:`RowNumbers.head`), the shared-prefix check's input.
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from . import kernel
-from .decode import Rows
+from .decode import Rows, fp8_e4m3fn_table
 from .format import HIDDEN_INT
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+# Audits of fewer bytes use the numpy path: the kernel's load (numba's import, and its
+# first compile on a machine) is repaid only past this size. ``KERNEL_ENV=0``: never.
+MIN_BYTES = 1024 * 1024 * 1024
+KERNEL_ENV = "VLLM_HSFIX_AUDIT_KERNEL"
+_kernel: Any = None  # the loaded :mod:`.kernel` once :func:`enable` succeeded; False: failed
+
+
+def enable(total_bytes: int) -> bool:
+    """Use the compiled kernel in this process's scans when an audit of ``total_bytes``
+    repays its load and it loads here (numba installed, not switched off); whether on."""
+    global _kernel
+    if _kernel is None and total_bytes >= MIN_BYTES and os.environ.get(KERNEL_ENV) != "0":
+        try:
+            from . import kernel
+
+            kernel.warm(fp8_e4m3fn_table())
+            _kernel = kernel
+        except Exception:  # no numba, or it fails here: the numpy path, never an error
+            _kernel = False
+    return bool(_kernel)
+
 
 # float32 working block: conversion and the row sums stay in the CPU caches.
 BLOCK_BYTES = 1024 * 1024
@@ -128,7 +150,7 @@ def fill(
     values then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
-    if kernel.ON and _kernel_rows(nums, raw, rows, row0, cols, mult):
+    if _kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
     n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
@@ -156,25 +178,30 @@ def _kernel_rows(
     cols: NDArray[Any],
     mult: NDArray[Any],
 ) -> bool:
-    """The window's squared norms and row keys from the compiled kernel
-    (:mod:`.kernel`), its head rows as the numpy path keeps them. False when the kernel
-    cannot take this format here or a row needs the closer look of
-    :func:`_block_rows` (a zero or non-finite sum): the numpy path then does the
-    window again, overwriting what the kernel filled."""
+    """The window's squared norms and row keys from the compiled kernel, its head rows
+    from :meth:`.decode.Rows.block`. False when the kernel does not take this dtype or
+    a row needs the closer look of :func:`_block_rows` (a zero or non-finite sum): the
+    numpy path then does the window again, overwriting what the kernel filled."""
     n = raw.shape[0]
-    factor = rows.factor(row0, n) if rows.fp8 else None
-    stored = raw.view(HIDDEN_INT["BF16"]) if rows.dtype == "BF16" else raw
     sumsq, keys = nums.sumsq[row0 : row0 + n], nums.keys[row0 : row0 + n]
-    odd = kernel.rows(stored, rows.dtype, factor, cols, mult, sumsq, keys)
-    if odd is None or odd:
+    if rows.dtype == "BF16":
+        odd = _kernel.bf16(raw.view(HIDDEN_INT["BF16"]), cols, mult, sumsq, keys)
+    elif rows.dtype == "F32":
+        odd = _kernel.f32(raw, cols, mult, sumsq, keys)
+    elif rows.fp8:
+        scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
+        odd = _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys)
+    else:
         return False
-    if row0 < len(nums.head):  # the head rows as values (compiled where it can be)
+    if odd:
+        return False
+    if row0 < len(nums.head):
         take = min(len(nums.head) - row0, n)
         head = nums.head[row0 : row0 + take]
-        if not kernel.values(
-            stored[:take], rows.dtype, None if factor is None else factor[:take], head
-        ):
-            _keep_head(nums, row0, rows.block(raw[:take], row0, rows.buffer(take))[0])
+        if rows.fp8:
+            _kernel.fp8_values(rows.table, raw[:take], rows.row_scales[row0 : row0 + take], head)
+        else:
+            rows.into(raw[:take], head)
     return True
 
 
