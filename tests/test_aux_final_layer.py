@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import pytest
 import torch
 from conftest import CACHE, clean_env
 from safetensors.torch import load_file
+from support import commands
 from support import speculators as spec
 
 from hsfix_demo import e2e, tiny_model
@@ -189,13 +189,11 @@ def test_without_the_row_the_launchers_ids_kill_the_worker(model: Path, tmp_path
 
 def repair(dataset: Path, model: Path, work: Path, **env: str) -> Any:
     """``vllm-hsfix repair`` as a user types it, with the CPU build's setting."""
-    cmd = [
-        sys.executable, "-m", "vllm_hsfix", "repair", str(dataset), "--model", str(model),
-        "--aux-layers", "2,4", "--state", str(work / "repair.jsonl"), "--no-progress",
-    ]  # fmt: skip
-    run_env = clean_env(**CPU_ENV, **env)
-    run_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the repair sizes the KV cache itself
-    return subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
+    return commands.repair(
+        str(dataset), "--model", str(model), "--aux-layers", "2,4",
+        "--state", str(work / "repair.jsonl"), "--no-progress",
+        env=clean_env(**CPU_ENV, VLLM_CPU_KVCACHE_SPACE=None, **env), timeout=600,
+    )  # fmt: skip
 
 
 def test_repair_regenerates_what_was_written_without_the_row(

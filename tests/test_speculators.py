@@ -20,16 +20,15 @@ flags, every one.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import CACHE, clean_env, declared
+from conftest import CACHE, declared
 from support import hsrows
 from support import speculators as spec
+from support.commands import cli
 
 from hsfix_demo import tiny_model
 from vllm_hsfix.patches import by_id
@@ -111,11 +110,10 @@ def audit(out: Path, model: Path, aux: list[int], sample: str = "8") -> tuple[in
     """``vllm-hsfix audit --reference`` on ``sample`` files (all with ``1.0``): wrong
     files holding other blocks' memory that shares no prefix with another file are
     seen only by the reference."""
-    cmd = [
-        sys.executable, "-m", "vllm_hsfix", "audit", str(out), "--json", "--no-progress",
-        "--reference", str(model), "--aux-layers", ",".join(map(str, aux)), "--sample", sample,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=900)
+    proc = cli(
+        "audit", str(out), "--json", "--no-progress", "--reference", str(model),
+        "--aux-layers", ",".join(map(str, aux)), "--sample", sample, timeout=900,
+    )  # fmt: skip
     return proc.returncode, json.loads(proc.stdout)
 
 

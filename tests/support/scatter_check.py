@@ -1,16 +1,14 @@
-"""What tests/test_gpu.py runs its checks with (test_gpu_check.py uses them too): the
-replacement under test (vllm-hsfix's, or a planted wrong one), the releases' own
-``basic_cache`` compiled from their files, and a padded batch with a live request in
-the last block, with the byte-exact expectations built from it. The switches
-(``VLLM_HSFIX_CHECK_PLANT``, ``VLLM_HSFIX_RELEASE_CODE``,
-``VLLM_HSFIX_REQUIRE_RELEASE_CODE``) are described in test_gpu.py.
-"""
+"""What test_gpu.py (and test_gpu_check.py) check the scatter with: the replacement under
+test (vllm-hsfix's, or a planted wrong one), the releases' own ``basic_cache`` compiled
+from their files, and a padded batch with a live request in the last block, with
+byte-exact expectations built from it. The switches are described in test_gpu.py."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import os
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,17 +72,19 @@ def replacement(shape: str) -> Scatter:
 RELEASE_SHAPES = {"0.17.0": "flat-view", "0.22.0": "2d-index", "0.24.0": "2d-index"}
 
 
-def _release_code_module() -> types.ModuleType:
-    """``scripts/gpu_release_code.py`` (not a package), loaded by path."""
-    path = ROOT / "scripts" / "gpu_release_code.py"
-    spec = importlib.util.spec_from_file_location("gpu_release_code", path)
+def load_script(path: Path) -> types.ModuleType:
+    """A script that is not in a package, imported by path (once)."""
+    if path.stem in sys.modules:
+        return sys.modules[path.stem]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
 
-RELEASE_CODE = _release_code_module()
+RELEASE_CODE = load_script(ROOT / "scripts" / "gpu_release_code.py")
 
 
 def release_dir() -> Path:
