@@ -207,44 +207,36 @@ def distributed(vllm_config: Any) -> Any:
     return layer
 
 
+# A buffer in the hidden-states group's layout with its block size is taken; another
+# block size is named; 0.29's head-major layout ([blocks, heads, block_size, head])
+# under 0.24's connector is named as such, not as a plain size mismatch (issue 18.7).
+BUFFERS = {
+    "block 22": ((4, 22, 3, 256), None),
+    "block 528": ((4, 528, 3, 256), "block dimension 528"),
+    "block 16": ((4, 16, 3, 256), "block dimension 16"),
+    "head-major": ((4, 3, 22, 256), r"head-major .*\(4, 3, 22, 256\)|22, 256\) is head-major"),
+}
+
+
 @needs_connector_patch
-@pytest.mark.parametrize(("buffer_block", "ok"), [(22, True), (528, False), (16, False)])
+@pytest.mark.parametrize("name", list(BUFFERS))
 def test_register_kv_caches_checks_the_buffer(
-    patched: Any, vllm_config: Any, distributed: Any, buffer_block: int, ok: bool
+    patched: Any, vllm_config: Any, distributed: Any, name: str
 ) -> None:
     module = importlib.import_module(CONNECTOR_MODULE)
     assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
     )
-    buffer = torch.zeros(4, buffer_block, 3, 256, dtype=torch.bfloat16)
+    shape, error = BUFFERS[name]
+    buffer = torch.zeros(*shape, dtype=torch.bfloat16)
     try:
-        if ok:
+        if error is None:
             conn.register_kv_caches({"cache_only_layers.0": buffer})
             assert conn._kv_cache is buffer and conn._hs_group_idx == 1
         else:
-            with pytest.raises(ValueError, match=f"block dimension {buffer_block}"):
+            with pytest.raises(ValueError, match=error):
                 conn.register_kv_caches({"cache_only_layers.0": buffer})
-    finally:
-        conn._executor.shutdown(wait=False)
-
-
-@needs_connector_patch
-def test_a_head_major_buffer_fails_with_the_real_reason(
-    patched: Any, vllm_config: Any, distributed: Any
-) -> None:
-    """Issue 18.7: a buffer in 0.29's head-major layout ([blocks, heads, block_size,
-    head]) under 0.24's connector is named as such, not as a plain size mismatch."""
-    module = importlib.import_module(CONNECTOR_MODULE)
-    conn = module.ExampleHiddenStatesConnector(
-        vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
-    )
-    buffer = torch.zeros(4, 3, 22, 256, dtype=torch.bfloat16)
-    try:
-        with pytest.raises(
-            ValueError, match=r"head-major .*\(4, 3, 22, 256\)|\(4, 3, 22, 256\) is head-major"
-        ):
-            conn.register_kv_caches({"cache_only_layers.0": buffer})
     finally:
         conn._executor.shutdown(wait=False)
 

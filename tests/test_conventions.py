@@ -1,22 +1,12 @@
 """Every wrapper behaves like the function it replaces, however it is called (issue 26.3),
-and the patched classes carry upstream's interface (issue 26.2). On the real vLLM classes.
+and the patched classes carry upstream's interface (issue 26.2), on the real classes.
 
-1. For every attribute an applied patch replaces or adds, on the installed release: the
-   same calls are made twice, once to a spy of the target's kind (plain function,
-   ``classmethod``, ``staticmethod``) installed where the target lives, once to that spy
-   inside our wrapper type installed the same way. The spy must receive exactly the same
-   arguments both times, and the wrapper must see the ``instance`` Python binds (the
-   object, the class, or ``None``). Calls: bound; through the class with an explicit
-   instance; through the class with an explicit object that is not an instance (Python
-   passes it as ``self``); ``super()`` from a subclass that overrides; a subclass that
-   only inherits (also hs-connectors' ``FP8HiddenStatesConnector`` where installed);
-   construction for ``__init__``; subscription for ``__getitem__``; module functions
-   called through the module and through a name bound from it.
-2. The patches' own bodies under those conventions: the connector's helpers and
-   ``__init__`` (also inherited by FP8HiddenStatesConnector), the abort answers on a
-   bare instance called through the class, the CPU runner's zeroing on a stand-in
-   object passed as ``self`` (what vLLM's later ``test_kv_block_zeroer`` does).
-"""
+1. Every attribute an applied patch replaces or adds: the same calls (bound, through
+   the class, ``super()``, a subclass, construction, subscription, through a module)
+   reach a spy of the target's kind the same way, plain and inside our wrapper, and the
+   wrapper sees the ``instance`` Python binds.
+2. The patches' own bodies called by those conventions (also through hs-connectors'
+   ``FP8HiddenStatesConnector``, and a stand-in passed as ``self``)."""
 
 from __future__ import annotations
 

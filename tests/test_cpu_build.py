@@ -1,13 +1,8 @@
 """``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` on the real installed vLLM.
 
-The connector is vLLM's own class, built through its live ``__init__``; the save is
-driven through its own ``wait_for_save`` / ``get_finished`` / ``load_hidden_states``,
-so the file, the thread pool and the ``.lock`` protocol are the release's. What the
-file must hold is worked out in ``save_case`` from block ids and slot arithmetic, not
-by calling vLLM. The sampler is the release's CPU stand-in, called as the rejection
-sampler calls it, against an argmax computed here with torch. The end-to-end proof (a
-user's script, row by row against transformers) is ``test_user_script.py``.
-"""
+The save runs through the release's own connector methods, file and ``.lock`` protocol;
+what the file must hold comes from block ids and slot arithmetic (``save_case``). The
+sampler is the release's CPU stand-in, called as the rejection sampler calls it."""
 
 from __future__ import annotations
 
@@ -23,8 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CACHE, CONNECTOR_MODULE, INSTALL
+from conftest import CONNECTOR_MODULE, INSTALL
 from support.lockfile import held
+from support.skeletons import CONN, RELEASES, SKELETONS
 
 from vllm_hsfix import checks, releases
 from vllm_hsfix.patches import cpu_connector_save as save
@@ -53,12 +49,7 @@ def expected_save_shape(release: str) -> str | None:
     return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
 
 
-SKELETONS = CACHE / "cuda-skeletons"
-CONNECTOR_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
-SKELETON_RELEASES = sorted(
-    (d.name.split("-", 1)[1] for d in SKELETONS.glob("vllm-*") if (d / CONNECTOR_FILE).exists()),
-    key=releases.key,
-)
+SKELETON_RELEASES = [r for r in RELEASES if (SKELETONS / f"vllm-{r}" / CONN).exists()]
 
 
 @pytest.mark.skipif(not SKELETON_RELEASES, reason=f"no release files under {SKELETONS}")
@@ -68,7 +59,7 @@ def test_the_save_path_probe_on_every_release_file_there_is() -> None:
     refused, so ``status`` on any of them tells the truth."""
     seen = {}
     for release in SKELETON_RELEASES:
-        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONNECTOR_FILE), save.probe_tree)
+        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONN), save.probe_tree)
         want = expected_save_shape(release)
         assert p.shape == want and p.fixed == (want is None), (release, p)
         seen[release] = p.shape
@@ -260,19 +251,13 @@ def test_the_release_sampler_rejects_the_keyword_its_caller_passes() -> None:
 
 @needs_sampler
 def test_the_patched_sampler_recovers_the_right_tokens(patched: Any) -> None:
+    """... and hands every other kernel out unchanged."""
     module = _sampler_module()
     assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
     assert sampler.check_recovered_tokens(module) == []
-
-
-@needs_sampler
-def test_other_kernels_are_handed_out_unchanged(patched: Any) -> None:
-    module = _sampler_module()
-    assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
     assert module.expand_kernel[(1,)] is module.expand_kernel.func
-    assert module.sample_recovered_tokens_kernel[(1,)] is not (
-        module.sample_recovered_tokens_kernel.func
-    )
+    kernel = module.sample_recovered_tokens_kernel
+    assert kernel[(1,)] is not kernel.func
 
 
 @needs_sampler

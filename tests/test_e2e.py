@@ -1,15 +1,10 @@
 """End to end on the real vLLM: the hidden states it writes, against a reference.
 
-Marked ``e2e`` (minutes: one vLLM run is 40-60 s on 2 cores). The runner runs them
-on 0.24.0 (affected) and 0.25.0 (fixed). An "unpatched" run turns off every patch but
-the two without which vLLM's CPU build saves nothing (``e2e.CPU_RUN_PATCHES``): it
-shows what the release saves. A user's script with vllm-hsfix wholly off is
-``test_user_script.py``. The load case (128 concurrent prompts of
-4-252 tokens, at most 16 running, so blocks are freed and handed out again) runs once
-per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` repeats each. Tests marked ``extended``
-run only with ``scripts/run_tests.py --extended`` (what each costs, and the test that
-covers its claim in default CI: docs/testing.md).
-"""
+Marked ``e2e`` (one vLLM run is 40-60 s on 2 cores). An "unpatched" run turns off every
+patch but ``e2e.CPU_RUN_PATCHES`` (without which vLLM's CPU build saves nothing). The
+load case (128 prompts, at most 16 running: blocks reused) runs once per configuration;
+``VLLM_HSFIX_LOAD_RUNS=3`` repeats each. ``extended`` tests run only with
+``scripts/run_tests.py --extended`` (costs and covering tests: docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """The GPU check where there is no GPU: it refuses with a reason, and it can fail.
 
-``scripts/gpu_check.sh`` is only worth running on a lent GPU machine if it fails when
-the fix is wrong. These tests show that on the CPU, with the same files:
-
-* without a CUDA device the script exits 2 and says why (it runs nothing);
-* its CPU dry run (``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes with vllm-hsfix's
-  replacements, and a planted wrong replacement (``VLLM_HSFIX_CHECK_PLANT``) fails it,
-  naming exactly the replacement tests;
-* the dry run's release tests (on copies of 0.17.0's, 0.22.0's and 0.24.0's own
-  ``basic_cache``) see the bug, not the release number: 0.25.0's own (fixed)
-  function fails the "original overwrites" check and passes the "replacement keeps" one;
-* the scatter benchmark exits 1 on wrong bytes.
-
-The subject does not depend on the installed vLLM: it runs in the 0.24.0 rows only.
-"""
+``scripts/gpu_check.sh`` without CUDA exits 2 and runs nothing; its CPU dry run
+(``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes, a planted wrong replacement fails exactly the
+replacement tests, the release tests see the bug and not the release number, and the
+scatter benchmark exits 1 on wrong bytes. Independent of the installed vLLM: 0.24.0 rows only."""
 
 from __future__ import annotations
 

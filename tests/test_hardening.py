@@ -1,9 +1,6 @@
 """Issue 11: the patcher fails closed, reverts for good, reports the truth, and survives
-fork, reload, late activation, other people's wrappers and other people's logging.
-
-Each test runs in a fresh interpreter with the real vLLM under test (activation is per
-process) and asserts on what the live objects do, not only on what status says.
-"""
+fork, reload, late activation, other people's wrappers and logging. Each test runs in
+a fresh interpreter and asserts on what the live objects do."""
 
 from __future__ import annotations
 

