@@ -33,12 +33,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
 
 
-def _needs_cpu_moe() -> None:
-    ok, why = cpu_support.cpu_moe_support()
-    if not ok:
-        pytest.skip(why)
-
-
 def _roles(r: e2e.Result) -> dict[str, dict[str, Any]]:
     return {s["role"]: s for s in r.statuses}
 
@@ -153,7 +147,9 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     """Qwen3-Next (MoE), where vLLM's CPU MoE kernels exist; skipped with the reason
     vLLM gives elsewhere."""
-    _needs_cpu_moe()
+    ok, why = cpu_support.cpu_moe_support()
+    if not ok:
+        pytest.skip(why)
     bad, good = result("moe-mp", False, workdir), result("moe-mp", True, workdir)
     assert bad.rows_correct == 0, summary(bad)
     assert good.rows_correct == good.rows > 0 and good.rows_nan == 0, summary(good)
@@ -264,7 +260,10 @@ def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Pa
     ref = _reference(bad.files)
     print(f"chat-mp unpatched 0.24.0, --reference: {ref}")
     assert ref["files_wrong"] == ref["files_compared"] == 8
-    first = _first_tokens(bad.files)
+    from safetensors.torch import load_file
+
+    # Files that share their first token share a prompt prefix.
+    first = {f: int(load_file(f)["token_ids"][0]) for f in bad.files}
     shared_first = Counter(first.values())
     in_groups = [f for f in wrong if shared_first[first[f]] > 1]
     assert all(by_path[f].verdict != "ok" for f in in_groups), [
@@ -278,13 +277,6 @@ def _reference(files: list[str]) -> dict[str, Any]:
 
     _, summary = reference.check(files, str(CACHE / "models" / "hybrid"), [1, 2, 3], "8")
     return summary
-
-
-def _first_tokens(files: list[str]) -> dict[str, int]:
-    """Each file's first token id: files that share it share a prompt prefix."""
-    from safetensors.torch import load_file
-
-    return {f: int(load_file(f)["token_ids"][0]) for f in files}
 
 
 @pytest.mark.extended

@@ -89,29 +89,20 @@ def junit(path: Path) -> dict[str, str]:
 
 # Written out, not derived from tests/test_gpu.py: the tests that check what the
 # replacement stores, on the CPU.
+RELEASES_LAYOUTS = ["0.17.0-contiguous", "0.22.0-contiguous", "0.22.0-strided"]
+RELEASES_LAYOUTS += ["0.24.0-contiguous", "0.24.0-strided"]
+REPLACEMENTS = ["scatter_flat-contiguous", "scatter_clamped-contiguous", "scatter_clamped-strided"]
 REPLACEMENT_BYTE_TESTS = {
     *(
-        f"test_replacement_bytes[{fn}-{layout}-torch.{dtype}]"
-        for fn, layout in (
-            ("scatter_flat", "contiguous"),
-            ("scatter_clamped", "contiguous"),
-            ("scatter_clamped", "strided"),
-        )
+        f"test_replacement_bytes[{fn}-torch.{dtype}]"
+        for fn in REPLACEMENTS
         for dtype in ("bfloat16", "float16", "float32")
     ),
-    "test_release_replacement_keeps_the_live_last_slot[0.17.0-contiguous]",
-    "test_release_replacement_keeps_the_live_last_slot[0.22.0-contiguous]",
-    "test_release_replacement_keeps_the_live_last_slot[0.22.0-strided]",
-    "test_release_replacement_keeps_the_live_last_slot[0.24.0-contiguous]",
-    "test_release_replacement_keeps_the_live_last_slot[0.24.0-strided]",
+    *(f"test_release_replacement_keeps_the_live_last_slot[{v}]" for v in RELEASES_LAYOUTS),
     "test_flat_view_release_and_replacement_refuse_a_strided_view[0.17.0]",
 }
 RELEASE_ORIGINAL_TESTS = {
-    "test_release_original_overwrites_the_live_last_slot[0.17.0-contiguous]",
-    "test_release_original_overwrites_the_live_last_slot[0.22.0-contiguous]",
-    "test_release_original_overwrites_the_live_last_slot[0.22.0-strided]",
-    "test_release_original_overwrites_the_live_last_slot[0.24.0-contiguous]",
-    "test_release_original_overwrites_the_live_last_slot[0.24.0-strided]",
+    f"test_release_original_overwrites_the_live_last_slot[{v}]" for v in RELEASES_LAYOUTS
 }
 
 
