@@ -211,9 +211,9 @@ def distributed(vllm_config: Any) -> Any:
 # block size is named; 0.29's head-major layout ([blocks, heads, block_size, head])
 # under 0.24's connector is named as such, not as a plain size mismatch (issue 18.7).
 BUFFERS = {
-    "block 22": ((4, 22, 3, 256), None),
-    "block 528": ((4, 528, 3, 256), "block dimension 528"),
-    "block 16": ((4, 16, 3, 256), "block dimension 16"),
+    "block-22": ((4, 22, 3, 256), None),
+    "block-528": ((4, 528, 3, 256), "block dimension 528"),
+    "block-16": ((4, 16, 3, 256), "block dimension 16"),
     "head-major": ((4, 3, 22, 256), r"head-major .*\(4, 3, 22, 256\)|22, 256\) is head-major"),
 }
 
