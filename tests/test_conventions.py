@@ -1,59 +1,34 @@
 """Every wrapper behaves like the function it replaces, however it is called (issue 26.3),
-and the patched classes carry upstream's interface (issue 26.2). On the real vLLM classes.
+and the patched classes carry upstream's interface (issue 26.2), on the real classes.
 
-1. For every attribute an applied patch replaces or adds, on the installed release: the
-   same calls are made twice, once to a spy of the target's kind (plain function,
-   ``classmethod``, ``staticmethod``) installed where the target lives, once to that spy
-   inside our wrapper type installed the same way. The spy must receive exactly the same
-   arguments both times, and the wrapper must see the ``instance`` Python binds (the
-   object, the class, or ``None``). Calls: bound; through the class with an explicit
-   instance; through the class with an explicit object that is not an instance (Python
-   passes it as ``self``); ``super()`` from a subclass that overrides; a subclass that
-   only inherits (also hs-connectors' ``FP8HiddenStatesConnector`` where installed);
-   construction for ``__init__``; subscription for ``__getitem__``; module functions
-   called through the module and through a name bound from it.
-2. The patches' own bodies under those conventions: the connector's helpers and
-   ``__init__`` (also inherited by FP8HiddenStatesConnector), the abort answers on a
-   bare instance called through the class, the CPU runner's zeroing on a stand-in
-   object passed as ``self`` (what vLLM's later ``test_kv_block_zeroer`` does).
-"""
+1. Every attribute an applied patch replaces or adds: the same calls (bound, through
+   the class, ``super()``, a subclass, construction, subscription, through a module)
+   reach a spy of the target's kind the same way, plain and inside our wrapper, and the
+   wrapper sees the ``instance`` Python binds.
+2. The patches' own bodies called by those conventions (also through hs-connectors'
+   ``FP8HiddenStatesConnector``, and a stand-in passed as ``self``)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE, INSTALL
+from conftest import CONNECTOR_MODULE
 
 from vllm_hsfix import checks
-from vllm_hsfix.patches import PATCHES, by_id
+from vllm_hsfix.patches import PATCHES
 from vllm_hsfix.patches import cpu_zero_blocks as zero_patch
 from vllm_hsfix.patches._wrap import FunctionSwap, HsfixWrapper, Replacement
-from vllm_hsfix.plan import in_release_range
 from vllm_hsfix.state import STATE
 
 pytestmark = pytest.mark.needs_vllm
 RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
-
-
-def applies(patch_id: str) -> bool:
-    p = by_id(patch_id)
-    return bool(
-        INSTALL.parsed
-        and in_release_range(INSTALL.parsed, p.releases)
-        and p.runs_on(INSTALL.cpu_build)
-    )
-
-
-def needs(patch_id: str) -> Any:
-    return pytest.mark.skipif(not applies(patch_id), reason=f"{patch_id} is not applied here")
 
 
 def fp8_connector() -> type:
@@ -191,6 +166,8 @@ def test_every_replacement_binds_like_the_original(patched: Any) -> None:
     # what was checked: every applied patch's every attribute
     applied = {pid for pid, rec in STATE.records.items() if rec.status == "applied"}
     assert applied <= {rep.patch for rep in reps}
+    # and put every wrapper back (the check swaps spies in and out)
+    assert [rep.name for rep in reps if not rep.live()] == []
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +178,7 @@ def connector_class() -> type:
     return importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector  # type: ignore[no-any-return]
 
 
-@needs("hidden-group-block-size")
+@pytest.mark.applies("hidden-group-block-size")
 def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
     """Names, kinds, signatures and answers of 0.25.0's helpers (issue 26.2)."""
     cls = connector_class()
@@ -224,7 +201,7 @@ def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
         cls._find_cache_kv_group_id(two)
 
 
-@needs("hidden-group-block-size")
+@pytest.mark.applies("hidden-group-block-size")
 @pytest.mark.parametrize(
     "how", ["class", "inherits (FP8HiddenStatesConnector)", "overrides __init__"]
 )
@@ -246,7 +223,7 @@ def test_connector_init_resolves_however_built(patched: Any, how: str) -> None:
     assert (conn._cache_kv_group_id, conn._hs_group_idx, conn._block_size) == (2, 2, 22)
 
 
-@needs("hidden-group-block-size")
+@pytest.mark.applies("hidden-group-block-size")
 def test_a_subclass_overriding_a_helper_is_honoured(patched: Any) -> None:
     """As upstream's __init__ calls ``self._find_cache_kv_group_id``."""
 
@@ -270,7 +247,7 @@ def bare(cls: type) -> Any:
     return conn
 
 
-@needs("abort-before-scheduling")
+@pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.parametrize("which", ["class", "FP8HiddenStatesConnector"])
 def test_abort_answers_through_the_class_and_a_subclass(patched: Any, which: str) -> None:
     base = connector_class()
@@ -295,7 +272,7 @@ def runner_class() -> type:
     return importlib.import_module(RUNNER_MODULE).CPUModelRunner  # type: ignore[no-any-return]
 
 
-@needs("cpu-zero-blocks")
+@pytest.mark.applies("cpu-zero-blocks")
 @pytest.mark.parametrize("how", ["stand-in as self", "override calling super()", "per-group lists"])
 def test_zeroing_however_called(patched: Any, how: str) -> None:
     cls = runner_class()
@@ -328,15 +305,8 @@ def test_zeroing_however_called(patched: Any, how: str) -> None:
     assert bool(torch.isnan(bufs["shared"][[0, 1, 4, 6, 7]]).all())
 
 
-def test_nothing_left_over(patched: Any) -> None:
-    """The binding check puts every wrapper back (guards the test itself)."""
-    for rep in (r for rec in STATE.records.values() for r in rec.replacements):
-        assert rep.live(), f"{rep.name} not live"
-    assert "vllm" in sys.modules
-
-
-@needs("hidden-group-block-size")
-@needs("abort-before-scheduling")
+@pytest.mark.applies("hidden-group-block-size")
+@pytest.mark.applies("abort-before-scheduling")
 def test_added_methods_leave_with_unapply_and_come_back_with_apply() -> None:
     """What the release lacks is deleted on revert (the base class answers again)."""
     import vllm_hsfix

@@ -1,20 +1,14 @@
 """``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` on the real installed vLLM.
 
-The connector is vLLM's own class, built through its live ``__init__``; the save is
-driven through its own ``wait_for_save`` / ``get_finished`` / ``load_hidden_states``,
-so the file, the thread pool and the ``.lock`` protocol are the release's. What the
-file must hold is worked out in ``save_case`` from block ids and slot arithmetic, not
-by calling vLLM. The sampler is the release's CPU stand-in, called as the rejection
-sampler calls it, against an argmax computed here with torch. The end-to-end proof (a
-user's script, row by row against transformers) is ``test_user_script.py``.
-"""
+The save runs through the release's own connector methods, file and ``.lock`` protocol;
+what the file must hold comes from block ids and slot arithmetic (``save_case``). The
+sampler is the release's CPU stand-in, called as the rejection sampler calls it."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import os
 import threading
@@ -24,25 +18,19 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CACHE, CONNECTOR_MODULE, INSTALL, declared
+from conftest import CONNECTOR_MODULE, INSTALL
 from support.lockfile import held
+from support.skeletons import CONN, RELEASES, SKELETONS
 
 from vllm_hsfix import checks, releases
-from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_connector_save as save
 from vllm_hsfix.patches import cpu_sampler_fp64_flag as sampler
 from vllm_hsfix.shapes import probe_file
 
 pytestmark = pytest.mark.needs_vllm
 SAMPLER_MODULE = "vllm.utils.cpu_triton_utils"
-SAVE_APPLIES = declared(by_id(save.PATCH_ID)) == "applied"
-SAMPLER_APPLIES = declared(by_id(sampler.PATCH_ID)) == "applied"
-needs_save = pytest.mark.skipif(
-    not SAVE_APPLIES, reason=f"{save.PATCH_ID} does not apply to {INSTALL.distribution}"
-)
-needs_sampler = pytest.mark.skipif(
-    not SAMPLER_APPLIES, reason=f"{sampler.PATCH_ID} does not apply to {INSTALL.distribution}"
-)
+needs_save = pytest.mark.applies(save.PATCH_ID)
+needs_sampler = pytest.mark.applies(sampler.PATCH_ID)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for a CPU machine")
 
 
@@ -52,7 +40,8 @@ def _connector() -> Any:
 
 # Which save path each release line has, read from the release files (issue 22):
 # synchronous before 0.22.0; per-layer CUDA-stream copy in save_kv_layer 0.22-0.23; per
-# finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0).
+# finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0). The
+# installed release's probe against tested.json: test_matrix.py.
 def expected_save_shape(release: str) -> str | None:
     r = releases.key(release)
     if r < (0, 22, 0):
@@ -60,18 +49,7 @@ def expected_save_shape(release: str) -> str | None:
     return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
 
 
-def test_the_save_path_probe_reads_the_installed_release() -> None:
-    p = save.probe(_connector())
-    want = expected_save_shape(INSTALL.release or "0.0.0")
-    assert p.shape == want and p.fixed == (want is None), p
-
-
-SKELETONS = CACHE / "cuda-skeletons"
-CONNECTOR_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
-SKELETON_RELEASES = sorted(
-    (d.name.split("-", 1)[1] for d in SKELETONS.glob("vllm-*") if (d / CONNECTOR_FILE).exists()),
-    key=releases.key,
-)
+SKELETON_RELEASES = [r for r in RELEASES if (SKELETONS / f"vllm-{r}" / CONN).exists()]
 
 
 @pytest.mark.skipif(not SKELETON_RELEASES, reason=f"no release files under {SKELETONS}")
@@ -81,7 +59,7 @@ def test_the_save_path_probe_on_every_release_file_there_is() -> None:
     refused, so ``status`` on any of them tells the truth."""
     seen = {}
     for release in SKELETON_RELEASES:
-        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONNECTOR_FILE), save.probe_tree)
+        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONN), save.probe_tree)
         want = expected_save_shape(release)
         assert p.shape == want and p.fixed == (want is None), (release, p)
         seen[release] = p.shape
@@ -258,21 +236,7 @@ def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: 
 
 
 def _sampler_module() -> Any:
-    if importlib.util.find_spec(SAMPLER_MODULE) is None:
-        pytest.skip(f"vLLM {INSTALL.release} has no {SAMPLER_MODULE}: an older release")
     return importlib.import_module(SAMPLER_MODULE)
-
-
-def test_the_sampler_probe_reads_the_installed_release() -> None:
-    if not INSTALL.cpu_build:
-        pytest.skip("only vLLM's CPU build has the CPU kernel stand-ins")
-    p = sampler.probe(_sampler_module())
-    # Read from the files: 0.22.0-0.24.0 ship the same stand-in without the keyword,
-    # 0.25.0+ accept it.
-    if releases.key(INSTALL.release or "0") >= (0, 25, 0):
-        assert p.fixed, p
-    else:
-        assert p.shape == "keyword-missing", p
 
 
 @needs_sampler
@@ -287,19 +251,13 @@ def test_the_release_sampler_rejects_the_keyword_its_caller_passes() -> None:
 
 @needs_sampler
 def test_the_patched_sampler_recovers_the_right_tokens(patched: Any) -> None:
+    """... and hands every other kernel out unchanged."""
     module = _sampler_module()
     assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
     assert sampler.check_recovered_tokens(module) == []
-
-
-@needs_sampler
-def test_other_kernels_are_handed_out_unchanged(patched: Any) -> None:
-    module = _sampler_module()
-    assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
     assert module.expand_kernel[(1,)] is module.expand_kernel.func
-    assert module.sample_recovered_tokens_kernel[(1,)] is not (
-        module.sample_recovered_tokens_kernel.func
-    )
+    kernel = module.sample_recovered_tokens_kernel
+    assert kernel[(1,)] is not kernel.func
 
 
 @needs_sampler

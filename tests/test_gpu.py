@@ -1,35 +1,18 @@
 """The scatter fix on a CUDA device, and the bug it fixes in the releases' own code.
 
-Marked ``gpu``: skipped with a reason on machines without CUDA. Needs torch only (the
-GPU machine has no vLLM), and checks two things:
+Marked ``gpu`` (skipped without CUDA; needs torch, not vLLM). Both replacements of
+``scatter_clamp`` (flat-view, 2d-index) on contiguous and strided caches: bytes, no
+host sync, CUDA-graph capture and replay; and the real ``basic_cache`` of 0.17.0,
+0.22.0 and 0.24.0 (copied by ``scripts/gpu_release_code.py``) in a padded batch:
+padding rows (slot -1) overwrite a live request's last slot, the patched one never.
+``scripts/gpu_check.sh`` runs it on a lent GPU machine. Switches:
 
-* both replacements of ``vllm_hsfix.patches.scatter_clamp`` (``scatter_flat`` for the
-  ``flat-view`` shape of 0.17-0.21, ``scatter_clamped`` for the ``2d-index`` shape of
-  0.22-0.24), on a contiguous cache and (where the release itself can take one) a
-  strided view: the bytes, no host-device sync, capture in a CUDA graph and replay
-  with new inputs;
-* THE REAL ``basic_cache`` of vLLM 0.17.0, 0.22.0 and 0.24.0, compiled from each
-  release's own file (copied next to the tree by ``scripts/gpu_release_code.py``),
-  in a CUDA graph captured for a padded batch: padding rows (slot ``-1``, what CUDA-graph
-  batch padding produces) overwrite the last slot of the last block, which a live
-  request owns here; the same module with vllm-hsfix's replacement installed never does.
-
-``scripts/gpu_check.sh`` runs this file (and the planted failures below, and the
-scatter benchmark) on a lent GPU machine. Switches, so the same checks run where there
-is no GPU and can be shown to fail:
-
-``VLLM_HSFIX_CHECK_DEVICE=cpu``
-    run the byte and padded-batch tests on CPU tensors; the sync and CUDA-graph tests
-    skip with a reason.
-``VLLM_HSFIX_CHECK_PLANT=unclamped|wrong-slot|syncs``
-    swap a wrong replacement in for vllm-hsfix's (through the same install path):
-    ``unclamped`` is the bug itself, ``wrong-slot`` clamps but stores every row one slot
-    late, ``syncs`` has the right bytes but branches on the data on the host (only the
-    sync and graph tests can catch that one). Every test with ``replacement`` in its name
-    must then fail, and no other.
-``VLLM_HSFIX_RELEASE_CODE=DIR`` / ``VLLM_HSFIX_REQUIRE_RELEASE_CODE=1``
-    where the copied release files are (default ``gpu-release-code/``), and whether a
-    missing one fails (the GPU check) instead of skipping (the normal suite).
+- ``VLLM_HSFIX_CHECK_DEVICE=cpu``: the byte and padded-batch tests on CPU tensors.
+- ``VLLM_HSFIX_CHECK_PLANT=unclamped|wrong-slot|syncs``: a wrong replacement installed
+  the same way (``syncs``: right bytes, a host branch on device data); every test with
+  ``replacement`` in its name must then fail, and no other.
+- ``VLLM_HSFIX_RELEASE_CODE=DIR``, ``VLLM_HSFIX_REQUIRE_RELEASE_CODE=1``: where the
+  copied release files are, and a missing one fails instead of skipping.
 """
 
 from __future__ import annotations
@@ -38,6 +21,7 @@ import os
 
 import pytest
 import torch
+from conftest import run_py
 from support.scatter_check import (
     RELEASE_SHAPES,
     assert_original_overwrites_live_slot,
@@ -78,8 +62,7 @@ cuda_only = pytest.mark.skipif(
     reason="host-sync and CUDA-graph checks need a CUDA device",
 )
 
-# Which layouts each release can take: a flat-view release views the cache, which a
-# strided buffer cannot be (the release fails on one exactly as the replacement does).
+# A flat-view release views the cache, which a strided buffer cannot be.
 RELEASE_LAYOUTS = [
     pytest.param(v, strided, id=f"{v}-{'strided' if strided else 'contiguous'}")
     for v, shape in RELEASE_SHAPES.items()
@@ -223,13 +206,10 @@ def test_flat_view_release_and_replacement_refuse_a_strided_view(version: str) -
 @cuda_only
 def test_activation_and_plugin_do_not_initialise_cuda() -> None:
     """Initialising CUDA in vLLM's process 0 would force its workers into spawn."""
-    import subprocess
-    import sys
-
     code = (
         "import torch, vllm_hsfix, vllm_hsfix.plugin\n"
         "vllm_hsfix.plugin.register(); vllm_hsfix.apply(); vllm_hsfix.status()\n"
         "print(torch.cuda.is_initialized())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = run_py(code, env=dict(os.environ))
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr

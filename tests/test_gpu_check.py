@@ -1,28 +1,14 @@
 """The GPU check where there is no GPU: it refuses with a reason, and it can fail.
 
-``scripts/gpu_check.sh`` is only worth running on a lent GPU machine if it fails when
-the fix is wrong. These tests show that on the CPU, with the same files:
-
-* without a CUDA device the script exits 2 and says why (it runs nothing);
-* its CPU dry run (``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes with vllm-hsfix's
-  replacements, and a planted wrong replacement (``VLLM_HSFIX_CHECK_PLANT``) fails it,
-  naming exactly the replacement tests;
-* the real ``basic_cache`` of 0.17.0, 0.22.0 and 0.24.0, read from the unpacked wheels,
-  writes a padding row (slot ``-1``) over a live request's last slot, the patched
-  module does not, and 0.25.0's own (fixed) function does not either: the check tells
-  the two apart;
-* the scatter benchmark exits 1 on wrong bytes.
-
-The subject does not depend on the installed vLLM: it runs in the 0.24.0 rows only.
-"""
+``scripts/gpu_check.sh`` without CUDA exits 2 and runs nothing; its CPU dry run
+(``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes, a planted wrong replacement fails exactly the
+replacement tests, the release tests see the bug and not the release number, and the
+scatter benchmark exits 1 on wrong bytes. Independent of the installed vLLM: 0.24.0 rows only."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import subprocess
 import sys
-import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -30,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import CACHE, RELEASE, ROOT, clean_env
+from support import scatter_check
 
 from vllm_hsfix.patches import scatter_clamp as scatter
-from vllm_hsfix.patches.hooks import Hooks
 
 pytestmark = pytest.mark.skipif(
     RELEASE != "0.24.0",
@@ -46,19 +32,7 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 
 
-def load_path(name: str, path: Path) -> types.ModuleType:
-    """A script that is not in a package, imported by path (once)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-GRC = load_path("gpu_release_code", ROOT / "scripts" / "gpu_release_code.py")
+GRC = scatter_check.RELEASE_CODE
 
 
 def overlay_file(release: str) -> Path:
@@ -115,29 +89,20 @@ def junit(path: Path) -> dict[str, str]:
 
 # Written out, not derived from tests/test_gpu.py: the tests that check what the
 # replacement stores, on the CPU.
+RELEASES_LAYOUTS = ["0.17.0-contiguous", "0.22.0-contiguous", "0.22.0-strided"]
+RELEASES_LAYOUTS += ["0.24.0-contiguous", "0.24.0-strided"]
+REPLACEMENTS = ["scatter_flat-contiguous", "scatter_clamped-contiguous", "scatter_clamped-strided"]
 REPLACEMENT_BYTE_TESTS = {
     *(
-        f"test_replacement_bytes[{fn}-{layout}-torch.{dtype}]"
-        for fn, layout in (
-            ("scatter_flat", "contiguous"),
-            ("scatter_clamped", "contiguous"),
-            ("scatter_clamped", "strided"),
-        )
+        f"test_replacement_bytes[{fn}-torch.{dtype}]"
+        for fn in REPLACEMENTS
         for dtype in ("bfloat16", "float16", "float32")
     ),
-    "test_release_replacement_keeps_the_live_last_slot[0.17.0-contiguous]",
-    "test_release_replacement_keeps_the_live_last_slot[0.22.0-contiguous]",
-    "test_release_replacement_keeps_the_live_last_slot[0.22.0-strided]",
-    "test_release_replacement_keeps_the_live_last_slot[0.24.0-contiguous]",
-    "test_release_replacement_keeps_the_live_last_slot[0.24.0-strided]",
+    *(f"test_release_replacement_keeps_the_live_last_slot[{v}]" for v in RELEASES_LAYOUTS),
     "test_flat_view_release_and_replacement_refuse_a_strided_view[0.17.0]",
 }
 RELEASE_ORIGINAL_TESTS = {
-    "test_release_original_overwrites_the_live_last_slot[0.17.0-contiguous]",
-    "test_release_original_overwrites_the_live_last_slot[0.22.0-contiguous]",
-    "test_release_original_overwrites_the_live_last_slot[0.22.0-strided]",
-    "test_release_original_overwrites_the_live_last_slot[0.24.0-contiguous]",
-    "test_release_original_overwrites_the_live_last_slot[0.24.0-strided]",
+    f"test_release_original_overwrites_the_live_last_slot[{v}]" for v in RELEASES_LAYOUTS
 }
 
 
@@ -248,56 +213,10 @@ def test_gpu_check_fails_without_the_release_code(tmp_path: Path) -> None:
 # --- the releases' own code on the CPU -------------------------------------------------
 
 
-def padded_call(fn: Any) -> dict[str, torch.Tensor]:
-    """One padded batch on a 4-block cache whose last slot holds a live request's row."""
-    gen = torch.Generator().manual_seed(0)
-    cache = torch.zeros(4, 8, 2, 4)
-    live = torch.randn(2, 4, generator=gen)
-    cache[3, 7] = live
-    rows = torch.randn(3, 2, 4, generator=gen)
-    fn(rows, cache, torch.tensor([9, -1, -1]))
-    return {"cache": cache, "live": live, "rows": rows}
-
-
-def patched_module(path: Path) -> types.ModuleType:
-    """The release's function in a module, with vllm-hsfix's replacement installed the
-    way the runtime installs it (the shape decides which replacement)."""
-    module = types.ModuleType("release")
-    module.basic_cache = GRC.compile_basic_cache(path)  # type: ignore[attr-defined]
-    shape = scatter.probe_tree(ast.parse(path.read_text())).shape
-    assert shape in scatter.SHAPES.values()
-    hooks = Hooks(on_failure=lambda _p, exc: None, after_register=lambda _c: None)
-    scatter.apply(module, shape, hooks)
-    return module
-
-
-@pytest.mark.parametrize("release", RELEASES)
-def test_release_basic_cache_overwrites_the_live_slot_and_the_patched_one_does_not(
-    release: str,
-) -> None:
-    path = overlay_file(release)
-    got = padded_call(GRC.compile_basic_cache(path))
-    cache, rows = got["cache"], got["rows"]
-    assert torch.equal(cache[1, 1], rows[0])  # slot 9 = block 1, offset 1
-    assert any(torch.equal(cache[3, 7], r) for r in rows[1:]), "padding should land there"
-    assert not torch.equal(cache[3, 7], got["live"])
-
-    got = padded_call(patched_module(path).basic_cache)
-    cache, rows = got["cache"], got["rows"]
-    assert torch.equal(cache[3, 7], got["live"])  # the live request's row survives
-    assert torch.equal(cache[1, 1], rows[0])
-    assert any(torch.equal(cache[0, 0], r) for r in rows[1:])  # padding: the null block
-    touched = torch.zeros(4, 8, dtype=torch.bool)
-    touched[0, 0] = touched[1, 1] = touched[3, 7] = True
-    assert not cache[~touched].any()  # nothing else written
-
-
 def test_the_gpu_tests_tell_a_fixed_release_from_an_affected_one() -> None:
     """0.25.0's own basic_cache (upstream's fix) fails the "original overwrites" check
     of tests/test_gpu.py and passes the "replacement keeps" one: those checks see the
     bug, not the release number."""
-    from support import scatter_check
-
     fixed = GRC.compile_basic_cache(overlay_file("0.25.0"))
     run = scatter_check.padded_run("cpu", torch.bfloat16, strided=True)
     got = scatter_check.run_eager(fixed, run)
@@ -324,7 +243,7 @@ def test_release_code_script_names_a_missing_overlay(tmp_path: Path) -> None:
 def test_bench_passes_then_exits_1_on_wrong_bytes(
     release_code: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    bench = load_path("bench_scatter", ROOT / "benchmarks" / "bench_scatter.py")
+    bench = scatter_check.load_script(ROOT / "benchmarks" / "bench_scatter.py")
     args = ["--device", "cpu", "--quick", "--reps", "1", "--no-vllm"]
     assert bench.main([*args, "--release-code", str(release_code)]) == 0
     printed = capsys.readouterr().out

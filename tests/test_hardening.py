@@ -1,27 +1,24 @@
 """Issue 11: the patcher fails closed, reverts for good, reports the truth, and survives
-fork, reload, late activation, other people's wrappers and other people's logging.
-
-Each test runs in a fresh interpreter with the real vLLM under test (activation is per
-process) and asserts on what the live objects do, not only on what status says.
-"""
+fork, reload, late activation, other people's wrappers and logging. Each test runs in
+a fresh interpreter and asserts on what the live objects do."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import AFFECTED, RELEASE, applies, clean_env, last_json, run_py
+from conftest import RELEASE, clean_env, declared_all, last_json, run_py
+
+from vllm_hsfix.patches import by_id
 
 pytestmark = pytest.mark.needs_vllm
+needs_connector_patch = pytest.mark.applies("hidden-group-block-size")
 
-CONNECTOR_RELEASE = applies("hidden-group-block-size")
-needs_connector_patch = pytest.mark.skipif(
-    not CONNECTOR_RELEASE, reason=f"the connector patch is for 0.24.x, have {RELEASE}"
+MODULES = (
+    "vllm.model_executor.models.extract_hidden_states",
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
 )
-
-IMPORT_TARGETS = """
+IMPORT_TARGETS = f"""
 import importlib
-MODEL = importlib.import_module("vllm.model_executor.models.extract_hidden_states")
-CONN = importlib.import_module(
-    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
+MODEL, CONN = (importlib.import_module(m) for m in {MODULES!r})
 """
 
 # The scatter check on the live basic_cache: [] when padding goes to the null block.
@@ -47,6 +44,18 @@ def hybrid():
             block_size=22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)),
     ]
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+"""
+
+# A connector built before vllm-hsfix activates: vLLM imported, vllm_hsfix not yet.
+EARLY_CONNECTOR = """
+import json, tempfile
+from types import SimpleNamespace as NS
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
+    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
+vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
+          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
 """
 
 
@@ -115,7 +124,10 @@ print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
 
 @pytest.mark.applies("scatter-clamp")
 def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
-    """11.3: after importlib.reload the record must not say "applied"; apply() fixes it."""
+    """11.3: after importlib.reload a record must not say "applied"; apply() fixes it. A
+    reload of the connector alone leaves the clamp's record (another module) applied:
+    failing first, when the extras' wrappers (in-situ observer, provenance) were kept in
+    a patch's record, it reported ``scatter-clamp`` overwritten on 0.17-0.23."""
     out = run_py(
         """
 import json, importlib
@@ -124,57 +136,35 @@ import vllm_hsfix
         + IMPORT_TARGETS
         + SCATTER_OK
         + """
-importlib.reload(MODEL)
-importlib.reload(CONN)
-st = vllm_hsfix.status()["patches"]
-after_reload = {k: [v["status"], v["code"]] for k, v in st.items()}
-bug_back = bool(scatter_problems())
-vllm_hsfix.apply()
-st = vllm_hsfix.status()["patches"]
-print(json.dumps([after_reload, bug_back,
-                  {k: v["status"] for k, v in st.items()}, scatter_problems()]))
-"""
-    )
-    after_reload, bug_back, repaired, problems = last_json(out.stdout)
-    assert after_reload["scatter-clamp"] == ["reverted", "overwritten"]
-    if CONNECTOR_RELEASE:
-        assert after_reload["hidden-group-block-size"] == ["reverted", "overwritten"]
-        assert repaired["hidden-group-block-size"] == "applied"
-    assert bug_back
-    assert repaired["scatter-clamp"] == "applied" and problems == []
-
-
-@pytest.mark.applies("scatter-clamp")
-def test_reloading_the_connector_leaves_the_records_of_other_modules_alone() -> None:
-    """A reload of the connector module only: the clamp (another module) stays applied,
-    and the extras on the connector (the in-situ observer on 0.17-0.23, provenance) are
-    installed again by ``apply()``. Failing first: when the extras' wrappers were kept in
-    the first or last applied patch's record, a reload of the connector reported
-    ``scatter-clamp`` as overwritten on 0.17-0.23."""
-    out = run_py(
-        """
-import json, importlib
-import vllm_hsfix
-"""
-        + IMPORT_TARGETS
-        + """
+def statuses():
+    return {k: [v["status"], v["code"]] for k, v in vllm_hsfix.status()["patches"].items()}
 stamped = vllm_hsfix.status()["provenance"]
 importlib.reload(CONN)
-st = vllm_hsfix.status()
-after = {k: v["status"] for k, v in st["patches"].items()}
+after_conn = statuses()
+importlib.reload(MODEL)
+after_both, bug_back = statuses(), bool(scatter_problems())
 vllm_hsfix.apply()
-st = vllm_hsfix.status()
-print(json.dumps([stamped, after, st["provenance"],
-                  {k: v["status"] for k, v in st["patches"].items()}]))
+print(json.dumps([stamped, after_conn, after_both, bug_back, statuses(),
+                  vllm_hsfix.status()["provenance"], scatter_problems()]))
 """,
         env=clean_env(VLLM_HSFIX_PROVENANCE="1"),
     )
-    stamped, after, provenance, repaired = last_json(out.stdout)
-    assert after["scatter-clamp"] == "applied", after
+    stamped, after_conn, after_both, bug_back, repaired, provenance, problems = last_json(
+        out.stdout
+    )
+    assert after_conn["scatter-clamp"][0] == "applied", after_conn
+    # Every row the table applies on the two reloaded modules (the clamp, and on 0.24.x
+    # the connector's rows): overwritten by the reloads, applied again by apply().
+    declared = declared_all()
+    reloaded = [p for p in declared if declared[p] == "applied" and by_id(p).module in MODULES]
+    assert "scatter-clamp" in reloaded
+    for p in reloaded:
+        assert after_both[p] == ["reverted", "overwritten"], p
+        assert repaired[p][0] == "applied", (p, repaired[p])
+    assert bug_back and problems == []
     # Provenance wraps the connector module's save_file, which 0.17-0.21 do not have.
     has_save_file = tuple(map(int, (RELEASE or "0.0.0").split(".")[:3])) >= (0, 22, 0)
     assert provenance is stamped and stamped is has_save_file
-    assert repaired["scatter-clamp"] == "applied"
 
 
 @needs_connector_patch
@@ -183,15 +173,8 @@ def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
     out = run_py(
         IMPORT_TARGETS
         + HYBRID
+        + EARLY_CONNECTOR
         + """
-import json, tempfile
-from types import SimpleNamespace as NS
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
-    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
-vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
-          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
 conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, hybrid())
 before = conn._block_size
 import vllm_hsfix  # vLLM is imported: activates now, late
@@ -369,15 +352,8 @@ def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_b
         IMPORT_TARGETS
         + HYBRID
         + AMBIGUOUS
+        + EARLY_CONNECTOR
         + """
-import json, tempfile
-from types import SimpleNamespace as NS
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
-    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
-vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
-          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
 try:
     conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, ambiguous())
 except Exception as exc:  # 0.24.0's own __init__ may reject it already
@@ -400,16 +376,10 @@ conn._executor.shutdown(wait=False)
     assert "hidden-group-block-size" not in wrappers and wrappers[0] is None
 
 
-@pytest.mark.skipif(not AFFECTED, reason=f"needs vLLM 0.22-0.24, have {RELEASE}")
+@pytest.mark.applies("cpu-zero-blocks")
 def test_verify_fails_when_the_cpu_zeroing_patch_is_refused() -> None:
     """Issue 18.7: ``verify`` covers every patch in range: someone else's no-op on the
     CPU runner makes the gate refuse cpu-zero-blocks, and verify is NOT verified."""
-    from conftest import INSTALL, declared
-
-    from vllm_hsfix.patches import by_id
-
-    if declared(by_id("cpu-zero-blocks")) != "applied":
-        pytest.skip(f"cpu-zero-blocks is not applied on {INSTALL.version} (this build)")
     out = run_py(
         """
 import json

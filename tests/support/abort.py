@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 from conftest import CACHE, clean_env
 
 from support.serve import free_port, running, serve_command
+from support.serve import healthy as healthy  # test_hazards_serve imports it from here
 
 AUX_IDS = [1, 2, 3]
 PROMPT_LEN = 50
@@ -78,14 +77,6 @@ def right(entry: dict[str, Any]) -> bool:
         and entry["shape"] == entry["want_shape"]
         and entry["rows_wrong"] == 0
     )
-
-
-def healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=5) as r:
-            return r.status == 200
-    except (OSError, urllib.error.HTTPError):
-        return False
 
 
 @contextlib.contextmanager

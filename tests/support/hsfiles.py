@@ -1,15 +1,7 @@
-"""Hidden-states files made to look like what the connector (or a broken vLLM) writes,
-with torch and ``safetensors.torch.save_file`` (what the connector uses). The same
-files without torch, for bare data boxes: ``support.npfiles``.
-
-* :func:`hs_file`: random normal rows, random token ids, damaged in place on request;
-  :func:`make_mixed`: a small dataset of good, corrupt, suspect and junk files.
-* :func:`dataset`: chat-like files whose rows are causal the way a real model's are
-  (``support.npfiles.causal_rows``): the row at position p is a fixed function of token
-  ids 0..p (plus a little noise, as bf16 kernels in different batches give), so files
-  that share a prompt prefix share those rows. Wrong files get rows from elsewhere, as
-  vLLM 0.24.0's reads from other blocks' memory do.
-"""
+"""Hidden-states files as the connector (or a broken vLLM) writes them, with torch
+(``support.npfiles``: the same without torch). :func:`hs_file`: random rows, damaged on
+request; :func:`make_mixed`: good, corrupt, suspect and junk files; :func:`dataset`:
+chat-like files with causal rows (``npfiles.causal_rows``), wrong ones from elsewhere."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""Hidden-states files as speculators' pipeline writes them, from a transformers forward.
-
-The rows are computed here with torch and transformers directly (never through
-``vllm_hsfix.audit``, whose verdicts the tests check): aux id k < num_hidden_layers is
-``hidden_states[k]``; aux id k == num_hidden_layers is what vLLM stores for it, the
-last decoder layer's output BEFORE the final norm (a forward hook here), or, with
-``last="post"``, transformers' ``hidden_states[k]`` (after the norm: what the audit
-compared against before issue 28).
-
-The files are written by the real writers, as static methods with no engine around
-them: vLLM's ``ExampleHiddenStatesConnector._write_tensors`` (speculators' ``file``
-backend, bf16) and hs-connectors' ``FP8HiddenStatesConnector._write_tensors`` (its
-``fp8`` backend).
-"""
+"""Hidden states as speculators' pipeline writes them, from a transformers forward (never
+through ``vllm_hsfix.audit``): aux id k < num_hidden_layers is ``hidden_states[k]``;
+k == num_hidden_layers is the last layer's output before the final norm (a hook), or
+with ``last="post"`` after it. Written by the real writers' ``_write_tensors``."""
 
 from __future__ import annotations
 
@@ -73,6 +63,14 @@ def rows(model: Any, ids: list[int], aux: list[int] = AUX, last: str = "pre") ->
         hook.remove()
     picked = [seen[-1] if (k == n and last == "pre") else hs[k] for k in aux]
     return torch.stack([h[0].float() for h in picked], dim=1).contiguous()
+
+
+def rel_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of every row (token x aux slot); inf for NaN or another shape."""
+    if got.shape != want.shape:
+        return torch.full(want.shape[:2], float("inf"))
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    return err.nan_to_num(nan=float("inf"))
 
 
 def write_bf16(path: Path, hs: torch.Tensor, ids: list[int]) -> Path:

@@ -1,11 +1,6 @@
-"""Connector-shaped hidden-states files written with numpy alone (no torch, no
-safetensors): for test environments that are bare data boxes, like the Ray row's.
-
-The layout is the safetensors one the connector writes (``hidden_states`` BF16
-``[tokens, n_aux, hidden]``, ``token_ids`` I64), written by hand; rows are causal the
-way a real model's are (row p is a fixed function of token ids 0..p), so files that
-share a prompt prefix share those rows, as ``support.hsfiles.dataset``'s do.
-"""
+"""Connector-shaped hidden-states files written with numpy alone, for bare data boxes (the
+Ray row): the connector's safetensors layout by hand, rows causal as a model's are (row
+p a function of token ids 0..p), so files sharing a prompt prefix share those rows."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""What tests/test_gpu.py runs its checks with (test_gpu_check.py uses them too): the
-replacement under test (vllm-hsfix's, or a planted wrong one), the releases' own
-``basic_cache`` compiled from their files, and a padded batch with a live request in
-the last block, with the byte-exact expectations built from it. The switches
-(``VLLM_HSFIX_CHECK_PLANT``, ``VLLM_HSFIX_RELEASE_CODE``,
-``VLLM_HSFIX_REQUIRE_RELEASE_CODE``) are described in test_gpu.py.
-"""
+"""What test_gpu.py (and test_gpu_check.py) check the scatter with: the replacement under
+test (vllm-hsfix's, or a planted wrong one), the releases' own ``basic_cache`` compiled
+from their files, and a padded batch with a live request in the last block, with
+byte-exact expectations built from it. The switches are described in test_gpu.py."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import os
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,16 +28,10 @@ REQUIRE_ENV = "VLLM_HSFIX_REQUIRE_RELEASE_CODE"
 
 Scatter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
 
-# --- the replacement under test: vllm-hsfix's, or a planted wrong one -----------------
-
 
 def _two_d(to_cache: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     block_size = kv_cache.shape[1]
     kv_cache[slots // block_size, slots % block_size] = to_cache
-
-
-def _plant_unclamped(to_cache: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    _two_d(to_cache, kv_cache, slots)
 
 
 def _plant_wrong_slot(to_cache: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -54,7 +46,7 @@ def _plant_syncs(to_cache: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
 
 
 PLANTS: dict[str, Scatter] = {
-    "unclamped": _plant_unclamped,
+    "unclamped": _two_d,  # the bug itself
     "wrong-slot": _plant_wrong_slot,
     "syncs": _plant_syncs,
 }
@@ -68,23 +60,23 @@ def replacement(shape: str) -> Scatter:
     return PLANTS[PLANT] if PLANT else scatter.REPLACEMENTS[shape]
 
 
-# --- the releases' own basic_cache ---------------------------------------------------
-
 # From the README's patch table: the shape each release's basic_cache has.
 RELEASE_SHAPES = {"0.17.0": "flat-view", "0.22.0": "2d-index", "0.24.0": "2d-index"}
 
 
-def _release_code_module() -> types.ModuleType:
-    """``scripts/gpu_release_code.py`` (not a package), loaded by path."""
-    path = ROOT / "scripts" / "gpu_release_code.py"
-    spec = importlib.util.spec_from_file_location("gpu_release_code", path)
+def load_script(path: Path) -> types.ModuleType:
+    """A script that is not in a package, imported by path (once)."""
+    if path.stem in sys.modules:
+        return sys.modules[path.stem]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
 
-RELEASE_CODE = _release_code_module()
+RELEASE_CODE = load_script(ROOT / "scripts" / "gpu_release_code.py")
 
 
 def release_dir() -> Path:
@@ -138,8 +130,6 @@ def load_release(version: str) -> Release:
     return Release(version, path, shape, module)
 
 
-# --- a padded batch with a live request in the last block ----------------------------
-
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD = 8, 16, 3, 64
 CAPTURE = 8  # the batch size the graph is captured for; every step is padded to it
 LAST = (NUM_BLOCKS - 1, BLOCK_SIZE - 1)  # (block, offset) of the buffer's last slot
@@ -148,13 +138,10 @@ STRIDE_PAD = 3  # extra slots per block of a strided view's buffer
 
 @dataclass
 class PaddedRun:
-    """A KV buffer and three steps of a ``CAPTURE``-row batch.
-
-    Step 1 is full: one of its tokens is the live request's, stored in the last slot of
-    the last block (the request owns that block). Steps 2 and 3 carry other requests'
-    tokens and end with padding rows (slot ``-1``), 3 and then 1, as CUDA-graph batch
-    padding leaves them. Real slots never touch block 0 (vLLM's null block).
-    """
+    """A KV buffer and three steps of a ``CAPTURE``-row batch: step 1 stores the live
+    request's token in the buffer's last slot; steps 2 and 3 end with 3 and 1 padding
+    rows (slot -1), as CUDA-graph padding leaves them. Block 0 (vLLM's null block) is
+    never a real slot."""
 
     base: torch.Tensor  # the whole buffer (a strided view's is wider)
     initial: torch.Tensor  # a copy of it before any step
@@ -233,13 +220,9 @@ def store_problems(
     padding_slot: tuple[int, int],
     block_size: int,
 ) -> list[str]:
-    """What is wrong with a whole buffer after one scatter of ``rows`` to ``slots``.
-
-    The expectation is built here, from ``before``, one real row at a time by scalar
-    indexing (nothing from the code under test): each real row in its slot, every other
-    byte of the buffer (a strided view's spare slots included) as it was, except
-    ``padding_slot`` (block, offset), which holds its old bytes or padding rows' bytes.
-    """
+    """What is wrong with a whole buffer after one scatter of ``rows`` to ``slots``,
+    against an expectation built here one real row at a time: every byte as before but
+    the real rows' slots and ``padding_slot``, which holds its old bytes or padding's."""
     want = before.cpu().clone()
     view = want[:, :block_size]
     for row, slot in zip(rows.cpu(), slots.cpu().tolist(), strict=True):
@@ -283,18 +266,14 @@ def step_problems(
     return problems
 
 
-def padding_rows(run: PaddedRun, step: int) -> torch.Tensor:
-    rows, slots = run.steps[step]
-    return rows[slots < 0]
-
-
 def assert_original_overwrites_live_slot(run: PaddedRun, got: list[torch.Tensor]) -> None:
     """The bug: after step 1 the live request's row is in the last slot; after steps 2
     and 3 padding is, and nothing else differs from the real rows' stores."""
     assert torch.equal(got[0][LAST].cpu(), run.live_row.cpu()), "the live row was not stored"
     for step in (1, 2):
         last = got[step][LAST]
-        assert made_of(last, padding_rows(run, step)), f"step {step + 1}: no padding there"
+        rows, slots = run.steps[step]
+        assert made_of(last, rows[slots < 0]), f"step {step + 1}: no padding there"
         assert not torch.equal(last.cpu(), run.live_row.cpu())
     assert step_problems(run, got, LAST) == []
 

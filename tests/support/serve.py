@@ -1,10 +1,5 @@
-"""A real ``vllm serve`` for a test: started as a user starts it, always shut down.
-
-The server runs in a session of its own (killed whole afterwards: API server, engine
-core, workers). Waiting for it fails at once, with vLLM's own words, when the process
-exits or its log says the engine died, so a broken start fails its test in about a
-minute, not at a timeout.
-"""
+"""A real ``vllm serve`` for a test, in a session of its own killed whole afterwards;
+waiting for it fails at once, with vLLM's words, when it exits or its log says it died."""
 
 from __future__ import annotations
 
@@ -67,6 +62,14 @@ def serve_command(
     ]  # fmt: skip
 
 
+def healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:  # HTTPError included
+        return False
+
+
 def tail(log: Path, limit: int = 4000) -> str:
     try:
         return log.read_text(errors="replace")[-limit:]
@@ -102,12 +105,8 @@ def running(
             if DEATH.search(text):
                 time.sleep(2)  # let the traceback finish
                 raise AssertionError(f"vllm serve died while starting:\n{tail(log)}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+            if healthy(base):
+                break
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"vllm serve not healthy in {start_timeout:.0f} s:\n{tail(log)}"

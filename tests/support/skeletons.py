@@ -10,25 +10,7 @@ from conftest import CACHE
 
 SKELETONS = CACHE / "cuda-skeletons"
 CONN = Path("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py")
-RELEASES = [
-    "0.17.0",
-    "0.18.0",
-    "0.19.0",
-    "0.20.0",
-    "0.21.0",
-    "0.22.0",
-    "0.23.0",
-    "0.24.0",
-    "0.25.0",
-    "0.26.0",
-    "0.27.0",
-    "0.28.0",
-    "0.29.0",
-    "0.30.0",
-    "0.31.0",
-    "0.32.0",
-    "0.33.0",
-]
+RELEASES = [f"0.{minor}.0" for minor in range(17, 34)]  # 0.17.0 ... 0.33.0
 
 
 def connector_file(release: str) -> Path:

@@ -1,20 +1,9 @@
 """speculators' pipeline, driven as its users drive it (speculators + hs-connectors 0.9.0).
 
-The packages come from the layers ``scripts/vllm_env.py layer`` builds from
-``scripts/locks/{hs-connectors,speculators}-0.9.0.txt`` (``--no-deps --target``, so the
-release venv's vLLM, torch and transformers do not move); ``scripts/run_tests.py``'s
-``speculators`` row names them in ``VLLM_HSFIX_LAYER_HS_CONNECTORS`` and
-``VLLM_HSFIX_LAYER_SPECULATORS`` and puts the speculators layer on the tests'
-``PYTHONPATH``. The server gets the vLLM overlay and the hs-connectors layer only (what
-a user's vLLM image has); the speculators client gets both layers.
-
-speculators starts vLLM with ``scripts/launch_vllm.py``, which is in its repository but
-not in its wheel or sdist: :func:`launcher_command` builds the same command line (the
-launcher's rules, restated: the target layers plus ``num_hidden_layers`` appended, the
-speculative config, the backend's own ``build_kv_transfer_config``, then
-``python -m vllm.entrypoints.cli.main serve MODEL --speculative_config ...
---kv_transfer_config ... <vLLM args>``).
-"""
+The packages come from the layers ``scripts/run_tests.py``'s ``speculators`` row builds
+(``VLLM_HSFIX_LAYER_HS_CONNECTORS``, ``VLLM_HSFIX_LAYER_SPECULATORS``): the server gets
+vLLM and hs-connectors, the client both. speculators' ``scripts/launch_vllm.py`` is not
+in its wheel: :func:`launcher_command` restates its rules."""
 
 from __future__ import annotations
 
@@ -24,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from support.extraction import speculative_config
 
 HS_LAYER = "VLLM_HSFIX_LAYER_HS_CONNECTORS"
 SPEC_LAYER = "VLLM_HSFIX_LAYER_SPECULATORS"
@@ -54,16 +45,11 @@ def launcher_command(
     n = num_hidden_layers(model)
     if n not in layers:
         layers.append(n)  # --include-last-layer, on by default
-    speculative = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
-    }
     args = argparse.Namespace(hidden_states_path=str(hidden_states_path))
     kv_transfer = HiddenStatesBackend.registry[backend].build_kv_transfer_config(args)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-        "--speculative_config", json.dumps(speculative),
+        "--speculative_config", json.dumps(speculative_config(layers)),
         "--kv_transfer_config", json.dumps(kv_transfer),
         *vllm_args,
     ]  # fmt: skip
@@ -83,9 +69,8 @@ def write_dataset(where: Path, prompts: list[list[int]]) -> Path:
             "seq_len": [len(p) for p in prompts],
         }
     )
-    # A fingerprint of our own: datasets 5.1.0 hashes a new table with dill, which fails
-    # in the release venv (PicklingError on pyarrow's MonthDayNano; a fresh venv with
-    # datasets alone does not): not vLLM's business, and not what is tested here.
+    # A fingerprint of our own: datasets 5.1.0's dill hash of a new table fails in the
+    # release venv (PicklingError on pyarrow's MonthDayNano), not what is tested here.
     ds = datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint="hsfix-speculators")
     ds = ds.with_format("torch")
     ds.save_to_disk(str(where))
@@ -153,10 +138,8 @@ def pipeline(
     )
     out = work / "hidden_states"
     result: dict[str, Any] = {"aux": aux, "out": out, "online": None}
-    # speculators 0.9.0's --validate-outputs cannot check an fp8 file: it runs
-    # torch.aminmax on the raw float8_e4m3fn tensor ("aminmax_cpu" not implemented for
-    # 'Float8_e4m3fn'; files load to the CPU, GPU machines included), so every fp8 sample
-    # is skipped, with or without vllm-hsfix. The fp8 offline run goes without it.
+    # speculators 0.9.0's --validate-outputs skips every fp8 file, with or without
+    # vllm-hsfix (torch.aminmax is not implemented for float8_e4m3fn on the CPU).
     validate = ["--validate-outputs"] if backend == "file" else []
     with serve.running(cmd, env, work / "server.log", port) as base:
         gen = subprocess.run(

@@ -1,24 +1,10 @@
 """One in-process vLLM engine driven through aborts before scheduling (test_hazards_e2e.py).
 
-``support.procs.run_child("abort_case.py", ...)`` prints one line ``HSFIX_ABORT_RESULT {json}``.
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the
-caller), so an exception the engine core raises reaches this script instead of
-killing a process of its own. With ``max_num_seqs=1`` three prompts are added and
-the third is aborted while it waits, before any step; then the engine is stepped
-until the other two are done and their files are written.
-
-vllm-hsfix is active as in a user's job (on vLLM's CPU build its CPU patches are what
-let the connector save at all). The ``abort-before-scheduling`` wrappers are switched
-with the product's own switch (``HsfixWrapper.hsfix_set_active``: off, the release's
-method runs unchanged). Three rounds in one engine (one start-up on a 2-core machine
-is most of the cost):
-
-A. ``release``: the patch's three wrappers off: the release's own connector;
-B. ``patched``: all three on;
-C. ``request-finished-only`` (experiment): only the ``request_finished`` wrapper on,
-   the connector half of the fix, to show where the crash moves without the worker
-   half. Last, because it leaves the engine broken.
-"""
+Prints ``HSFIX_ABORT_RESULT {json}``. The engine core runs here
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its exception reaches this script. With
+``max_num_seqs=1`` the third of three prompts is aborted before any step. Rounds, the
+patch's wrappers switched by ``hsfix_set_active``: ``release`` (off), ``patched`` (on),
+and ``request-finished-only`` (the connector half alone; last: it breaks the engine)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""One abort before scheduling with the engine core in a process of its own (test_hazards_serve.py).
+"""One abort before scheduling, the engine core in a process of its own (test_hazards_serve.py).
 
-``support.procs.run_child("abort_mp_case.py", ...)`` prints ``HSFIX_ABORT_MP_RESULT {json}``.
-The same engine and round as ``abort_case.py`` (``max_num_seqs=1``, three prompts,
-the third aborted while it waits, then stepping), but vLLM's default process layout:
-the engine core runs in its own process, where vllm-hsfix is active through its
-plugin entry point only (the caller switches the patch off with
-``VLLM_HSFIX_DISABLED_PATCHES`` for the release's own methods). An exception there
-cannot reach this script: the engine core dies and the next call raises
-``EngineDeadError``.
-"""
+Prints ``HSFIX_ABORT_MP_RESULT {json}``. ``abort_case.py``'s round in vLLM's default
+layout: vllm-hsfix is active there through its plugin only, and an exception kills the
+engine core (the next call raises ``EngineDeadError``)."""
 
 from __future__ import annotations
 

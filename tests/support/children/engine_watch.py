@@ -1,15 +1,11 @@
 """The repair's engine watch (``vllm_hsfix.repair.watch``) with stand-ins for vLLM's
-processes, no vLLM (test_repair.py).
+processes, no vLLM (test_repair_watch.py).
 
-``engine_watch.py ARGS.json`` (``{"titled": bool, "grace_s": float}``) starts what a
-vLLM front end has below it: an engine core that starts a worker (titled
-``VLLM::EngineCore`` / ``VLLM::Worker`` as vLLM titles them with setproctitle, or,
-``titled`` false, untitled as without it) and, titled only, an untitled short-lived
-helper that ends on its own (a compile pool: no alarm). It starts the watch, prints
-``HSFIX_WATCH {json}`` (the watched pids, the engine core's, the worker's), SIGKILLs
-the engine core, and then waits forever, as vLLM's ``LLM.generate`` does: only the
-watch can end it (exit 5).
-"""
+``engine_watch.py ARGS.json`` (``{"titled": bool, "grace_s": float}``) starts an engine
+core and its worker (titled ``VLLM::EngineCore`` / ``VLLM::Worker`` or not) and, titled,
+a helper that ends on its own (no alarm); starts the watch, prints ``HSFIX_WATCH
+[watched, core, worker]``, SIGKILLs the engine core and waits forever: only the watch
+can end it (exit 5)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The release's writer killed mid-write (test_hazards_atomic.py).
 
-``killed_writer.py WORK CONNECTOR_MODULE`` prints one JSON line: for each case (the
-release's ``_write_tensors`` or the patched one; an in-place ``save_file`` as
-safetensors < 0.8.0 writes, or the installed one) whether the kernel killed the writer
-(a 1 MB file-size limit, 8 MB to write, an older complete file at the path), what the
-path holds afterwards for a reader, and what temporary files are left.
-"""
+``killed_writer.py WORK CONNECTOR_MODULE`` prints one JSON line: per case (release or
+patched ``_write_tensors``; an in-place ``save_file`` as safetensors < 0.8.0, or the
+installed one), whether the kernel killed the writer at a 1 MB file-size limit, what a
+reader finds at the path, and what temporary files are left."""
 
 import fcntl
 import importlib

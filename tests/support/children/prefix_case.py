@@ -1,36 +1,13 @@
 """One in-process vLLM engine, prefix caching on: the two prefix hazards (test_hazards_e2e.py).
 
-``support.procs.run_child("prefix_case.py", ...)`` prints ``HSFIX_PREFIX_RESULT {json}``.
-
-Prefix caching on 0.22.0-0.23.x (upstream issue 44485): the connector cuts each new
-request's rows out of the step's slot mapping with the request's full prompt length
-and a running offset from 0. A prompt served partly from the prefix cache has fewer
-rows in the step than its length; a step that also runs other requests (decodes)
-puts their rows first. Either way the file gets too few rows or another request's.
-
-Drafter skip on 0.25.0-0.28.x. The trigger, read from the releases' schedulers: a
-waiting request whose prompt is all in the prefix cache but for its last token gets
-that one token padded with the speculative token (``1 + num_spec_tokens``) when
-another request is decoding; 0.25.0 to 0.28.x allow that up to ``max_model_len``
-itself, so the step's longest sequence is ``max_model_len`` and the worker's
-``_input_fits_in_drafter`` says no: the extract-hidden-states "drafter", which is
-what writes the step's hidden states into the cache, does not run for ANY request of
-that step. 0.29.0 pads only where the
-sampled token still fits.
-
-Here: block size 16, ``max_model_len`` 66 (66 - 2 = 64 = four blocks), prefix caching
-on. W (64 shared tokens + 1) runs alone and fills the cache; S (the same 64 + another
-token) runs alone: a prefix hit with nothing else in the step; R (10 tokens, 12 to
-generate) starts decoding; then P (the same 64 + a third token) and Q (20 fresh
-tokens) arrive together. The harness records what the worker's
-``_input_fits_in_drafter`` answered each step (where the release has that method) and
-which requests each step had.
-
-vllm-hsfix is active, as in a user's job (on vLLM's CPU build its CPU patches are what
-let the connector save at all); none of its patches touches what is measured here.
-Its ``refuse-config`` check sees these settings at engine start: the WARNINGs it logs
-then are recorded (``hsfix_warnings_at_start``), as the release's register row says.
-"""
+Prints ``HSFIX_PREFIX_RESULT {json}``. 0.22-0.23 (upstream issue 44485): the connector
+cuts a request's rows with its full prompt length, wrong under a prefix hit or beside
+decodes. 0.25-0.28: a prompt cached but for its last token, beside a decode, is padded
+with the speculative token up to ``max_model_len`` itself; ``_input_fits_in_drafter``
+then says no and nothing of that step is saved.
+Block size 16, ``max_model_len`` 66: W fills the cache, S hits it alone, R decodes, then
+P (a hit) and Q arrive together; each step's requests and ``_input_fits_in_drafter``
+answers are recorded, with the ``refuse-config`` WARNINGs logged at engine start."""
 
 from __future__ import annotations
 
