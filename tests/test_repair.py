@@ -16,7 +16,7 @@ from conftest import clean_env
 from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, journal, replace, taking, targets
+from vllm_hsfix.repair import command, files, journal
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -33,7 +33,7 @@ def test_a_target_keeps_its_token_ids_dtype_and_shape(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     want = load_file(str(f))["token_ids"].tolist()
-    t = targets.read_target(str(f))
+    t = files.read_target(str(f))
     assert t.problem is None and t.token_ids == want
     assert (t.dtype, t.n_aux, t.hidden) == ("BF16", 3, H)
 
@@ -42,8 +42,8 @@ def test_a_file_without_readable_token_ids_is_a_skip_with_its_reason(tmp_path: P
     junk = write_raw(tmp_path / "junk.safetensors", b"not tensors at all" * 10)
     full = hs_file(tmp_path / "cut.safetensors", tokens=12)
     cut = write_raw(tmp_path / "cut2.safetensors", full.read_bytes()[:200])
-    assert targets.read_target(str(junk)).problem.startswith("token ids unreadable")
-    assert targets.read_target(str(cut)).problem.startswith("token ids unreadable")
+    assert files.read_target(str(junk)).problem.startswith("token ids unreadable")
+    assert files.read_target(str(cut)).problem.startswith("token ids unreadable")
 
 
 def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None:
@@ -56,16 +56,16 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
     ]
     jl = tmp_path / "a.jsonl"
     jl.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert sorted(targets.from_audit_output(str(jl), False)) == ["/d/a", "/d/b"]
-    assert sorted(targets.from_audit_output(str(jl), True)) == ["/d/a", "/d/b", "/d/c"]
+    assert sorted(files.from_audit_output(str(jl), False)) == ["/d/a", "/d/b"]
+    assert sorted(files.from_audit_output(str(jl), True)) == ["/d/a", "/d/b", "/d/c"]
     lst = tmp_path / "corrupt.txt"
     lst.write_text("/d/x\n/d/y\n")
-    assert targets.from_audit_output(str(lst), False) == ["/d/x", "/d/y"]
+    assert files.from_audit_output(str(lst), False) == ["/d/x", "/d/y"]
     paths = [f"/p/{i}" for i in range(7)]
-    parts = [targets.shard(paths, f"{k}/3") for k in range(3)]
+    parts = [files.shard(paths, f"{k}/3") for k in range(3)]
     assert sorted(p for part in parts for p in part) == sorted(paths) and all(parts)
     with pytest.raises(ValueError):
-        targets.shard(paths, "3/3")
+        files.shard(paths, "3/3")
 
 
 # ----------------------------------------------------------------- replacement
@@ -74,7 +74,7 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
 def test_install_replaces_atomically_and_keeps_a_backup(tmp_path: Path) -> None:
     old = hs_file(tmp_path / "d" / "sub" / "x.safetensors", tokens=10, seed=1, edit=zero_row)
     before = old.read_bytes()
-    t = targets.read_target(str(old))
+    t = files.read_target(str(old))
     # The "regenerated" file: same token ids, other rows (what vLLM would write).
     import torch
     from safetensors.torch import load_file, save_file
@@ -89,7 +89,7 @@ def test_install_replaces_atomically_and_keeps_a_backup(tmp_path: Path) -> None:
         },
         str(new),
     )
-    sha, size = replace.install(str(new), t, str(tmp_path / "bak"), str(tmp_path / "d"))
+    sha, size = files.install(str(new), t, str(tmp_path / "bak"), str(tmp_path / "d"))
     assert (
         old.read_bytes() == new.read_bytes() and sha == digest(old) and size == old.stat().st_size
     )
@@ -115,8 +115,8 @@ def test_install_refuses_a_file_that_does_not_fit_and_leaves_the_old_one(
         hs = hs[:, :2].contiguous()
     new = tmp_path / "new.safetensors"
     save_file({"hidden_states": hs, "token_ids": ids}, str(new))
-    with pytest.raises(replace.Refused):
-        replace.install(str(new), targets.read_target(str(old)), None, None)
+    with pytest.raises(files.Refused):
+        files.install(str(new), files.read_target(str(old)), None, None)
     assert old.read_bytes() == before
 
 
@@ -124,7 +124,7 @@ def test_the_journal_says_done_only_for_an_unchanged_replaced_file(tmp_path: Pat
     f = hs_file(tmp_path / "x.safetensors", seed=1)
     state = tmp_path / "state.jsonl"
     j = journal.Journal(str(state))
-    j.replaced(str(f), journal.sha256(str(f)), f.stat().st_size)
+    j.add(str(f), "replaced", journal.sha256(str(f)), f.stat().st_size)
     j.close()
     with state.open("a") as out:
         out.write('{"path": "/cut sh')  # a killed run's last line
@@ -262,7 +262,7 @@ def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
         hs_file(d / f"g{i:02d}.safetensors", seed=i)
     odd = hs_file(d / "odd.safetensors", seed=40, scale=1000.0)
     args = argparse.Namespace(paths=[str(d)], from_audit=None, workers=1, no_progress=True)
-    counts = taking.Counts()
+    counts = command.Counts()
     counts.replaced.append(str(odd))
     assert command._finish(args, [str(odd)], counts, str(tmp_path / "s.audit")) == 0
     out = capsys.readouterr().out

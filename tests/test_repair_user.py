@@ -28,7 +28,7 @@ from support.digest import digest
 
 from vllm_hsfix import enginelog
 from vllm_hsfix.repair import settings
-from vllm_hsfix.repair.targets import Target
+from vllm_hsfix.repair.files import Target
 
 AUX = (1, 2, 3)
 
@@ -142,7 +142,7 @@ def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) ->
     import torch
     from safetensors.torch import save_file
 
-    from vllm_hsfix.repair import compare
+    from vllm_hsfix.repair import files as compare
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.arange(4, 44)
