@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,32 @@ distributed_executor_backend=ray on a node of a running Ray cluster (RAY_ADDRESS
 """
 
 
+OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", {"help": "the verifier the dataset was made with (a local dir)"}),
+    ("--aux-layers", {"help": "eagle_aux_hidden_state_layer_ids, e.g. 1,2,3 (else from the "
+                      "files' provenance metadata)"}),
+    ("--from-audit", {"metavar": "FILE", "help": "an audit's --jsonl or --list output"}),
+    ("--include-suspect", {"action": "store_true", "help": "regenerate suspect files too"}),
+    ("--backup", {"metavar": "DIR", "help": "keep each old file here before replacing it"}),
+    ("--state", {"metavar": "FILE", "default": DEFAULT_STATE,
+                 "help": f"journal of replaced files, for resuming (default ./{DEFAULT_STATE})"}),
+    ("--dry-run", {"action": "store_true", "help": "list what would be regenerated"}),
+    ("--batch-size", {"type": int, "default": 256, "help": "prompts per engine batch"}),
+    ("--max-model-len", {"type": int}),
+    ("--tensor-parallel-size", {"type": int, "default": 1}),
+    ("--data-parallel-size", {"type": int, "default": 1}),
+    ("--engine-arg", {"action": "append", "default": [], "metavar": "KEY=VALUE",
+                      "help": "more vllm.LLM keyword arguments, e.g. dtype=bfloat16 or "
+                      "enforce_eager=true (VALUE is JSON when it parses, else a string; "
+                      "repeatable; overrides the settings read from the files' provenance "
+                      "or derived from the checkpoint)"}),
+    ("--endpoint", {"metavar": "URL", "help": "use this running vllm serve instead"}),
+    ("--shard", {"metavar": "K/N", "help": "only every N-th target from the K-th"}),
+    ("--workers", {"type": int, "help": "audit worker processes"}),
+    ("--no-progress", {"action": "store_true"}),
+]  # fmt: skip
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "repair",
@@ -57,40 +82,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", help="the dataset: files or directories")
-    p.add_argument("--model", help="the verifier the dataset was made with (a local dir)")
-    p.add_argument(
-        "--aux-layers",
-        default=None,
-        help="eagle_aux_hidden_state_layer_ids, e.g. 1,2,3 (else from the files' "
-        "provenance metadata)",
-    )
-    p.add_argument("--from-audit", metavar="FILE", help="an audit's --jsonl or --list output")
-    p.add_argument("--include-suspect", action="store_true", help="regenerate suspect files too")
-    p.add_argument("--backup", metavar="DIR", help="keep each old file here before replacing it")
-    p.add_argument(
-        "--state",
-        metavar="FILE",
-        default=DEFAULT_STATE,
-        help=f"journal of replaced files, for resuming (default ./{DEFAULT_STATE})",
-    )
-    p.add_argument("--dry-run", action="store_true", help="list what would be regenerated")
-    p.add_argument("--batch-size", type=int, default=256, help="prompts per engine batch")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more vllm.LLM keyword arguments, e.g. dtype=bfloat16 or enforce_eager=true "
-        "(VALUE is JSON when it parses, else a string; repeatable; overrides the settings "
-        "read from the files' provenance or derived from the checkpoint)",
-    )
-    p.add_argument("--endpoint", metavar="URL", help="use this running vllm serve instead")
-    p.add_argument("--shard", metavar="K/N", help="only every N-th target from the K-th")
-    p.add_argument("--workers", type=int, default=None, help="audit worker processes")
-    p.add_argument("--no-progress", action="store_true")
+    for flag, kwargs in OPTIONS:
+        p.add_argument(flag, **kwargs)
     p.set_defaults(fn=run)
     return p
 
@@ -179,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
         status = _regenerate(args, group, {**engine, "fp8": fp8}, journal, counts)
         if status is not None:
             return status
-    journal.close()
-    return _finish(args, paths, counts, audit_state)
+    return finish(args, paths, counts, audit_state)
 
 
 def _targets(paths: list[str], journal: Journal, counts: Counts) -> list[Target]:
@@ -245,13 +237,9 @@ def failure(code: int, log: str) -> str:
     cause, not what its engine core logged as it went down after it."""
     if code >= 0:
         return f"the vLLM run failed (exit {code}); {enginelog.explain(log)}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
     return (
-        f"the vLLM run failed: its process was killed by {name} (the OOM killer, a "
-        f"user; `dmesg` names OOM kills); full log: {log}"
+        f"the vLLM run failed: its process was killed by {watch.signal_name(-code)} (the "
+        f"OOM killer, a user; `dmesg` names OOM kills); full log: {log}"
     )
 
 
@@ -366,7 +354,7 @@ class Follow:
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
-                if not self.on(_message(line)):
+                if not self.on(message(line)):
                     return -1
             tree.eof.set()
             return proc.wait()
@@ -424,7 +412,7 @@ class Follow:
                 self.bar.update(1, t.tokens)
 
 
-def _message(line: str) -> dict[str, Any]:
+def message(line: str) -> dict[str, Any]:
     """One message of the vLLM process; {} for a line cut short by a kill."""
     try:
         msg = json.loads(line)
@@ -433,7 +421,7 @@ def _message(line: str) -> dict[str, Any]:
     return msg if isinstance(msg, dict) else {}
 
 
-def _finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_state: str) -> int:
+def finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_state: str) -> int:
     """Audit again (the whole input: unchanged files come from the audit state) and say
     how every targeted file ended. A file right after all counts as ok whatever the
     audit says of it now; so does a regenerated file the audit only calls suspect (a

@@ -1,25 +1,23 @@
 """The repair's vLLM process: ``python -m vllm_hsfix.repair.engine JOB.json``.
 
-A process of its own, started with ``VLLM_HSFIX_STATUS_DIR`` set so that every vLLM
-process of the run reports vllm-hsfix's status, and so that the guard runs where vLLM
-runs. It starts vLLM's offline ``LLM`` with ``extract_hidden_states`` and the
-hidden-states connector writing into a scratch directory (the set-up that wrote the
-dataset; fp8 files through hs-connectors' ``FP8HiddenStatesConnector``), or uses a
-running ``vllm serve`` (``--endpoint``: one completion request per prompt, the file's
-path in the response's ``kv_transfer_params``, on a shared filesystem), and sends the
-targets' token ids in batches. A file is taken once its writer released its ``.lock``.
+A process of its own, so that ``VLLM_HSFIX_STATUS_DIR`` is set before vllm-hsfix
+activates and the guard runs where vLLM runs. It starts vLLM's offline ``LLM`` with
+``extract_hidden_states`` and the hidden-states connector writing into a scratch
+directory (the set-up that wrote the dataset), or uses a running ``vllm serve``
+(``--endpoint``: the file's path comes back in ``kv_transfer_params``), and sends the
+targets' token ids in batches; a file is taken once its writer released its ``.lock``.
 
-It talks to the repair over its stdout, one JSON object per line (vLLM's own stdout
-goes to the log, stderr); a line cut short by a kill is ignored by the reader::
+It tells the repair what happens on stdout, one JSON object per line (vLLM's own
+stdout goes to stderr, the log); the reader ignores a line cut short by a kill::
 
-    {"event": "bad_arg", "key": K, "why": W}   an --engine-arg vLLM has no such name
-                                               for (exit 2), or whose value it rejected
-    {"event": "guard", "problems": [...]}      after the engine started; not empty:
-                                               the fix is not active there (exit 3)
-    {"event": "file", "index": I, "path": P}   prompt I's regenerated file (P null: none)
-    {"event": "done"}                          every prompt answered; vLLM's shutdown follows
+    {"event": "bad_arg", "key": K, "why": W}  vLLM has no engine argument K, or
+                                              rejected its value (exit 2)
+    {"event": "guard", "problems": [...]}     the engine started; problems: the fix
+                                              is not active there (exit 3)
+    {"event": "file", "index": I, "path": P}  prompt I's new file (P null: none)
+    {"event": "done"}                         every prompt answered
 
-It stops between batches when the repair is gone (exit 4), and :mod:`.watch` ends it
+It stops between batches when the repair is gone (exit 4); :mod:`.watch` ends it
 (exit 5) when one of vLLM's processes dies under it.
 """
 
@@ -42,9 +40,9 @@ REJECTED = ("ValueError", "TypeError", "ValidationError", "AssertionError")
 
 
 def llm_kwargs(spec: dict[str, Any], scratch: str) -> dict[str, Any]:
-    """vLLM's ``LLM`` arguments: prefix caching off (on 0.22-0.23 it cuts saved states
-    short, on 0.25-0.28 it can skip writes), no compilation (each prompt runs once),
-    then the engine settings (``spec["engine_args"]``) over them."""
+    """vLLM's ``LLM`` arguments: no prefix caching (0.22-0.23 cut saved states short,
+    0.25-0.28 can skip writes), no compilation (each prompt runs once), then the
+    engine settings over them."""
     connector = {
         "kv_connector": "ExampleHiddenStatesConnector",
         "kv_role": "kv_producer",

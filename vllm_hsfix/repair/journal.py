@@ -2,9 +2,8 @@
 
 JSON Lines, one record per finished target, appended and fsynced the moment its file
 is in place: ``{"path", "status": "replaced" | "right", "sha256", "size"}`` ("right":
-the old file agreed with the regenerated one and was kept). On a rerun a target whose
-record's size and digest its file still has is done; a line cut short by a kill is
-ignored; the last record of a path wins.
+the old file agreed with the regenerated one and was kept). A target whose file still
+has its record's size and digest is done; a line cut short by a kill is ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import IO, Any
+from typing import Any
 
 
 def sha256(path: str) -> str:
@@ -27,8 +26,7 @@ class Journal:
     def __init__(self, path: str) -> None:
         self.path = path
         self.done: dict[str, dict[str, Any]] = {}
-        self._out: IO[str] | None = None
-        try:
+        if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     try:
@@ -36,8 +34,6 @@ class Journal:
                         self.done[rec["path"]] = rec
                     except (ValueError, KeyError, TypeError):
                         continue
-        except FileNotFoundError:
-            pass
 
     def is_done(self, path: str) -> bool:
         """Replaced (or found right) by an earlier run, and unchanged since."""
@@ -55,13 +51,7 @@ class Journal:
     def add(self, path: str, status: str, digest: str, size: int) -> None:
         rec = {"path": path, "status": status, "sha256": digest, "size": size}
         self.done[path] = rec
-        if self._out is None:
-            self._out = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        self._out.write(json.dumps(rec) + "\n")
-        self._out.flush()
-        os.fsync(self._out.fileno())
-
-    def close(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

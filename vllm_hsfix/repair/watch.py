@@ -61,38 +61,34 @@ def alive(p: Any) -> bool:
         return False
 
 
-def _cmdline(p: Any) -> str:
-    with contextlib.suppress(Exception):
-        return " ".join(p.cmdline()).strip()
-    return ""
-
-
 def vllm_processes(root: int) -> dict[int, tuple[Any, str]]:
     """vLLM's processes below ``root`` (pid -> (process, command line)): those it titled
     (``VLLM::EngineCore``, ``VLLM::Worker``), else, without setproctitle, ``root``'s own
     children. Never a helper of multiprocessing, nor a process started and ended at will
     (a compile pool): a watched process that ends means the engine is gone."""
-    procs = {p.pid: (p, _cmdline(p)) for p in below(root)}
+    info = {p.pid: (p, p.as_dict(["ppid", "cmdline"], ad_value=None)) for p in below(root)}
+    line = {pid: " ".join(d["cmdline"] or []).strip() for pid, (_, d) in info.items()}
     title = (os.environ.get("VLLM_PROCESS_NAME_PREFIX") or "VLLM") + "::"
-    chosen = [pid for pid, (_, line) in procs.items() if line.startswith(title)]
-    if not chosen:
-        chosen = [pid for pid, (p, _) in procs.items() if _ppid(p) == root]
-    return {pid: procs[pid] for pid in chosen if not any(h in procs[pid][1] for h in HELPERS)}
+    chosen = [pid for pid in info if line[pid].startswith(title)]
+    chosen = chosen or [pid for pid, (_, d) in info.items() if d["ppid"] == root]
+    return {
+        pid: (info[pid][0], line[pid]) for pid in chosen if not any(h in line[pid] for h in HELPERS)
+    }
 
 
-def _ppid(p: Any) -> int | None:
-    with contextlib.suppress(Exception):
-        return int(p.ppid())
-    return None
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def exit_status(pid: int, proc: Any = None) -> str:
     """How child ``pid`` ended: from ``proc``, its ``multiprocessing`` object where there
     is one (vLLM reaps its engine cores at once), else peeked without reaping; "" when
     it is not our child."""
-    if proc is not None and proc.exitcode is not None:
-        code = proc.exitcode
-    else:
+    code = proc.exitcode if proc is not None else None
+    if code is None:
         try:
             info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except (OSError, AttributeError):
@@ -101,12 +97,7 @@ def exit_status(pid: int, proc: Any = None) -> str:
             return ""
         killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
         code = -info.si_status if killed else info.si_status
-    if code >= 0:
-        return f"exit status {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
+    return f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
 
 
 def cause(cmdline: str, pid: int, how: str) -> str:
