@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from .files import CORRUPT, OK, SUSPECT, Target
 from .journal import Journal, sha256
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
+THREADS = 4
 EPILOG = """\
 exit codes: 0 every targeted file is ok now (or nothing needed repair; --dry-run);
 1 a targeted file is still bad or was skipped, the vLLM run failed, or the fix is not
@@ -339,9 +341,11 @@ class Follow:
     def __init__(
         self, args: argparse.Namespace, targets: list[Target], journal: Journal, counts: Counts
     ) -> None:
-        root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
-        self.targets, self.journal, self.counts = targets, journal, counts
-        self.taker = files.Taker(args, root)
+        self.args, self.targets, self.journal, self.counts = args, targets, journal, counts
+        self.root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
+        # A batch's files are taken on a few threads (reads, numpy, fsync release the GIL).
+        self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hsfix-take")
+        self.pending: list[tuple[Target, Future[Any]]] = []
         self.progress = files.bar(args.no_progress)
         self.bar: Any = None
         self.t0 = self.ready = time.monotonic()
@@ -359,8 +363,8 @@ class Follow:
             tree.eof.set()
             return proc.wait()
         finally:
-            self.record(self.taker.drain(wait=True))  # every file in place is journaled
-            self.taker.close()
+            self.drain(wait=True)  # every file in place is journaled
+            self.pool.shutdown()
             if self.bar:
                 self.bar.close()
             if proc.poll() is None:
@@ -382,10 +386,12 @@ class Follow:
             tokens = sum(t.tokens for t in self.targets)
             self.bar = self.progress("repair", len(self.targets), tokens)
         elif event == "file":
-            self.taker.take(self.targets[msg["index"]], msg["path"])
-            self.record(self.taker.drain())
+            t = self.targets[msg["index"]]
+            args = (self.args, t, msg["path"], self.root)
+            self.pending.append((t, self.pool.submit(files.outcome, *args)))
+            self.drain()
         elif event == "done" and self.bar:
-            self.record(self.taker.drain(wait=True))
+            self.drain(wait=True)
             self.bar.close()
             self.bar = None
             # The regeneration's own time, apart from vLLM's shutdown that follows.
@@ -398,8 +404,12 @@ class Follow:
             )
         return True
 
-    def record(self, done: list[tuple[Target, str, Any]]) -> None:
-        for t, kind, detail in done:
+    def drain(self, wait: bool = False) -> None:
+        """Record the files taken whose outcome is known (all, with ``wait``), in order,
+        on this thread, which alone writes the journal and the counts."""
+        while self.pending and (wait or self.pending[0][1].done()):
+            t, fut = self.pending.pop(0)
+            kind, detail = fut.result()
             if kind == "refused":
                 self.counts.refused[t.path] = detail
             elif kind == "right":

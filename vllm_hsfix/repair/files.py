@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,6 @@ from ..audit.scan import writer_holds_lock
 
 __all__ = ["CORRUPT", "OK", "SUSPECT", "TOLERANCE"]
 HEAD_TOKENS = 16  # token positions compared before the whole file (see distance)
-THREADS = 4
 
 
 def audit(
@@ -282,27 +280,3 @@ def outcome(args: argparse.Namespace, t: Target, produced: str | None, root: str
         return "replaced", install(produced, t, args.backup, root)
     except Refused as exc:
         return "refused", str(exc)
-
-
-class Taker:
-    """Takes regenerated files on a few threads (reads, numpy and fsync release the
-    GIL); :meth:`drain` hands the outcomes back in order, to the caller's thread."""
-
-    def __init__(self, args: argparse.Namespace, root: str | None) -> None:
-        self.args, self.root = args, root
-        self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hsfix-take")
-        self.pending: list[tuple[Target, Future[Any]]] = []
-
-    def take(self, t: Target, produced: str | None) -> None:
-        self.pending.append((t, self.pool.submit(outcome, self.args, t, produced, self.root)))
-
-    def drain(self, wait: bool = False) -> list[tuple[Target, str, Any]]:
-        """The finished outcomes (all of them with ``wait``), in the order taken."""
-        done = []
-        while self.pending and (wait or self.pending[0][1].done()):
-            t, fut = self.pending.pop(0)
-            done.append((t, *fut.result()))
-        return done
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)

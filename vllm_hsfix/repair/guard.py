@@ -12,8 +12,8 @@ pending (the verifier is of another family and never imports its target).
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,26 +48,16 @@ def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     return list(report.get("problems") or []), needed
 
 
-def read_statuses(status_dir: str) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted(Path(status_dir).glob("*.json")):
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def in_engine(status_dir: str, needed: list[str], in_process: bool = False) -> list[str]:
+def in_engine(status_dir: str, needed: list[str]) -> list[str]:
     """Problems found in the running engine's processes: where the in-situ check ran,
-    else the engine core and workers (``in_process``: this very process)."""
-    statuses = read_statuses(status_dir)
-    if in_process:
-        procs = [s for s in statuses if s["pid"] == os.getpid()]
-    else:
-        procs = [s for s in statuses if s.get("verify") is not None] or [
-            s for s in statuses if s["role"] == "engine-core" or s["role"].startswith("worker")
-        ]
+    else the engine core and workers."""
+    statuses = []
+    for f in sorted(Path(status_dir).glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            statuses.append(json.loads(f.read_text()))
+    procs = [s for s in statuses if s.get("verify") is not None] or [
+        s for s in statuses if s["role"] == "engine-core" or s["role"].startswith("worker")
+    ]
     if not procs:
         return [
             "no process of the vLLM engine reported vllm-hsfix's status: vllm-hsfix is not "
