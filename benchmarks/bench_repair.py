@@ -237,9 +237,10 @@ def one_repair(
         "--aux-layers", ",".join(map(str, AUX)), "--no-progress", "--state", str(state),
         "--engine-arg", f"max_model_len={MAX_MODEL_LEN}",
     ]  # fmt: skip
+    # The tree first on PYTHONPATH, and a working directory of none (``-m`` looks there first).
     path = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH", "")) if p)
     t1 = time.monotonic()
-    rep_lines, _, rc = timed(cmd, {**env, "PYTHONPATH": path}, None)
+    rep_lines, _, rc = timed(cmd, {**env, "PYTHONPATH": path}, None, cwd=ds.parent)
     end = time.monotonic()
     ready_at = next((t for t, ln in rep_lines if "engine ready in" in ln), None)
     done_at = next((t for t, ln in rep_lines if "regenerated and checked" in ln), None)
@@ -259,12 +260,12 @@ def one_repair(
 
 
 def timed(
-    cmd: list[str], env: dict[str, str], mark: str | None
+    cmd: list[str], env: dict[str, str], mark: str | None, cwd: Path | None = None
 ) -> tuple[list[tuple[float, str]], float | None, int]:
     """Run ``cmd`` with stdout and stderr merged; every line with when it came, when the
     first line starting with ``mark`` came, and the exit status."""
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd
     )
     assert proc.stdout is not None
     out: list[tuple[float, str]] = []
