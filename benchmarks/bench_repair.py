@@ -237,8 +237,15 @@ def one_repair(
         "--aux-layers", ",".join(map(str, AUX)), "--no-progress", "--state", str(state),
         "--engine-arg", f"max_model_len={MAX_MODEL_LEN}",
     ]  # fmt: skip
-    # The tree first on PYTHONPATH, and a working directory of none (``-m`` looks there first).
+    # The tree first on PYTHONPATH, from a directory of no tree (``-m`` looks there first).
     path = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH", "")) if p)
+    where = subprocess.run(
+        [sys.executable, "-c", "import vllm_hsfix; print(vllm_hsfix.__file__)"],
+        env={**env, "PYTHONPATH": path}, cwd=ds.parent, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    if not where.startswith(tree + os.sep):
+        print(f"repair of {tree}: vllm_hsfix comes from {where!r} there")
+        return None
     t1 = time.monotonic()
     rep_lines, _, rc = timed(cmd, {**env, "PYTHONPATH": path}, None, cwd=ds.parent)
     end = time.monotonic()
