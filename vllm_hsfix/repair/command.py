@@ -273,7 +273,8 @@ def _regenerate(
         follow = Follow(args, targets, journal, counts)
         code = follow.run(proc)
     if follow.refused:
-        return _stop("the fix is not active where vLLM runs; nothing written:", 1, follow.refused)
+        refused = [*follow.refused, f"vLLM's log: {log}"]
+        return _stop("the fix is not active where vLLM runs; nothing written:", 1, refused)
     if follow.bad_args:
         user = dict(a.split("=", 1) for a in args.engine_arg if "=" in a)
         for key, why in follow.bad_args:
