@@ -1,14 +1,9 @@
 """``vllm-hsfix repair PATHS --model MODEL_DIR``: regenerate exactly the bad files.
 
-Every file an affected vLLM wrote carries its own ``token_ids``: the input needed to
-regenerate it is on disk. Flow: the targets (an audit here, or ``--from-audit``) ->
-what each must keep (:mod:`.files`) -> the engine settings the extraction ran with
-(:mod:`.settings`) -> the guard (:mod:`.guard`) -> one vLLM process per file format
-(:mod:`.engine`), the guard again inside it -> per regenerated file: checked, compared
-row by row with the old one (all rows agree: the old file was right after all and
-stays byte for byte), else put in place atomically; journaled (:mod:`.journal`) -> the
-dataset audited again -> how every targeted file ended. A failed vLLM run is reported
-by its root cause and its kept log (:mod:`..enginelog`).
+The targets (an audit, or ``--from-audit``) and what each must keep (:mod:`.files`), the
+engine settings (:mod:`.settings`), the guard (:mod:`.guard`), one vLLM process per file
+format (:mod:`.engine`); each regenerated file checked, kept when the old one was right
+after all, else put in place and journaled (:mod:`.journal`); a re-audit; the verdicts.
 """
 
 from __future__ import annotations

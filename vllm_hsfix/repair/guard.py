@@ -1,13 +1,10 @@
 """``repair`` refuses to write wrong files again: the fix must be active, checked twice.
 
-:func:`preflight`, before vLLM starts: ``vllm-hsfix status --json`` in a fresh
-interpreter with this environment; any problem (a patch refused or disabled, the plugin
-filtered out by ``VLLM_PLUGINS``, no vLLM) stops the repair. :func:`in_engine`, after
-vLLM started and before the first request: the status files (``VLLM_HSFIX_STATUS_DIR``)
-of the processes that run the model. Every patch the preflight expected must be applied
-in one of them and refused, failed or reverted in none, and the in-situ check, where it
-ran, must have passed; a patch of one family of models (``PatchSpec.models``) may stay
-pending (the verifier is of another family and never imports its target).
+:func:`preflight`, before vLLM starts: ``vllm-hsfix status --json`` of this environment
+must be clean. :func:`in_engine`, before the first request: the status files
+(``VLLM_HSFIX_STATUS_DIR``) of the processes that run the model must show every needed
+patch applied (a patch of another family of models, ``PatchSpec.models``, may stay
+pending) and the in-situ check passed.
 """
 
 from __future__ import annotations

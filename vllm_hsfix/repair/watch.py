@@ -1,15 +1,11 @@
 """No vLLM process that dies leaves the repair waiting, and none outlives it.
 
-vLLM's offline ``LLM`` waits for its engine core's outputs with no timeout: when the
-engine core is killed (the OOM killer, a user) nothing wakes ``generate`` (vLLM 0.24.0:
-still waiting 150 s later). :class:`EngineWatch`, in the repair's vLLM process, notices
-a vLLM process gone, leaves vLLM :data:`GRACE_S` to raise on its own, then names the
-cause in an ``ERROR`` line of the log (what :mod:`..enginelog` reports as the root
-cause when no traceback says more), ends vLLM's other processes and exits
-:data:`EXIT_ENGINE_GONE`. When the repair's vLLM process itself is killed, its engine
-core and workers run on, holding its stdout open: :class:`ChildTree`, in the repair,
-lists the processes below it and kills those left :data:`EOF_GRACE_S` after it is gone.
-Processes are read with psutil (a vLLM requirement).
+vLLM's ``LLM.generate`` waits forever for a killed engine core (0.24.0): :class:`EngineWatch`,
+in the repair's vLLM process, names a vLLM process gone in an ``ERROR`` line of the log
+(the root cause :mod:`..enginelog` reports), gives vLLM :data:`GRACE_S` to raise, then
+ends the run (:data:`EXIT_ENGINE_GONE`). A killed vLLM process leaves its engine core
+holding its stdout: :class:`ChildTree`, in the repair, kills what is left
+:data:`EOF_GRACE_S` later. Processes are read with psutil (a vLLM requirement).
 """
 
 from __future__ import annotations
