@@ -113,7 +113,7 @@ def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
         "See stack trace (above) for the root cause.\n"
     )
-    ours = watch.cause("VLLM::EngineCore", 42, "killed by SIGKILL")
+    ours = watch.cause(b"VLLM::EngineCore", 42, "killed by SIGKILL")
     text = f"INFO 12-03 10:00:00 [llm.py:1] starting\nERROR 12-03 10:00:05 [x] {ours}\n{dead}"
     cause = enginelog.root_cause(text)
     assert cause is not None and cause.process == "the main process"
