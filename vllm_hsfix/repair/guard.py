@@ -1,34 +1,26 @@
-"""``repair`` refuses to make the same mistake twice.
+"""``repair`` refuses to write wrong files again: the fix must be active, checked twice.
 
-Regenerating with a vLLM that still has the bug writes wrong files again, over the
-ones being repaired. So, before anything is written, twice:
-
-1. :func:`preflight`, before vLLM starts: ``vllm-hsfix status --json`` in a fresh
-   interpreter with this environment, the check an image build runs. Any problem
-   (a patch refused, disabled, an unknown build, the plugin filtered out by
-   ``VLLM_PLUGINS``, no vLLM) stops the repair.
-2. :func:`in_engine`, after vLLM started and before the first request: the status
-   files (``VLLM_HSFIX_STATUS_DIR``) of the processes that run the model (the engine
-   core, the workers). Every patch the preflight expected to apply must be applied in
-   one of them and refused, failed or reverted in none, and the in-situ check, where
-   it ran, must have passed. A process without a status file did not load vllm-hsfix.
-   A patch of one family of models (``PatchSpec.models``) may also stay on-import: the
-   verifier is of another family and never imports its target.
+:func:`preflight`, before vLLM starts: ``vllm-hsfix status --json`` of this environment
+must be clean. :func:`in_engine`, before the first request: the status files
+(``VLLM_HSFIX_STATUS_DIR``) of the processes that run the model must show every needed
+patch applied (a patch of another family of models, ``PatchSpec.models``, may stay
+on-import) and the in-situ check passed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
+from ..patches import PATCHES, by_id
 
 BAD_STATUSES = frozenset({REFUSED, FAILED, REVERTED})
-FRONT_END = "vllm.entrypoints.cli."
+FRONT_END = "vllm.entrypoints.cli."  # vLLM's command line: never imported by the engine
 
 
 def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
@@ -44,57 +36,30 @@ def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
         report: dict[str, Any] = json.loads(out.stdout)
     except ValueError:
         return [f"vllm-hsfix status failed (exit {out.returncode}): {out.stderr[-500:]}"], []
-    problems = list(report.get("problems") or [])
+    front_end = {p.id for p in PATCHES if p.module.startswith(FRONT_END)}
     needed = [
         pid
         for pid, p in report.get("patches", {}).items()
-        if p["code"] == Code.APPLY and not _front_end_only(pid)
+        if p["code"] == Code.APPLY and pid not in front_end
     ]
-    return problems, needed
+    return list(report.get("problems") or []), needed
 
 
-def _front_end_only(patch_id: str) -> bool:
-    """A patch of vLLM's command line (``vllm serve``'s entry point): the engine core
-    and the workers never import its target, so it is not theirs to have applied."""
-    from ..patches import PATCHES
-
-    return any(p.id == patch_id and p.module.startswith(FRONT_END) for p in PATCHES)
-
-
-def _model_processes(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The processes that run the model: where the in-situ check ran, else by role."""
-    ran = [s for s in statuses if s.get("verify") is not None]
-    if ran:
-        return ran
-    return [s for s in statuses if s["role"] == "engine-core" or s["role"].startswith("worker")]
-
-
-def read_statuses(status_dir: str) -> list[dict[str, Any]]:
-    out = []
+def in_engine(status_dir: str, needed: list[str]) -> list[str]:
+    """Problems found in the running engine's processes: where the in-situ check ran,
+    else the engine core and workers."""
+    statuses = []
     for f in sorted(Path(status_dir).glob("*.json")):
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def in_engine(status_dir: str, needed: list[str], in_process: bool = False) -> list[str]:
-    """Problems found in the running engine's processes (see the module docstring).
-    ``in_process``: the model runs in this very process (its status is the main one)."""
-    statuses = read_statuses(status_dir)
-    procs = (
-        [s for s in statuses if s["pid"] == os.getpid()]
-        if in_process
-        else _model_processes(statuses)
-    )
+        with contextlib.suppress(OSError, ValueError):
+            statuses.append(json.loads(f.read_text()))
+    procs = [s for s in statuses if s.get("verify") is not None] or [
+        s for s in statuses if s["role"] == "engine-core" or s["role"].startswith("worker")
+    ]
     if not procs:
         return [
             "no process of the vLLM engine reported vllm-hsfix's status: vllm-hsfix is not "
             "active where the model runs (is its vllm.general_plugins entry point filtered?)"
         ]
-    from ..patches import by_id
-
     problems = []
     for pid in needed:
         seen = {s["role"]: s["patches"].get(pid, {}).get("status") for s in procs}

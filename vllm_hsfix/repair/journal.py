@@ -1,11 +1,9 @@
 """``repair --state FILE``: what is done, so an interrupted repair picks up where it stopped.
 
-One JSON line per finished target, appended and flushed the moment the new file is in
-place: ``{"path", "status": "replaced", "sha256", "size"}`` (``"status": "right"``: the
-regenerated file agreed with the old one, which was kept). On a rerun a target whose
-line says replaced or right and whose file still has that size and digest is done (not
-regenerated, not counted again); a file changed since (someone wrote it again) is a
-target like any other. A line cut short by a kill is ignored.
+JSON Lines, one record per finished target, appended and fsynced the moment its file
+is in place: ``{"path", "status": "replaced" | "right", "sha256", "size"}`` ("right":
+the old file agreed with the regenerated one and was kept). A target whose file still
+has its record's size and digest is done; a line cut short by a kill is ignored.
 """
 
 from __future__ import annotations
@@ -13,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import IO, Any
+from typing import Any
 
 
 def sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
 
@@ -28,8 +26,7 @@ class Journal:
     def __init__(self, path: str) -> None:
         self.path = path
         self.done: dict[str, dict[str, Any]] = {}
-        self._out: IO[str] | None = None
-        try:
+        if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 for line in f:
                     try:
@@ -37,35 +34,24 @@ class Journal:
                         self.done[rec["path"]] = rec
                     except (ValueError, KeyError, TypeError):
                         continue
-        except FileNotFoundError:
-            pass
 
     def is_done(self, path: str) -> bool:
-        """Replaced by an earlier run, and unchanged since."""
+        """Replaced (or found right) by an earlier run, and unchanged since."""
         rec = self.done.get(path)
         if not rec or rec.get("status") not in ("replaced", "right"):
             return False
         try:
-            if os.path.getsize(path) != rec["size"]:
-                return False
-            return sha256(path) == rec["sha256"]
+            return os.path.getsize(path) == rec["size"] and sha256(path) == rec["sha256"]
         except OSError:
             return False
 
     def count(self, status: str) -> int:
         return sum(1 for rec in self.done.values() if rec.get("status") == status)
 
-    def replaced(self, path: str, digest: str, size: int, status: str = "replaced") -> None:
-        """``status`` "right": the old file was kept (it agreed with the regenerated one)."""
+    def add(self, path: str, status: str, digest: str, size: int) -> None:
         rec = {"path": path, "status": status, "sha256": digest, "size": size}
         self.done[path] = rec
-        if self._out is None:
-            self._out = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        self._out.write(json.dumps(rec) + "\n")
-        self._out.flush()
-        os.fsync(self._out.fileno())
-
-    def close(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,20 +1,11 @@
-"""The repair's vLLM process keeps an eye on the processes vLLM started for it.
+"""No vLLM process that dies leaves the repair waiting, and none outlives it.
 
-vLLM's offline ``LLM`` waits for its engine core's outputs with no timeout. When the
-engine core is killed (SIGKILL: the OOM killer, a user) vLLM's own monitor notices,
-marks the engine dead and closes its sockets, but nothing wakes the ``generate`` that
-waits (vLLM 0.24.0: still waiting 150 s after the kill, idle or with every core busy),
-so the repair would wait forever with no word in the log. :class:`EngineWatch`
-notices a vLLM process gone, leaves vLLM :data:`GRACE_S` to raise on its own, then
-writes the cause to the log as an ``ERROR`` line (what :mod:`..enginelog` reports as
-the root cause when no traceback says more), ends vLLM's other processes and exits
-with :data:`EXIT_ENGINE_GONE`.
-
-The other way round, when the repair's vLLM process itself is killed, vLLM's engine
-core and workers run on, orphaned, and keep its stdout open: the repair, reading it to
-the end, would wait for them forever. :class:`ChildTree` (in the repair) keeps the
-list of the processes below it while it runs and kills those left :data:`EOF_GRACE_S`
-after it is gone. Linux (``/proc``); elsewhere neither watches anything.
+vLLM's ``LLM.generate`` waits forever for a killed engine core (0.24.0): :class:`EngineWatch`,
+in the repair's vLLM process, names a vLLM process gone in an ``ERROR`` line of the log
+(the root cause :mod:`..enginelog` reports), gives vLLM :data:`GRACE_S` to raise, then
+ends the run (:data:`EXIT_ENGINE_GONE`). A killed vLLM process leaves its engine core
+holding its stdout: :class:`ChildTree`, in the repair, kills what is left
+:data:`EOF_GRACE_S` later. Linux (``/proc``); elsewhere neither watches anything.
 """
 
 from __future__ import annotations
@@ -110,12 +101,14 @@ def exit_status(pid: int, proc: Any = None) -> str:
             return ""
         killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
         code = -info.si_status if killed else info.si_status
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+    return f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class EngineWatch:
