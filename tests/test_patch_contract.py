@@ -4,8 +4,6 @@ implementation modules import no vLLM and no torch at module level."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from vllm_hsfix.patches import PATCHES, PatchModule, by_id
@@ -19,13 +17,13 @@ def test_every_row_keeps_the_contract(patch) -> None:  # type: ignore[no-untyped
 
 
 def test_a_module_without_the_contract_is_refused() -> None:
-    row = dataclasses.replace(by_id("atomic-writes"), impl="vllm_hsfix.patches.hooks")
+    row = by_id("atomic-writes")._replace(impl="vllm_hsfix.patches.hooks")
     with pytest.raises(TypeError, match="does not implement the patch contract"):
         row.implementation()
 
 
 def test_a_module_of_another_row_is_refused() -> None:
-    row = dataclasses.replace(by_id("atomic-writes"), impl="vllm_hsfix.patches.scatter_clamp")
+    row = by_id("atomic-writes")._replace(impl="vllm_hsfix.patches.scatter_clamp")
     with pytest.raises(TypeError, match="the row is 'atomic-writes'"):
         row.implementation()
 

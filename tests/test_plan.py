@@ -182,9 +182,8 @@ def test_decisions_that_need_no_code_are_made_without_a_probe() -> None:
 
 def test_each_patch_has_its_own_fixed_release() -> None:
     """A later fixed release on one row moves only that row (the single FIXED_FROM went)."""
-    import dataclasses
 
-    later = dataclasses.replace(by_id("scatter-clamp"), fixed_in="0.29.0")
+    later = by_id("scatter-clamp")._replace(fixed_in="0.29.0")
     inst = from_version("vllm", "0.26.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
     assert plan.decide(later, inst, ON, lambda: Probe("2d-index")).code == "would-apply"
     assert plan.decide(by_id("scatter-clamp"), inst, ON, lambda: Probe("2d-index")).code == (

@@ -25,9 +25,8 @@ selection are all derived from these rows; nothing else names a patch. Each row'
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -63,8 +62,7 @@ ANY, CPU = "any", "cpu"
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
-@dataclass(frozen=True)
-class PatchSpec:
+class PatchSpec(NamedTuple):
     """One declared patch: where it goes, on which releases and platforms, and why."""
 
     id: str
@@ -89,7 +87,7 @@ class PatchSpec:
     # read yet, where the patch is left alone as unchecked (not as "fixed").
     upstream_fixed: bool = True
     # The models whose engines import the target ("" = every extraction engine): where
-    # another model runs, the target is never imported and the patch stays pending.
+    # another model runs, the target is never imported and the patch stays on-import.
     models: str = ""
 
     def implementation(self) -> ModuleType:
@@ -379,8 +377,7 @@ PATCHES: tuple[PatchSpec, ...] = (
 OBSERVER, STAMP, CONFIG_CHECK = "observer", "stamp", "config-check"
 
 
-@dataclass(frozen=True)
-class ExtraSpec:
+class ExtraSpec(NamedTuple):
     """A wrapper that fixes nothing: it observes, stamps or checks. A row of its own
     kind with its own record (``state.ExtraRecord``), so reloading, unapplying or
     reporting it never reads as a patch's. ``impl`` is ``module:function``, the
