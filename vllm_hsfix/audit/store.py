@@ -7,12 +7,12 @@ kill (and any other line that is not a JSON object); :func:`rewrite` replaces th
 compactly through a temporary file in the same directory, fsync and rename, so a
 reader sees the old file or the new one, never half of it.
 
-Used by ``audit --state``; the API is small on purpose, for any other journal
-(``repair --state``) to share::
+Used by ``audit --state`` and ``repair --state``; the API is small on purpose::
 
     out = Appender(path)        # opens for append on the first record
     out.append({"path": ..., ...})
     out.close()
+    append(path, record, sync=True)  # one record, fsynced
     records = read(path)        # [] when the file does not exist
     rewrite(path, records)      # atomically
 """
@@ -67,6 +67,16 @@ def rewrite(path: str | os.PathLike[str], records: Iterable[Record | str]) -> No
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def append(path: str | os.PathLike[str], record: Record, sync: bool = False) -> None:
+    """Append one record to ``path`` (``sync``: fsync it before returning, for a record
+    that says a file is in place)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(dumps(record) + "\n")
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
 
 
 class Appender:

@@ -3,15 +3,17 @@
 JSON Lines, one record per finished target, appended and fsynced the moment its file
 is in place: ``{"path", "status": "replaced" | "right", "sha256", "size"}`` ("right":
 the old file agreed with the regenerated one and was kept). A target whose file still
-has its record's size and digest is done; a line cut short by a kill is ignored.
+has its record's size and digest is done; a line cut short by a kill is ignored
+(read and written through :mod:`vllm_hsfix.audit.store`, as ``audit --state``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any
+
+from ..audit import store
 
 
 def sha256(path: str) -> str:
@@ -25,15 +27,9 @@ def sha256(path: str) -> str:
 class Journal:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.done: dict[str, dict[str, Any]] = {}
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                        self.done[rec["path"]] = rec
-                    except (ValueError, KeyError, TypeError):
-                        continue
+        self.done: dict[str, dict[str, Any]] = {
+            rec["path"]: rec for rec in store.read(path) if isinstance(rec.get("path"), str)
+        }
 
     def is_done(self, path: str) -> bool:
         """Replaced (or found right) by an earlier run, and unchanged since."""
@@ -51,7 +47,4 @@ class Journal:
     def add(self, path: str, status: str, digest: str, size: int) -> None:
         rec = {"path": path, "status": status, "sha256": digest, "size": size}
         self.done[path] = rec
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        store.append(self.path, rec, sync=True)
