@@ -8,6 +8,9 @@ reference for everything else (its own tests check it against torch).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +201,32 @@ def test_one_blas_thread_inside_and_the_same_sketches() -> None:
     want = rows.astype(np.float64) @ prefix.sketch_matrix(4096).astype(np.float64)
     np.testing.assert_allclose(flat, want, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(stacked, want, rtol=1e-4, atol=1e-3)
+
+
+def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None:
+    """The thread pools are looked up again after new imports: a BLAS that comes with a
+    later import (torch's, in a fresh interpreter) is limited as well, and given back
+    its threads after."""
+    program = """if True:
+        import json
+        from threadpoolctl import threadpool_info
+        from vllm_hsfix.audit import prefix
+
+        def blas():
+            return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
+
+        with prefix.single_blas_thread():
+            pass
+        import torch  # noqa: F401  (its BLAS is loaded now, after the first batch)
+        before = blas()
+        with prefix.single_blas_thread() as on:
+            inside = blas()
+        print(json.dumps({"on": on, "before": before, "inside": inside, "after": blas()}))
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["on"] and got["before"] and set(got["inside"]) == {1}, got
+    assert got["after"] == got["before"], got

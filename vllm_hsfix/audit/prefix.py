@@ -23,6 +23,7 @@ past the shared prefix.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -57,15 +58,22 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
 _one_blas_thread = False
 
 
-@lru_cache(maxsize=1)
+_controller: tuple[int, Any] | None = None
+
+
 def _blas_controller() -> Any:
-    """threadpoolctl's view of this process's thread pools (found once: a fresh look at
-    the loaded libraries costs half a millisecond), or None without threadpoolctl."""
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return None
-    return ThreadpoolController()
+    """threadpoolctl's view of this process's thread pools, or None without threadpoolctl.
+    Looked up again only after new imports (a new BLAS comes with one): a fresh look at
+    the loaded libraries costs half a millisecond."""
+    global _controller
+    if _controller is None or _controller[0] != len(sys.modules):
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            return None
+        found = ThreadpoolController()
+        _controller = (len(sys.modules), found)
+    return _controller[1]
 
 
 @contextlib.contextmanager
