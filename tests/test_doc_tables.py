@@ -37,33 +37,3 @@ def test_a_drifted_row_is_named(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "drifted from the row: atomic-writes" in proc.stdout, proc.stdout
     assert proc.stdout.count("drifted") == 2  # the row, and the line no row has
-
-
-def _docstring_rows() -> dict[str, str]:
-    """The lines of the patch table in ``vllm_hsfix/patches/__init__.py``'s docstring, by
-    patch id (read from the file's text, not through the module)."""
-    import ast
-
-    src = (ROOT / "vllm_hsfix" / "patches" / "__init__.py").read_text()
-    doc = ast.get_docstring(ast.parse(src)) or ""
-    table = doc.split("=====", 1)[1].rsplit("=====", 1)[0]  # between the rules
-    rows = {}
-    for line in table.splitlines():
-        if line.startswith("``") and "``" in line[2:]:
-            rows[line[2:].split("``", 1)[0]] = line
-    return rows
-
-
-def test_the_docstring_table_says_what_each_row_says() -> None:
-    """The docstring's table names every row once, with its range, platform and the
-    end of its target; a drifted or missing line fails naming the row."""
-    from vllm_hsfix.patches import PATCHES
-
-    rows = _docstring_rows()
-    assert set(rows) == {p.id for p in PATCHES}, sorted(rows)
-    for p in PATCHES:
-        major, minor, _ = (int(x) for x in p.fixed_in.split("."))
-        line = rows[p.id]
-        assert f"{p.first} - {major}.{minor - 1}.x" in line, (p.id, line)
-        assert f" {p.platform} " in line, (p.id, line)
-        assert p.target.rsplit(".", 1)[-1] in line, (p.id, line)

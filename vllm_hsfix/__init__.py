@@ -1,8 +1,7 @@
 """vllm-hsfix: correct hidden-state extraction on pinned vLLM releases (0.17-0.33).
 
-Importing this package activates it: the patches are applied when vLLM's target
-modules are imported (or at once if they already are); nothing heavy loads until then.
-No ``from __future__`` import in the start-up modules: ``__future__`` is a module too.
+Importing it activates it: patches go in when vLLM's targets are imported. No
+``from __future__`` import in the start-up modules: ``__future__`` is a module too.
 """
 
 from ._version import __version__

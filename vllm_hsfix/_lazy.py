@@ -1,14 +1,10 @@
 """The only part of vllm-hsfix that runs at interpreter start: post-import hooks.
 
-``import vllm_hsfix`` may run in every Python process of an image, so this module
-imports only what every interpreter has already loaded (``_thread``, ``os``, ``sys``;
-not even ``typing``: annotations naming it are strings). It records the activation
-paths that fired and puts a finder first on ``sys.meta_path`` that wraps the loader
-of ``vllm`` (the activation callback runs before vLLM's ``__init__``) and of modules
-with post-import hooks (:func:`when_imported`, the contract of wrapt's
-``register_post_import_hook``). Asking for a spec (``importlib.util.find_spec``) does
-not fire anything; only executing the module does. What the ``vllm`` callback raises
-is recorded in :func:`errors`, never raised into ``import vllm`` (strict mode aside).
+It imports only what every interpreter has loaded (``_thread``, ``os``, ``sys``; not
+``typing``). A finder first on ``sys.meta_path`` wraps the loader of ``vllm`` (the
+activation callback runs before vLLM's ``__init__``) and of hooked modules
+(:func:`when_imported`, wrapt's ``register_post_import_hook`` contract); a spec lookup
+fires nothing. What the ``vllm`` callback raises goes to :func:`errors`, not the import.
 """
 
 import _thread

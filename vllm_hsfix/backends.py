@@ -1,8 +1,6 @@
-"""Which patches reach the connector classes speculators' backends run (``status``).
-
-hs-connectors' ``file`` backend is vLLM's own connector, ``fp8`` a subclass that
-overrides only the writer, ``mooncake`` a class of its own with PR 46301's fix in its
-own code. Read from package metadata and the patch table only: nothing is imported.
+"""Which patches reach the connector classes speculators' backends (hs-connectors) run:
+``file`` is vLLM's connector, ``fp8`` a subclass with its own writer, ``mooncake`` its
+own class with PR 46301's fix. From metadata and the patch table; nothing is imported.
 """
 
 from __future__ import annotations

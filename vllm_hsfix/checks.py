@@ -1,8 +1,5 @@
-"""The checks that prove the fix is live, called on the live (patched) code.
-
-Each patch module's ``verify`` (``vllm-hsfix verify``) and ``in_situ`` (once per
-worker, when it registers its KV caches) are built from these; the tests use them too.
-torch and vLLM are imported inside functions only, so importing this module is cheap.
+"""The checks that prove the fix is live, run on the patched code by the patches'
+``verify`` and ``in_situ`` (and the tests). torch and vLLM load inside functions only.
 """
 
 from __future__ import annotations

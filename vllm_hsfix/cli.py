@@ -1,12 +1,8 @@
-"""``vllm-hsfix``: status | verify | run | bootstrap-dir, and audit | repair (their own
-modules). Exit codes are meant for a Dockerfile ``RUN``:
+"""``vllm-hsfix``: status | verify | run | bootstrap-dir, and audit | repair.
 
-* ``status``: 0 the fix will be in place or is not needed; 1 vLLM is in the affected
-  range but the fix cannot apply (unknown shape or version, disabled, plugin missing
-  or filtered out), or a ``--require`` does not hold; 2 this interpreter has no vLLM.
-* ``verify``: 0 every check passed; 1 a check failed or a patch is not in place;
-  2 it cannot run here (no vLLM, or ``--device cuda`` without a GPU).
-* ``run``: the exit code of the command.
+Exit codes (for a Dockerfile ``RUN``): ``status`` 0 fix in place or not needed, 1 it
+cannot apply or a ``--require`` fails, 2 no vLLM; ``verify`` 0 passed, 1 a check failed
+or a patch is not in place, 2 cannot run here; ``run`` the command's own.
 """
 
 from __future__ import annotations

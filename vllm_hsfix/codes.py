@@ -1,9 +1,5 @@
-"""The one vocabulary of a patch's state: :class:`Code`, and its coarse ``status``.
-
-A code is a ``str`` enum whose value is the word every report prints (``code`` in the
-JSON), so a report read back compares equal to the member. Each code belongs to one
-status (``status`` in the JSON): on-import, applied, skipped, refused, failed or
-reverted. Stdlib only: the bootstrap and the scripts import it.
+"""The one vocabulary of a patch's state: :class:`Code` (a ``str`` enum whose value is
+the printed word) and the coarse ``status`` each code belongs to. Stdlib only.
 """
 
 from __future__ import annotations

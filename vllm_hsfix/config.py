@@ -1,7 +1,5 @@
-"""Environment switches, parsed once per process.
-
-Environment variables reach the processes vLLM starts without code changes. Bad
-values never raise: they become warnings in ``status()`` and the safe reading is used.
+"""Environment switches (they reach vLLM's child processes), parsed once per process;
+a bad value becomes a warning in ``status()`` and the safe reading is used.
 """
 
 from __future__ import annotations

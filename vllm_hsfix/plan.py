@@ -1,11 +1,7 @@
 """The one decision function: which patch to apply on the vLLM installed here.
 
-``decide`` is pure: from what detection found (never importing vLLM), the switches,
-the patch's row and, only when everything else allows it, a probe of the target's
-code (the live module in the runtime, the file on disk in ``vllm-hsfix status``), it
-returns one :class:`Decision`. The questions, in order of authority: no vLLM; at or
-above the row's fixed release; below its range; another platform; switched off; an
-unreadable version; then the shape gate (fixed code, unknown shape, or apply).
+``decide`` is pure; its gates, in order: no vLLM; fixed release; below range; other
+platform; switched off; unreadable version; then the shape gate (only then probed).
 """
 
 from __future__ import annotations
@@ -38,10 +34,8 @@ _ORDER = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.
 
 
 def _bound_holds(version: Version, op: str, bound: Version) -> bool:
-    """One ordered bound, not PEP 440's: a lower bound compares the X.Y.Z release (so
-    ``0.24.0rc1`` belongs to 0.24.0's line), an upper bound the public version in plain
-    order (so ``0.25.0rc1`` is still below 0.25.0, where ``packaging``'s exclusive
-    ``<0.25.0`` would leave it out); the shape gate then reads its code."""
+    """A lower bound compares the X.Y.Z release (``0.24.0rc1`` is 0.24.0's line), an upper
+    one the public version (``0.25.0rc1`` is below 0.25.0, unlike PEP 440's ``<``)."""
     if op[0] == ">":
         return _ORDER[op](Version(".".join(str(p) for p in version.release)), bound)
     return _ORDER[op](Version(version.public), bound)

@@ -1,7 +1,5 @@
-"""vLLM's ``vllm.general_plugins`` entry point: installing the package is enough.
-
-vLLM calls it once in every process it creates, before models and connectors exist,
-and does not catch what it raises: it never raises unless strict mode asks.
+"""vLLM's ``vllm.general_plugins`` entry point, called in every vLLM process; it never
+raises unless strict mode asks (vLLM does not catch it).
 """
 
 from .errors import HsfixError

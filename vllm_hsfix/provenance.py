@@ -1,10 +1,6 @@
-"""Opt-in provenance (``VLLM_HSFIX_PROVENANCE=1``): hidden-states files say which fix
-made them.
-
-The connector module's ``save_file`` is wrapped so every file carries safetensors
-metadata under the ``vllm_hsfix.`` prefix (versions, patches in force, in-situ check,
-aux layers, engine settings); the caller's own metadata is kept. ``audit`` and
-``repair`` read it. Off by default: it changes the files' headers.
+"""Opt-in provenance (``VLLM_HSFIX_PROVENANCE=1``): the connector's ``save_file`` adds
+``vllm_hsfix.`` safetensors metadata (patches, in-situ check, aux layers, engine
+settings) to each file, for ``audit`` and ``repair``.
 """
 
 from __future__ import annotations

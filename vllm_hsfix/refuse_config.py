@@ -1,10 +1,5 @@
-"""``refuse-config``: the hazards whose trigger is a setting, checked at engine start.
-
-Where the release has such hazards (``hazards.refuse_config``), the connector's
-``__init__`` is wrapped: when the SCHEDULER's connector is built (once per engine,
-with the settings final), each check reads the ``VllmConfig`` and ``KVCacheConfig``
-and hands what it finds to ``on_trigger``: a WARNING naming the setting to change, or
-in strict mode an error that fails start-up.
+"""``refuse-config``: the hazards triggered by a setting, checked when the scheduler's
+connector is built: a WARNING naming the setting, or in strict mode a failed start.
 """
 
 from __future__ import annotations
@@ -47,10 +42,8 @@ def scheduler_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
 
 
 def drafter_skip_lengths(max_model_len: int, block_size: int, num_spec: int) -> list[int]:
-    """Cached lengths ``m`` (multiples of ``block_size``) for which a waiting request
-    with one token left is padded to ``1 + num_spec`` tokens (it fits in max_model_len)
-    and the worker's ``_input_fits_in_drafter`` then skips the drafter for the step:
-    ``max_model_len - 2n <= m <= max_model_len - 1 - n`` (0.25-0.28, PR 53962)."""
+    """Cached lengths ``m`` (multiples of ``block_size``) padded to max_model_len so the
+    drafter is skipped: ``max_model_len - 2n <= m <= max_model_len - 1 - n`` (PR 53962)."""
     low, high = max(1, max_model_len - 2 * num_spec), max_model_len - 1 - num_spec
     first = -(-low // block_size) * block_size
     return list(range(first, high + 1, block_size))

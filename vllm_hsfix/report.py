@@ -1,8 +1,5 @@
 """What this process tells the world: the status dict, the one log line, status files.
-
-Reads the records the runtime keeps (``state``). Every module logs through a child of
-the ``vllm_hsfix`` logger, which propagates to the application's handlers; where nobody
-configured logging, one fallback handler writes the line to ``sys.stderr``.
+Logs go to the application's handlers, else to ``sys.stderr``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The live runtime: decide and patch each target as vLLM imports it, revert, report.
 
-Every activation path ends in :func:`start`. Patching happens in post-import hooks on
-the target modules (``_lazy.when_imported``), so it is right whether vLLM was imported
-before or after activation: detect -> ``plan.decide`` -> ``patches.<id>.apply`` ->
-``report``. Failures are recorded and logged, never raised, unless strict mode is on.
-What only a target import needs (the patches, wrapt, the checks) is imported where it
-is first used: most vLLM processes never import a target.
+Every activation path ends in :func:`start`; post-import hooks run detect ->
+``plan.decide`` -> ``apply`` -> ``report``. Failures are logged, raised only in strict mode.
 """
 
 from __future__ import annotations
@@ -103,10 +99,8 @@ def start(source: str) -> None:
 
 
 def _plan_ahead() -> None:
-    """Decide now what needs no look at the code (release, platform, switches), so the
-    process's line is logged at activation; a patch that needs its target's shape is
-    ``armed``: the shape gate runs on the live module when it is imported (parsing the
-    files here would cost every vLLM process tens of milliseconds)."""
+    """Decide now what needs no look at the code, so the line is logged at activation;
+    the rest is ``armed`` (parsing files here would cost every vLLM process)."""
     inst = install()
     for rec in STATE.records.values():
         if rec.code not in (Code.WAITING, Code.ARMED):

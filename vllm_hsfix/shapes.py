@@ -1,9 +1,5 @@
-"""Reading a target's code without running it: the AST toolkit of the shape gate.
-
-:func:`canonical` writes a definition without docstrings, comments or the fields
-Python versions disagree on, so :func:`fingerprint` is the same on Python 3.10-3.13;
-:func:`body_template` renames parameters and locals by position, so a shape is
-recognised whatever its variables are called. Imports nothing of vLLM or the package.
+"""Reading a target's code without running it: :func:`fingerprint` (the same on Python
+3.10-3.13) and :func:`body_template` (variables renamed by position).
 """
 
 from __future__ import annotations
@@ -18,11 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Probe:
-    """The outcome of looking at a target's code.
-
-    ``shape`` names a known shape the patch can handle, ``fixed`` says the code
-    already carries upstream's fix, and neither means the shape is unknown.
-    """
+    """A look at a target's code: a known ``shape``, ``fixed`` upstream, or neither."""
 
     shape: str | None
     fixed: bool = False
@@ -96,10 +88,8 @@ def strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
-# Fields whose presence or value differs between Python versions for the same code:
-# ``ctx`` (implied by position), ``type_params`` (3.12+), ``kind`` (the u"" prefix),
-# ``type_comment``. Empty lists and None are left out too (3.13's ``ast.dump`` drops
-# them, older versions print them).
+# Fields that differ between Python versions for the same code (empty lists and None
+# are left out too: 3.13's ``ast.dump`` drops them).
 _UNSTABLE = frozenset({"ctx", "type_params", "kind", "type_comment"})
 
 
@@ -128,10 +118,8 @@ def fingerprint(node: ast.AST | None) -> str:
 
 
 def body_template(fn: ast.FunctionDef) -> str:
-    """``fn``'s statements with parameters renamed ``p0, p1, ...`` by position and every
-    local variable ``v0, v1, ...`` in order of first assignment; annotations, defaults
-    and docstrings left out. Two functions with equal templates do the same thing to
-    the same operands."""
+    """``fn``'s statements with parameters renamed ``p0, ...`` and locals ``v0, ...`` in
+    order of first assignment; equal templates do the same to the same operands."""
     fn = strip_docstrings(fn)  # type: ignore[assignment]
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
     rename = {name: f"p{i}" for i, name in enumerate(params)}

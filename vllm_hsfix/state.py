@@ -1,8 +1,5 @@
-"""Per-process records: what each patch did, what it replaced, who activated us.
-
-One lock guards everything: import hooks, the vLLM plugin, the bootstrap and user
-calls may race (threads) or nest (a hook firing inside another import).
-"""
+"""Per-process records; one lock guards them (hooks, plugin, bootstrap and user calls
+may race or nest)."""
 
 from __future__ import annotations
 

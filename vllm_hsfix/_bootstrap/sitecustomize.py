@@ -1,8 +1,6 @@
-"""Bootstrap for ``vllm-hsfix run``: activates vllm-hsfix in every Python process.
-
-This directory heads ``PYTHONPATH``, so Python imports this file as ``sitecustomize``
-in the process and its Python children. It runs the user's own ``sitecustomize`` (if
-any), then activates vllm-hsfix. Nothing here may break the interpreter's start-up.
+"""Bootstrap for ``vllm-hsfix run``: heading ``PYTHONPATH``, it runs as ``sitecustomize``
+in every Python process, runs the user's own one, then activates vllm-hsfix.
+Nothing here may break the interpreter's start-up.
 """
 
 import os

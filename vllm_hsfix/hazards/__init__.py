@@ -1,11 +1,6 @@
-"""The hazard register: the known ways a pinned vLLM loses or corrupts hidden-state data,
-or dies writing it, on the extraction path, and what vllm-hsfix does about each.
-
-The patch table says what is changed; this register says why a user of a release should
-care, and stays honest where nothing is changed. Each row's action is ``patch`` (a
-backport, the row names it), ``refuse-config`` (the trigger is a setting, checked when
-the engine starts: ``vllm_hsfix.refuse_config``) or ``documented`` (``workaround`` says
-what a user can do). Nothing here imports vLLM or the rest of the core.
+"""The hazard register: known ways a pinned vLLM loses or corrupts hidden states on the
+extraction path, and what vllm-hsfix does about each (``patch``, ``refuse-config`` or
+``documented``). Nothing here imports vLLM or the rest of the core.
 """
 
 from __future__ import annotations
@@ -74,11 +69,8 @@ def _state(
 def assess(
     hazard: Hazard, version: str | None, patch_codes: dict[str, str], active: bool = True
 ) -> dict[str, str]:
-    """One hazard's state on release ``version`` (None: unknown), given each patch's
-    code as ``status`` reports it and whether vllm-hsfix is on (``active``).
-
-    ``open`` (its patch will not be in place) is the only state of vllm-hsfix's own
-    making; ``exposed``: affected, and the ``workaround`` is the user's."""
+    """One hazard's state on ``version`` (None: unknown), given each patch's ``status``
+    code; ``open`` (its patch not in place) is the only state of vllm-hsfix's making."""
     out = {
         "action": hazard.action,
         "releases": hazard.releases,

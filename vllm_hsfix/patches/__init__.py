@@ -1,25 +1,7 @@
 """THE patch table: what is patched on which vLLM release and platform, and why.
 
-===========================  ==============  ========  ======================================
-patch id                     applied on      platform  target
-===========================  ==============  ========  ======================================
-``scatter-clamp``            0.17.0 - 0.24.x any       ``vllm.model_executor.models.extract_hidden_states.basic_cache``
-``hidden-group-block-size``  0.24.0 - 0.24.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
-``aux-final-layer``          0.18.0 - 0.24.x any       ``vllm.model_executor.models.deepseek_v2.DeepseekV2Model.forward``
-``cpu-zero-blocks``          0.22.0 - 0.24.x cpu       ``vllm.v1.worker.cpu_model_runner.CPUModelRunner._zero_block_ids``
-``abort-before-scheduling``  0.24.0 - 0.30.x any       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
-``cpu-connector-save``       0.22.0 - 0.33.x cpu       ``...kv_connector.v1.example_hidden_states_connector.ExampleHiddenStatesConnector``
-``cpu-sampler-fp64-flag``    0.23.0 - 0.24.x cpu       ``vllm.utils.cpu_triton_utils.sample_recovered_tokens_kernel``
-``cpu-gdn-wide-conv-state``  0.22.0 - 0.25.x cpu       ``vllm._custom_ops.causal_conv1d_fwd_cpu`` (and ``causal_conv1d_update_cpu``)
-``atomic-writes``            0.22.0 - 0.33.x any       ``...example_hidden_states_connector.ExampleHiddenStatesConnector._write_tensors``
-``cpu-dist-name``            0.17.0 - 0.33.x cpu       ``vllm.entrypoints.cli.main.main`` (and ``vllm_hsfix_dist.pth`` at interpreter start)
-===========================  ==============  ========  ======================================
-
-``PATCHES`` has one row per patch: its target, releases (``first`` up to ``fixed_in``),
-platform, why, upstream change and why earlier releases skip it; ``EXTRAS`` the wrappers
-that fix nothing. The README's tables, ``status``, ``verify``, the runtime and the tests'
-selection are all derived from these rows; nothing else names a patch. Each row's
-``impl`` keeps the :class:`PatchModule` contract (``docs/architecture.md``).
+``PATCHES`` has one row per patch, ``EXTRAS`` the wrappers that fix nothing. The
+README's tables, ``status``, ``verify``, the runtime and the tests all read these rows.
 """
 
 from __future__ import annotations
@@ -31,16 +13,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 @runtime_checkable
 class PatchModule(Protocol):
-    """The contract of a row's implementation module (``impl``), checked when it is
-    first loaded: the gate on a live module and on a parsed file (``probe``,
-    ``probe_tree``: a tested build's fingerprints, else ``shape_check``), the replacement
-    for a recognised shape (``apply``) and the patch's own checks on the live target
-    (``verify``). ``adopt(module)`` (fix objects built before a late activation) and
-    ``in_situ(connector)`` (a check once per worker) are optional."""
+    """What a row's ``impl`` module provides (``docs/architecture.md``); ``adopt`` and
+    ``in_situ`` are optional. Typed loosely: the table sits below what it would name."""
 
-    # Typed loosely on purpose: the table sits below shapes, checks and _wrap in the
-    # layers (tests/test_architecture.py), so it names their types in words only:
-    # probe -> shapes.Probe, apply -> list[_wrap.Replacement], ctx: checks.Context.
     PATCH_ID: str
 
     def probe(self, module: object) -> Any: ...
@@ -74,34 +49,23 @@ class PatchSpec(NamedTuple):
     why: str
     upstream: str
     impl: str  # the module keeping the PatchModule contract
-    # Every name in ``module`` the patch replaces or adds (``Class.method`` or a
-    # module-level name), exactly what ``apply`` returns Replacements for: a reader
-    # sees which methods are wrapped, and a reload check knows what to look at.
+    # Every name in ``module`` the patch replaces or adds: what ``apply`` returns.
     wraps: tuple[str, ...] = ()
     platform: str = ANY  # ANY, or CPU: vLLM's CPU build only
     other_platforms: str = ""  # why builds of other platforms skip it
-    # Beyond upstream, opt-out: turning it off is the user's choice, not a fix that
-    # cannot apply (``vllm-hsfix status`` stays 0).
+    # Beyond upstream, opt-out: turned off, ``vllm-hsfix status`` still exits 0.
     optional: bool = False
-    # False when no upstream fix is known: ``fixed_in`` is then the first release not
-    # read yet, where the patch is left alone as unchecked (not as "fixed").
+    # False: no upstream fix is known; ``fixed_in`` is the first release not read yet.
     upstream_fixed: bool = True
-    # The models whose engines import the target ("" = every extraction engine): where
-    # another model runs, the target is never imported and the patch stays on-import.
+    # The models whose engines import the target ("" = every extraction engine).
     models: str = ""
 
     def implementation(self) -> ModuleType:
-        """The implementation module, checked against :class:`PatchModule` (and its
-        ``PATCH_ID`` against the row) the first time it is loaded."""
+        """The ``impl`` module, checked against :class:`PatchModule` on first load."""
         mod = importlib.import_module(self.impl)
         if getattr(mod, "_hsfix_contract_checked", None) != self.id:
-            missing = [
-                name
-                for name in ("PATCH_ID", "probe", "probe_tree", "shape_check", "apply", "verify")
-                if not hasattr(mod, name)
-            ]
-            if missing or not isinstance(mod, PatchModule):
-                raise TypeError(f"{self.impl} does not implement the patch contract: {missing}")
+            if not isinstance(mod, PatchModule):
+                raise TypeError(f"{self.impl} does not implement the patch contract")
             if self.id != mod.PATCH_ID:
                 raise TypeError(f"{self.impl}.PATCH_ID is {mod.PATCH_ID!r}, the row is {self.id!r}")
             mod._hsfix_contract_checked = self.id  # type: ignore[attr-defined]
@@ -378,10 +342,8 @@ OBSERVER, STAMP, CONFIG_CHECK = "observer", "stamp", "config-check"
 
 
 class ExtraSpec(NamedTuple):
-    """A wrapper that fixes nothing: it observes, stamps or checks. A row of its own
-    kind with its own record (``state.ExtraRecord``), so reloading, unapplying or
-    reporting it never reads as a patch's. ``impl`` is ``module:function``, the
-    function ``install(module, ctx: hooks.ExtraContext) -> Replacement | None``."""
+    """A wrapper that fixes nothing (it observes, stamps or checks), with its own record.
+    ``impl``: ``module:function``, ``install(module, ExtraContext) -> Replacement | None``."""
 
     id: str
     kind: str  # OBSERVER, STAMP or CONFIG_CHECK

@@ -1,7 +1,5 @@
-"""Live checks of the connector's write path, shared by ``cpu-connector-save`` and
-``atomic-writes``: save one request through the live connector, read a file once its
-``.lock`` is released, call a writer as the connector does. Nothing from vLLM or torch
-is imported at module level."""
+"""Live checks of the connector's write path (``cpu-connector-save``, ``atomic-writes``):
+save a request through the live connector, read a file once its ``.lock`` is released."""
 
 from __future__ import annotations
 
@@ -25,11 +23,9 @@ CHECK_LAYER = "cache_only_layers.0"
 def save_case(
     block_ids: tuple[int, ...] = (3, 1), num_tokens: int = 6, dtype: str = "float32"
 ) -> dict[str, Any]:
-    """A buffer ``[blocks, BLOCK_SIZE, BLOCK_SIZE, HEAD]`` with entry ``[b, i, j, c] =
-    1000 b + 100 (i + j) + c`` and what a save of one request must write, worked out
-    here without vLLM: symmetric in its middle axes, so the blocks-first reader (up to
-    0.28) and the head-major one (0.29+) select the same rows. Token ``t`` sits in
-    block ``block_ids[t // BLOCK_SIZE]`` at offset ``t % BLOCK_SIZE``."""
+    """A buffer with ``[b, i, j, c] = 1000 b + 100 (i + j) + c`` (symmetric in its middle
+    axes, so blocks-first and head-major readers select the same rows) and what a save
+    of one request must write, worked out without vLLM."""
     import torch
 
     def grid(n: int, axis: int) -> Any:

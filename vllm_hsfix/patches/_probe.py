@@ -1,10 +1,6 @@
-"""The shape gate every patch shares: "is this the code I know?", answered once.
-
-Known builds are decided by fingerprints: when the fingerprints of a patch's targets
-are those recorded for a tested build (``tested.json``), that build's recorded answer
-stands. Any other code goes to the patch's small shape check, written with the
-helpers here, which fails closed and says what it expected and what it found.
-``docs/architecture.md`` says what each of the two catches that the other does not.
+"""The shape gate every patch shares: a tested build's fingerprints decide, else the
+patch's shape check (written with these helpers), which fails closed naming what it
+expected. ``docs/architecture.md`` says what each catches.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Wrapping and restoring attributes: recognisable, switchable, and polite to others.
+"""Wrapping and restoring attributes: recognisable, switchable, polite to others.
 
-Wrappers are :class:`HsfixWrapper` (a ``wrapt.FunctionWrapper``): they keep
-``__wrapped__``, the signature and descriptor binding of the original, carry the patch
-id and a switch. A reference to the wrapper may outlive the attribute we set, and
-someone may wrap on top of ours, so reverting always turns the switch off and puts the
-original back only where ours is still outermost (as ddtrace and OpenTelemetry do).
-A call through the class with an explicit first argument of any type binds it as the
-instance, as Python does (:class:`_HsfixBound`). :func:`add` defines a method the
-release lacks (upstream's helpers); reverting deletes it again.
+:class:`HsfixWrapper` (a ``wrapt.FunctionWrapper``) carries the patch id and a switch.
+Reverting turns the switch off and puts the original back only where ours is still
+outermost (as ddtrace and OpenTelemetry do); :func:`add` defines a missing method.
 """
 
 from __future__ import annotations
@@ -56,11 +51,8 @@ class _Switch:
 
 
 class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
-    """Our wrapper type. Identified by exact type, because wrapt proxies forward
-    ``isinstance`` checks and attribute reads to what they wrap.
-
-    ``added``: the attribute did not exist before (see :func:`add`); switched off, a
-    call raises ``AttributeError`` naming it, as the release would."""
+    """Our wrapper, identified by exact type (wrapt proxies forward ``isinstance``).
+    ``added``: switched off, a call raises ``AttributeError``, as the release would."""
 
     __bound_function_wrapper__ = _HsfixBound
 
@@ -185,10 +177,8 @@ SWAPPED = "__hsfix_swapped__"  # set on a function :func:`swap` installed: its p
 
 @dataclass(frozen=True)
 class FunctionSwap:
-    """A method replaced by a plain function of ours (no wrapper object around it), for
-    targets that vLLM compiles with ``torch.compile(fullgraph=True)``, which cannot
-    trace through a wrapper. No switch: reverting puts the original back if ours is
-    still there, and otherwise leaves the later replacement alone with a warning."""
+    """A method replaced by a plain function, for targets ``torch.compile(fullgraph=True)``
+    traces. No switch: reverting puts the original back only if ours is still there."""
 
     owner: type
     name: str
@@ -233,10 +223,8 @@ def call_through(fn: Callable[..., Any], instance: Any, args: Any, kwargs: Any) 
 
 
 def add(owner: type, name: str, implementation: Any, patch_id: str) -> Replacement:
-    """Define ``owner.name`` (absent from the class itself; a base class may have it)
-    as our wrapper around ``implementation`` (a function, ``classmethod`` or
-    ``staticmethod``, bound by Python's rules). Reverting deletes it; where it was left
-    beneath someone else's wrapper, adding again switches the same wrapper back on."""
+    """Define ``owner.name`` (absent from the class itself) as our wrapper around
+    ``implementation``; reverting deletes it, adding again switches it back on."""
     current = owner.__dict__.get(name, ABSENT)
     ours = ours_in(current, patch_id) if current is not ABSENT else None
     if ours is not None:

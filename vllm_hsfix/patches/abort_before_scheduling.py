@@ -1,10 +1,5 @@
-"""``abort-before-scheduling``: aborting a request never scheduled does not kill the engine.
-
-Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.30.x (any platform). Why: for
-a request aborted before it was scheduled, ``request_finished``'s pop of its file name
-raises ``KeyError`` and the engine core dies; declining it alone moves the crash to the
-scheduler's assert (the worker reports it finished). Upstream: vllm-project/vllm#56841
-(0.31.0), its tests pass on the patched 0.24.0 and 0.25.0. Goes when: 0.30.x is unsupported.
+"""``abort-before-scheduling``: aborting a request never scheduled does not kill the
+engine (docs/patches.md). Goes when: 0.30.x is no longer supported.
 """
 
 from __future__ import annotations

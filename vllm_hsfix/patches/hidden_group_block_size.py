@@ -1,9 +1,5 @@
-"""``hidden-group-block-size``: the connector reads with the hidden-states group's block size.
-
-Target: ``ExampleHiddenStatesConnector``, vLLM 0.24.0-0.24.x (any platform). Why: the
-worker rebuilds read slots with the global ``cache_config.block_size`` (e.g. 528), not
-the hidden-states group's own (e.g. 22). Upstream: vllm-project/vllm#46301 (0.25.0), its
-tests pass on the patched 0.24.0. Goes when: 0.24.x is no longer supported.
+"""``hidden-group-block-size``: the connector reads with the hidden-states group's block
+size (docs/patches.md). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations

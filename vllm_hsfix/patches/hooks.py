@@ -1,9 +1,4 @@
-"""What a patch may call back into at run time, handed to it by the runtime.
-
-Patches sit below the runtime and never import it: a wrapper that must report a
-failure, or run the in-situ check once a worker has registered its caches, calls
-these instead.
-"""
+"""What a patch may call back into at run time (patches never import the runtime)."""
 
 from __future__ import annotations
 
@@ -24,10 +19,8 @@ class Hooks:
 
 @dataclass(frozen=True)
 class ExtraContext:
-    """What an extra's ``install(module, ctx)`` may use (``patches.EXTRAS``): the
-    patches' callbacks (the in-situ observer calls ``hooks.after_register``), the
-    release, the provenance keys of a file written now, and the config check's
-    callbacks (a triggered hazard; an error of the check itself)."""
+    """What an extra's ``install(module, ctx)`` may use: the patches' callbacks, the
+    release, the provenance keys, and the config check's callbacks."""
 
     hooks: Hooks
     release: str

@@ -1,10 +1,5 @@
-"""``scatter-clamp``: padding slots go to the null block, not into a live block.
-
-Target: ``extract_hidden_states.basic_cache``, vLLM 0.17.0-0.24.x (any platform).
-Why: batches are padded with slot ``-1``, which indexes the LAST slot of the LAST
-block, a block that can belong to a running request. Upstream: vllm-project/vllm#46301
-(0.25.0) clamps the slots at 0 first; block 0 is the null block, never a request's.
-Goes when: 0.24.x is no longer supported.
+"""``scatter-clamp``: padding slots (``-1``) go to the null block, not into the last
+slot of a live block (docs/patches.md). Goes when: 0.24.x is no longer supported.
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ PATCH_ID = "scatter-clamp"
 ATTRIBUTE = "basic_cache"
 
 
-# The fix. Upstream: ``slot_mapping = slot_mapping.clamp_min(0)`` before the release's
-# store. Differences: the replacement is written per recognised shape instead of
-# calling the release's function (so it only ever stands in for a layout it knows),
-# and a contiguous cache is written through one flat index (same bytes, fewer
-# kernels). ``clamp_min`` is one elementwise kernel and ``is_contiguous`` reads
-# metadata: no host sync, capturable in a CUDA graph.
+# The fix, upstream's ``slot_mapping.clamp_min(0)``, written per recognised shape (a
+# contiguous cache through one flat index); no host sync, capturable in a CUDA graph.
 def scatter_flat(to_cache: Any, kv_cache: Any, slot_mapping: Any) -> None:
     """``flat-view`` (0.17-0.21) with the slots clamped."""
     slots = slot_mapping.clamp_min(0)
