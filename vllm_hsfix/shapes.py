@@ -10,6 +10,7 @@ import hashlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -54,23 +55,21 @@ def probe_file(path: str, probe_tree: Callable[[ast.Module], Probe]) -> Probe:
     return probe_tree(tree)
 
 
-def top_level(tree: ast.Module, name: str) -> ast.FunctionDef | ast.ClassDef | None:
-    """The last top-level ``def``/``class`` called ``name`` (the one Python keeps)."""
+def _last(nodes: list[ast.stmt], kinds: tuple[type, ...], name: str) -> Any:
+    """The last definition called ``name`` among ``nodes`` (the one Python keeps)."""
     found = None
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+    for node in nodes:
+        if isinstance(node, kinds) and node.name == name:  # type: ignore[attr-defined]
             found = node
     return found
+
+
+def top_level(tree: ast.Module, name: str) -> ast.FunctionDef | ast.ClassDef | None:
+    return _last(tree.body, (ast.FunctionDef, ast.ClassDef), name)
 
 
 def method(cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | None:
-    if cls is None:
-        return None
-    found = None
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            found = node
-    return found
+    return _last(cls.body if cls else [], (ast.FunctionDef,), name)
 
 
 def strip_docstrings(tree: ast.AST) -> ast.AST:

@@ -113,24 +113,16 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
     ``build`` when it is), from the fingerprints of the targets looked at."""
     if not inst.present or inst.release is None:
         return {"tested": False, "reason": "no vLLM release identified"}
-    want = kind(inst)
+    prefer = _preference(inst, kind(inst))
     given = {(pid, name): fp for pid, fps in fingerprints.items() for name, fp in fps.items()}
     same_release = [b for b in builds() if b[0] == inst.release]
-    if not given:
-        # Nothing looked at (e.g. a fixed release): the release alone decides.
-        if not same_release:
-            return {"tested": False, "reason": f"vLLM {inst.release} is not a tested release"}
-        release, dist, entry = min(same_release, key=_preference(inst, want))
-        return {
-            "tested": True,
-            "reason": f"vLLM {inst.release} is a tested release",
-            "expected": _words(entry.get("expected", {})),
-            "build": f"{dist} {release}",
-        }
-    matches = [b for b in builds() if not _mismatches(b[2], given)]
+    # Nothing looked at (e.g. a fixed release): the release alone decides.
+    matches = [b for b in builds() if not _mismatches(b[2], given)] if given else same_release
     if matches:
-        release, dist, entry = min(matches, key=_preference(inst, want))
-        if release == inst.release:
+        release, dist, entry = min(matches, key=prefer)
+        if not given:
+            reason = f"vLLM {inst.release} is a tested release"
+        elif release == inst.release:
             reason = f"vLLM {inst.release} is a tested release; target fingerprints match"
         else:
             reason = (
@@ -144,12 +136,9 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
             "build": f"{dist} {release}",
         }
     if not same_release:
-        return {
-            "tested": False,
-            "reason": f"vLLM {inst.release} is not a tested release and its patch targets "
-            "match no tested build",
-        }
-    _, dist, entry = min(same_release, key=_preference(inst, want))
+        match = " and its patch targets match no tested build" if given else ""
+        return {"tested": False, "reason": f"vLLM {inst.release} is not a tested release{match}"}
+    _, dist, entry = min(same_release, key=prefer)
     return {
         "tested": False,
         "reason": f"untested build of {inst.release}: "

@@ -138,11 +138,26 @@ def _saved_problems(
     return [what for what, wrong in problems.items() if wrong]
 
 
-class _Done:
-    """A copy event that is already complete (what the writer waits on first)."""
+class HostCopyDone:
+    """Where the release keeps a copy's CUDA event, for a copy made synchronously:
+    complete, so ``query()`` is True and ``synchronize()`` returns at once."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         return None
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+
+HOST_COPY_DONE = HostCopyDone()
 
 
 def _read_when_unlocked(path: str, seen: dict[str, Any]) -> None:
@@ -173,7 +188,7 @@ def check_writer(cls: type, same_tensors: bool = True) -> list[str]:
         seen: dict[str, Any] = {}
         reader = threading.Thread(target=_read_when_unlocked, args=(final, seen), daemon=True)
         reader.start()
-        cls._write_tensors(tensors, _Done(), final, lock_fd)
+        cls._write_tensors(tensors, HOST_COPY_DONE, final, lock_fd)
         reader.join(timeout=30)
         with open(witness, "rb") as fh:
             in_place = fh.read() != b"old bytes"

@@ -114,8 +114,7 @@ def probe_live(
     module: object, probe_tree: Callable[[ast.Module], Probe], live: tuple[str, ...]
 ) -> Probe:
     """``probe_tree`` on a live module's source, refused where a live object named in
-    ``live`` (``Class.method`` or a module-level name) is not that source's own
-    definition (someone else's hot-fix)."""
+    ``live`` is not that source's own definition (someone else's hot-fix)."""
     tree = module_tree(module)
     if tree is None:
         return Probe(None, detail="the module's source cannot be read (no .py file?)")
@@ -126,6 +125,25 @@ def probe_live(
         if problem:
             return Probe(None, detail=problem, fingerprints=result.fingerprints)
     return result
+
+
+def probes(
+    patch_id: str,
+    fps: Callable[[ast.Module], dict[str, str]],
+    shape_check: Callable[[ast.Module], Probe],
+    live: tuple[str, ...] | Callable[[object], tuple[str, ...]],
+) -> tuple[Callable[[ast.Module], Probe], Callable[[object], Probe]]:
+    """A patch's ``probe_tree`` (its targets' fingerprints ``fps(tree)``, else
+    ``shape_check``) and ``probe`` (the same on a live module whose ``live`` objects,
+    or ``live(module)``, are its own)."""
+
+    def probe_tree(tree: ast.Module) -> Probe:
+        return gate(patch_id, fps(tree), lambda: shape_check(tree))
+
+    def probe(module: object) -> Probe:
+        return probe_live(module, probe_tree, live(module) if callable(live) else live)
+
+    return probe_tree, probe
 
 
 def foreign_replacement_of(label: str, obj: object, owner_file: str | None) -> str | None:

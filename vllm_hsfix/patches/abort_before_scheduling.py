@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, assigned_attributes, method
-from ._probe import class_def, expect, finds, fingerprints, gate, params, probe_live
+from ._probe import class_def, expect, finds, fingerprints, params, probes
 from ._wrap import Replacement, add, arg, wrap
 from .hooks import Hooks
 
@@ -174,15 +174,14 @@ def shape_check(tree: ast.Module) -> Probe:
     return expect(SHAPE, "request_finished raises KeyError unscheduled", wanted)
 
 
-def probe_tree(tree: ast.Module) -> Probe:
+def _fingerprints(tree: ast.Module) -> dict[str, str]:
     # The methods, and the __init__ state and metadata class the replacement relies on.
     fps = fingerprints(tree, (*METHODS, ALL_GROUPS, "__init__"), ATTRIBUTE)
-    fps.update(fingerprints(tree, (METADATA,)))
-    return gate(PATCH_ID, fps, lambda: shape_check(tree))
+    return {**fps, **fingerprints(tree, (METADATA,))}
 
 
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, tuple(f"{ATTRIBUTE}.{m}" for m in (*METHODS, ALL_GROUPS)))
+LIVE = tuple(f"{ATTRIBUTE}.{m}" for m in (*METHODS, ALL_GROUPS))
+probe_tree, probe = probes(PATCH_ID, _fingerprints, shape_check, LIVE)
 
 
 def check_abort(cls: type) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any
 from .. import checks
 from ..shapes import Probe
 from ._connector_io import TMP_SUFFIX, check_writer
-from ._probe import calls, definition, expect, finds, fingerprints, gate, params, probe_live
+from ._probe import calls, definition, expect, finds, fingerprints, params, probes
 from ._wrap import Replacement, arg, original_of, subclasses, wrap
 from .hooks import Hooks
 
@@ -141,13 +141,12 @@ def shape_check(tree: ast.Module) -> Probe:
     return writer_shape(definition(tree, f"{ATTRIBUTE}.{WRITER}"))
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    fps = fingerprints(tree, (WRITER,), ATTRIBUTE)
-    return gate(PATCH_ID, fps, lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, (f"{ATTRIBUTE}.{WRITER}",))
+probe_tree, probe = probes(
+    PATCH_ID,
+    lambda tree: fingerprints(tree, (WRITER,), ATTRIBUTE),
+    shape_check,
+    (f"{ATTRIBUTE}.{WRITER}",),
+)
 
 
 def subclass_writer_problem(cls: type) -> str | None:

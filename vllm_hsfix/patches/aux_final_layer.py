@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, method, top_level
-from ._probe import expect, fingerprints, gate, probe_live
+from ._probe import expect, fingerprints, probes
 from ._wrap import FunctionSwap, swap
 from .hooks import Hooks
 
@@ -159,13 +159,10 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    fps = fingerprints(tree, (f"{CLASS}.{METHOD}",))
-    return gate(PATCH_ID, fps, lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, (f"{CLASS}.{METHOD}",))
+TARGET = f"{CLASS}.{METHOD}"
+probe_tree, probe = probes(
+    PATCH_ID, lambda tree: fingerprints(tree, (TARGET,)), shape_check, (TARGET,)
+)
 
 
 def apply(module: Any, shape: str, hooks: Hooks) -> list[FunctionSwap]:

@@ -14,8 +14,15 @@ from typing import Any
 
 from .. import checks, tested
 from ..shapes import Probe, attribute_chains, method, top_level
-from ._connector_io import BLOCK_SIZE, save_case, save_problems, save_request, wait_unlocked
-from ._probe import calls, class_def, expect, finds, fingerprints, gate, probe_live
+from ._connector_io import (
+    BLOCK_SIZE,
+    HOST_COPY_DONE,
+    save_case,
+    save_problems,
+    save_request,
+    wait_unlocked,
+)
+from ._probe import calls, class_def, expect, finds, fingerprints, probes
 from ._wrap import Replacement, arg, wrap
 from .hooks import Hooks
 
@@ -33,28 +40,6 @@ SHAPES = {"save-kv-layer": (SAVE_LAYER, "0.22-0.23"), "submit-async-write": (SUB
 # synchronously with the release's own reader, writer, thread pool and .lock protocol,
 # handing the writer a completed-copy marker for the CUDA event; any other device goes
 # to the release's method. It reads _block_size when it runs (hidden-group-block-size).
-class HostCopyDone:
-    """Where the release keeps a copy's CUDA event, for a copy made synchronously:
-    complete, so ``query()`` is True and ``synchronize()`` returns at once."""
-
-    __slots__ = ()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-
-HOST_COPY_DONE = HostCopyDone()
-
-
 def host_copy(rows: Any) -> Any:
     """``rows`` copied into a fresh host tensor, blocking: the tensor the release's
     pinned buffer holds once its asynchronous copy has completed."""
@@ -216,14 +201,13 @@ def shape_check(tree: ast.Module) -> Probe:
     return expect(shape, f"{target} copies through a CUDA stream", wanted)
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    return gate(PATCH_ID, _fingerprints(tree), lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
+def _live(module: object) -> tuple[str, ...]:
     cls = getattr(module, ATTRIBUTE, None)
     target = SUBMIT if isinstance(cls, type) and SUBMIT in cls.__dict__ else SAVE_LAYER
-    return probe_live(module, probe_tree, (f"{ATTRIBUTE}.{target}",))
+    return (f"{ATTRIBUTE}.{target}",)
+
+
+probe_tree, probe = probes(PATCH_ID, _fingerprints, shape_check, _live)
 
 
 def new_connector(module: Any) -> Any:

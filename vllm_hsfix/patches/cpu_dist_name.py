@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, top_level
-from ._probe import finds, fingerprints, gate, probe_live
+from ._probe import finds, fingerprints, probes
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -48,12 +48,9 @@ def shape_check(tree: ast.Module) -> Probe:
     return Probe(None, fixed=True, detail='main() no longer reads version("vllm")')
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    return gate(PATCH_ID, fingerprints(tree, (FUNCTION,)), lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, (FUNCTION,))
+probe_tree, probe = probes(
+    PATCH_ID, lambda tree: fingerprints(tree, (FUNCTION,)), shape_check, (FUNCTION,)
+)
 
 
 def check_lookup() -> list[str]:

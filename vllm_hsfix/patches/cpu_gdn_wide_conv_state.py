@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, top_level
-from ._probe import expect, fingerprints, gate, params, probe_live
+from ._probe import expect, fingerprints, params, probes
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -92,12 +92,9 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    return gate(PATCH_ID, fingerprints(tree, tuple(PARAMS)), lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, tuple(PARAMS))
+probe_tree, probe = probes(
+    PATCH_ID, lambda tree: fingerprints(tree, tuple(PARAMS)), shape_check, tuple(PARAMS)
+)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

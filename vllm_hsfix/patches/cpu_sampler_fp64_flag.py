@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, method, top_level
-from ._probe import expect, fingerprints, gate, params, probe_live
+from ._probe import expect, fingerprints, params, probes
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -100,17 +100,16 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    return gate(PATCH_ID, fingerprints(tree, (IMPL, HOLDER)), lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    """Also refused where the live holder or kernel is someone else's (none to check
-    where the module has no ``_FuncWrapper``: the source decides there)."""
+def _live(module: object) -> tuple[str, ...]:
+    """The live holder and kernel, where the module has a ``_FuncWrapper`` (else the
+    source decides)."""
     live = (f"{HOLDER}.__getitem__", f"{KERNEL}.func")
-    return probe_live(
-        module, probe_tree, live if isinstance(getattr(module, HOLDER, None), type) else ()
-    )
+    return live if isinstance(getattr(module, HOLDER, None), type) else ()
+
+
+probe_tree, probe = probes(
+    PATCH_ID, lambda tree: fingerprints(tree, (IMPL, HOLDER)), shape_check, _live
+)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

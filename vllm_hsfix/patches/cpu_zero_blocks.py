@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, attribute_chains
-from ._probe import calls, definition, expect, fingerprints, gate, params, probe_live
+from ._probe import calls, definition, expect, fingerprints, params, probes
 from ._wrap import Replacement, arg, wrap
 from .hooks import Hooks
 
@@ -136,13 +136,12 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    fps = fingerprints(tree, (METHOD,), ATTRIBUTE)
-    return gate(PATCH_ID, fps, lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, (f"{ATTRIBUTE}.{METHOD}",))
+probe_tree, probe = probes(
+    PATCH_ID,
+    lambda tree: fingerprints(tree, (METHOD,), ATTRIBUTE),
+    shape_check,
+    (f"{ATTRIBUTE}.{METHOD}",),
+)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from .. import checks
 from ..config import DISABLED_PATCHES
 from ..errors import HsfixError
 from ..shapes import Probe, assigned_attributes, body_template, method, template_of, top_level
-from ._probe import class_def, expect, finds, fingerprints, gate, probe_live
+from ._probe import class_def, expect, finds, fingerprints, probes
 from ._wrap import Replacement, add, subclasses, wrap
 from .hooks import Hooks
 
@@ -231,14 +231,12 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    fps = {**fingerprints(tree, METHODS, ATTRIBUTE), **fingerprints(tree, (READER,))}
-    return gate(PATCH_ID, fps, lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    live = (f"{ATTRIBUTE}.__init__", f"{ATTRIBUTE}.register_kv_caches")
-    return probe_live(module, probe_tree, live)
+probe_tree, probe = probes(
+    PATCH_ID,
+    lambda tree: {**fingerprints(tree, METHODS, ATTRIBUTE), **fingerprints(tree, (READER,))},
+    shape_check,
+    (f"{ATTRIBUTE}.__init__", f"{ATTRIBUTE}.register_kv_caches"),
+)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:

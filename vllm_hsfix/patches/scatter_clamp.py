@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import checks
 from ..shapes import Probe, body_template, template_of, top_level
-from ._probe import expect, fingerprints, gate, params, probe_live
+from ._probe import expect, fingerprints, params, probes
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
 
@@ -108,13 +108,9 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def probe_tree(tree: ast.Module) -> Probe:
-    fps = fingerprints(tree, (ATTRIBUTE,))
-    return gate(PATCH_ID, fps, lambda: shape_check(tree))
-
-
-def probe(module: object) -> Probe:
-    return probe_live(module, probe_tree, (ATTRIBUTE,))
+probe_tree, probe = probes(
+    PATCH_ID, lambda tree: fingerprints(tree, (ATTRIBUTE,)), shape_check, (ATTRIBUTE,)
+)
 
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
