@@ -141,10 +141,9 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
             f"vLLM: {v['version'] or v['raw_version']} ({v['distribution'] or v['source']}) "
             f"at {Path(v['location'] or '').parent}"
         )
+        print(f"platform: {v['platform_reason']}")
     else:
         print("vLLM: not installed")
-    if v["present"]:
-        print(f"platform: {v['platform_reason']}")
     print(
         f"tested build: {'yes' if report['tested_build']['tested'] else 'no'} "
         f"({report['tested_build']['reason']})"
@@ -254,13 +253,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    env = bootstrap_env()
     try:
-        os.execvpe(command[0], command, env)
+        os.execvpe(command[0], command, bootstrap_env())
     except OSError as exc:
         print(f"vllm-hsfix run: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-        return 127
-    return 0  # not reached
+    return 127
 
 
 def cmd_bootstrap_dir(args: argparse.Namespace) -> int:
