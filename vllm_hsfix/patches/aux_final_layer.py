@@ -11,8 +11,8 @@ import linecache
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, method, top_level
-from ._probe import expect, fingerprints, probes
+from ..shapes import Probe, method
+from ._probe import class_def, expect, fingerprints, probes
 from ._wrap import FunctionSwap, swap
 from .hooks import Hooks
 
@@ -49,7 +49,7 @@ def build(original: Any, tree: ast.Module, filename: str) -> Any:
     import functools
     import types
 
-    fn = method(_class(tree), METHOD)
+    fn = method(class_def(tree, CLASS), METHOD)
     names = _shape(fn)
     assert fn is not None and names is not None  # the gate passed before apply
     label = f"{filename} (vllm-hsfix {PATCH_ID})"
@@ -67,13 +67,6 @@ def build(original: Any, tree: ast.Module, filename: str) -> Any:
 
 # The gate for code of no tested build: the release's forward must be the one this
 # fix is written for (apply reads the same names from it).
-
-
-def _class(tree: ast.Module) -> ast.ClassDef | None:
-    node = top_level(tree, CLASS)
-    return node if isinstance(node, ast.ClassDef) else None
-
-
 def _is_aux_test(test: ast.AST, left: type) -> bool:
     """``<left> in self.aux_hidden_state_layers``."""
     return (
@@ -136,7 +129,7 @@ def _captures_final(fn: ast.FunctionDef) -> bool:
 
 def shape_check(tree: ast.Module) -> Probe:
     """0.18-0.24's forward (capture before each layer only), or the fixed one."""
-    fn = method(_class(tree), METHOD)
+    fn = method(class_def(tree, CLASS), METHOD)
     if fn is None:
         return Probe(None, detail=f"no method {CLASS}.{METHOD} in the module")
     if _captures_final(fn):
