@@ -17,7 +17,7 @@ from support.commands import repair
 from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, files, guard, journal
+from vllm_hsfix.repair import command, files, guard, journal, session
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -194,7 +194,7 @@ def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
         hs_file(d / f"g{i:02d}.safetensors", seed=i)
     odd = hs_file(d / "odd.safetensors", seed=40, scale=1000.0)
     args = argparse.Namespace(paths=[str(d)], from_audit=None, workers=1, no_progress=True)
-    counts = command.Counts(replaced=[str(odd)])
+    counts = session.Counts(replaced=[str(odd)])
     assert command.finish(args, [str(odd)], counts, str(tmp_path / "s.audit")) == 0
     out = capsys.readouterr().out
     assert f"regenerated, the audit calls it suspect {odd}: norm_outlier: " in out, out
