@@ -16,7 +16,7 @@ from .. import detect
 from . import files, settings
 from .files import CORRUPT, OK, SUSPECT, Target
 from .journal import Journal
-from .session import Counts, regenerate
+from .session import Counts, regenerate, stop
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
 EPILOG = """\
@@ -83,13 +83,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument(flag, **kwargs)
     p.set_defaults(fn=run)
     return p
-
-
-def stop(problem: str, code: int, details: list[str] = ()) -> int:  # type: ignore[assignment]
-    print(f"vllm-hsfix repair: {problem}", file=sys.stderr)
-    for line in details:
-        print(f"  {line}", file=sys.stderr)
-    return code
 
 
 def _usage(args: argparse.Namespace) -> str | None:

@@ -35,6 +35,14 @@ class Counts:
     earlier: set[str] = field(default_factory=set)  # replaced by an earlier run
 
 
+def stop(problem: str, code: int, details: list[str] = ()) -> int:  # type: ignore[assignment]
+    """Say why the repair stops; ``code``."""
+    print(f"vllm-hsfix repair: {problem}", file=sys.stderr)
+    for line in details:
+        print(f"  {line}", file=sys.stderr)
+    return code
+
+
 def failure(code: int, log: str) -> str:
     """Why the vLLM process ended with ``code``. A signal that killed it is the root
     cause, not what its engine core logged as it went down after it."""
@@ -56,8 +64,6 @@ def regenerate(
     counts: Counts,
 ) -> int | None:
     """Run the engine over ``targets``; None to go on, else the exit code."""
-    from .command import stop
-
     problems, needed = guard.preflight()
     if problems and not args.endpoint:
         return stop("the fix is not active here; nothing written:", 1, problems)
