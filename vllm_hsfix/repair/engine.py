@@ -202,7 +202,7 @@ def main(argv: list[str]) -> int:
         watch.tell()  # vLLM raised because one of its processes died: which, and how
         raise
     finally:
-        watch.stop()
+        watch.stopped.set()  # vLLM's own shutdown follows: its processes may go now
     send(event="done")
     return 0
 

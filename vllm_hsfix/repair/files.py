@@ -202,30 +202,26 @@ def distance(old_path: str, new_path: str) -> float | None:
     """The largest row distance (the audit's symmetric relative L2) between the files'
     hidden states; None when they cannot agree (unreadable, other shapes, a zero or
     non-finite row). The first positions first: a target is nearly always wrong there."""
-    head = _distance(_rows(old_path, HEAD_TOKENS), _rows(new_path, HEAD_TOKENS))
+    head = _distance(old_path, new_path, HEAD_TOKENS)
     if head is None or head >= TOLERANCE:
         return head
-    return _distance(_rows(old_path), _rows(new_path))
+    return _distance(old_path, new_path)
 
 
-def _rows(path: str, tokens: int | None = None) -> Any | None:
-    try:
-        return decode.read_rows(path, tokens)[0]
-    except (fmt.BadFile, OSError, ValueError):
-        return None
-
-
-def _distance(old: Any, new: Any) -> float | None:
+def _distance(old_path: str, new_path: str, tokens: int | None = None) -> float | None:
     import numpy as np
 
-    if old is None or new is None or old.shape != new.shape or not old.size:
+    try:
+        old, new = (decode.read_rows(p, tokens)[0] for p in (old_path, new_path))
+    except (fmt.BadFile, OSError, ValueError):
+        return None
+    if old.shape != new.shape or not old.size:
         return None
     with np.errstate(all="ignore"):
         n_old = np.linalg.norm(old, axis=-1)
         n_new = np.linalg.norm(new, axis=-1)
-        if not (np.isfinite(n_old).all() and np.isfinite(n_new).all()):
-            return None
-        if (n_old == 0).any() or (n_new == 0).any():
+        norms = np.concatenate([n_old, n_new])
+        if not np.isfinite(norms).all() or (norms == 0).any():
             return None
         d = np.linalg.norm(old - new, axis=-1) / np.maximum(n_old, n_new)
     return float(d.max())

@@ -139,10 +139,6 @@ class EngineWatch:
         if self.watched:
             threading.Thread(target=self._run, name="vllm-hsfix-engine-watch", daemon=True).start()
 
-    def stop(self) -> None:
-        """vLLM's own shutdown follows: its processes may go now."""
-        self.stopped.set()
-
     def tell(self) -> bool:
         """Name a watched process that is gone in the log (once); whether one is. Also
         called when vLLM raised (its ``EngineDeadError`` only says "see above")."""
