@@ -139,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
     aux = _aux(args, targets) if targets else ()
     if isinstance(aux, str):
         return stop(aux, 2)
-    engine = _engine(args, targets, aux, counts)
+    engine, said = _engine(args, targets, aux, counts)
     _plan(paths, targets, counts, journal)
+    if said:
+        print(f"repair: {said}", file=sys.stderr)
     if args.dry_run:
         for t in targets:
             print(f"{t.path}\t{t.tokens} tokens")
@@ -174,17 +176,17 @@ def _targets(paths: list[str], journal: Journal, counts: Counts) -> list[Target]
 
 def _engine(
     args: argparse.Namespace, targets: list[Target], aux: tuple[int, ...], counts: Counts
-) -> dict[str, Any]:
-    """The engine's settings (said on stderr); a target that cannot run under them is
-    skipped."""
+) -> tuple[dict[str, Any], str | None]:
+    """The engine's settings and where they came from; a target that cannot run under
+    them is skipped."""
     max_len = args.max_model_len or max(16, max((t.tokens for t in targets), default=0) + 2)
     engine_args: dict[str, Any] = settings.parse_engine_args(args.engine_arg)
+    said = None
     if targets and not args.endpoint:
         cpu_build = bool(detect.detect().cpu_build)
         engine_args, max_len, said = settings.engine_settings(
             args.model, targets, cpu_build, engine_args, max_len, args.max_model_len
         )
-        print(f"repair: {said}", file=sys.stderr)
     for t in list(targets):
         why = None
         if t.n_aux is not None and t.n_aux != len(aux):
@@ -194,7 +196,7 @@ def _engine(
         if why:
             counts.skipped[t.path] = why
             targets.remove(t)
-    return {"aux": list(aux), "max_len": max_len, "engine_args": engine_args}
+    return {"aux": list(aux), "max_len": max_len, "engine_args": engine_args}, said
 
 
 def _plan(paths: list[str], targets: list[Target], counts: Counts, journal: Journal) -> None:
