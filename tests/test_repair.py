@@ -1,8 +1,5 @@
 """``vllm-hsfix repair`` without an engine: targets, the atomic replacement, the journal,
-the guard (real ``vllm-hsfix status`` on the real
-release), usage errors, ``--dry-run`` and the final report. The regeneration itself:
-``test_repair_user.py`` and ``test_repair_e2e.py``.
-"""
+the guard (real ``vllm-hsfix status``), usage errors, ``--dry-run``, the final report."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from support.commands import repair
 from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, files, guard, journal
+from vllm_hsfix.repair import command, files, guard, journal, session
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -118,8 +115,7 @@ def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
 
 
 def model_dir(tmp_path: Path) -> Path:
-    """A directory that looks like a model to the usage check (the guard stops these
-    runs before vLLM would load it)."""
+    """A model to the usage check (the guard stops these runs before vLLM loads it)."""
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text("{}")
     return tmp_path / "model"
@@ -194,7 +190,7 @@ def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
         hs_file(d / f"g{i:02d}.safetensors", seed=i)
     odd = hs_file(d / "odd.safetensors", seed=40, scale=1000.0)
     args = argparse.Namespace(paths=[str(d)], from_audit=None, workers=1, no_progress=True)
-    counts = command.Counts(replaced=[str(odd)])
+    counts = session.Counts(replaced=[str(odd)])
     assert command.finish(args, [str(odd)], counts, str(tmp_path / "s.audit")) == 0
     out = capsys.readouterr().out
     assert f"regenerated, the audit calls it suspect {odd}: norm_outlier: " in out, out

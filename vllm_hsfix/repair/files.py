@@ -1,11 +1,9 @@
 """The files of a repair: which, what each must keep, whether the new one is right, and
-putting it in place. The one module of ``repair`` that uses the audit's API.
+putting it in place; the one module of ``repair`` that uses the audit's API.
 
-A target carries its own input, its ``token_ids``, and the form the new file must keep
-(tensor names, ``hidden_states`` dtype, ``[n_aux, hidden]``). A regenerated file that
-does not fit is refused; one whose every row agrees with the old file within the
-audit's tolerance proves the old one right (kept byte for byte); else it is copied next
-to the old one, fsynced and renamed over it.
+A regenerated file that does not keep the old one's form is refused; one whose every row
+agrees with the old file proves the old one right (kept byte for byte); else it is
+copied next to the old one, fsynced and renamed over it.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from ..audit import decode
 from ..audit import format as fmt
 from ..audit.pipeline import audit_paths
 from ..audit.prefix import TOLERANCE
-from ..audit.progress import SILENT, Factory, for_stream
+from ..audit.progress import SILENT, for_stream
 from ..audit.reports import CORRUPT, OK, SUSPECT
 from ..audit.scan import writer_holds_lock
 
@@ -37,15 +35,17 @@ def audit(
 ) -> dict[str, str]:
     """The audit's verdict per file of ``paths`` (its ``--state`` file: ``state``)."""
     progress = SILENT if args.no_progress else for_stream(sys.stderr)
-    return dict(
-        audit_paths(
-            paths, args.workers, progress, state=state, keep=False, on_record=on_record
-        ).verdicts
+    report = audit_paths(
+        paths, args.workers, progress, state=state, keep=False, on_record=on_record
     )
+    return dict(report.verdicts)
 
 
-def bar(quiet: bool) -> Factory:
-    return SILENT if quiet else for_stream(sys.stderr, second="tokens", prefix="")
+def bar(quiet: bool, total: int) -> Any:
+    """The regeneration's progress bar on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="repair", unit="file", file=sys.stderr, disable=quiet)
 
 
 @dataclass
@@ -173,7 +173,13 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
     directory = os.path.dirname(os.path.abspath(target.path))
     tmp = os.path.join(directory, f".{os.path.basename(target.path)}.repair-{os.getpid()}")
     try:
-        digest, size = _copy_synced(new, tmp)
+        digest, size = hashlib.sha256(), 0
+        with open(new, "rb") as fin, open(tmp, "xb") as fout:
+            while chunk := fin.read(1 << 20):
+                digest.update(chunk)
+                size += fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
         if backup and os.path.exists(target.path):
             rel = os.path.relpath(os.path.abspath(target.path), root or directory)
             dest = os.path.join(backup, os.path.basename(rel) if rel.startswith("..") else rel)
@@ -189,51 +195,33 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
         os.fsync(fd)
     finally:
         os.close(fd)
-    return digest, size
-
-
-def _copy_synced(src: str, dst: str) -> tuple[str, int]:
-    """Copy to a new ``dst``, fsynced; its sha256 and size, hashed as it is written."""
-    h = hashlib.sha256()
-    size = 0
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
-        while chunk := fin.read(1 << 20):
-            h.update(chunk)
-            fout.write(chunk)
-            size += len(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
-    return h.hexdigest(), size
+    return digest.hexdigest(), size
 
 
 def distance(old_path: str, new_path: str) -> float | None:
     """The largest row distance (the audit's symmetric relative L2) between the files'
     hidden states; None when they cannot agree (unreadable, other shapes, a zero or
     non-finite row). The first positions first: a target is nearly always wrong there."""
-    head = _distance(_rows(old_path, HEAD_TOKENS), _rows(new_path, HEAD_TOKENS))
+    head = _distance(old_path, new_path, HEAD_TOKENS)
     if head is None or head >= TOLERANCE:
         return head
-    return _distance(_rows(old_path), _rows(new_path))
+    return _distance(old_path, new_path)
 
 
-def _rows(path: str, tokens: int | None = None) -> Any | None:
-    try:
-        return decode.read_rows(path, tokens)[0]
-    except (fmt.BadFile, OSError, ValueError):
-        return None
-
-
-def _distance(old: Any, new: Any) -> float | None:
+def _distance(old_path: str, new_path: str, tokens: int | None = None) -> float | None:
     import numpy as np
 
-    if old is None or new is None or old.shape != new.shape or not old.size:
+    try:
+        old, new = (decode.read_rows(p, tokens)[0] for p in (old_path, new_path))
+    except (fmt.BadFile, OSError, ValueError):
+        return None
+    if old.shape != new.shape or not old.size:
         return None
     with np.errstate(all="ignore"):
         n_old = np.linalg.norm(old, axis=-1)
         n_new = np.linalg.norm(new, axis=-1)
-        if not (np.isfinite(n_old).all() and np.isfinite(n_new).all()):
-            return None
-        if (n_old == 0).any() or (n_new == 0).any():
+        norms = np.concatenate([n_old, n_new])
+        if not np.isfinite(norms).all() or (norms == 0).any():
             return None
         d = np.linalg.norm(old - new, axis=-1) / np.maximum(n_old, n_new)
     return float(d.max())
@@ -241,6 +229,8 @@ def _distance(old: Any, new: Any) -> float | None:
 
 def stamp_problem(path: str) -> str | None:
     """``--endpoint``: the server's file must say vllm-hsfix made it (provenance)."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         meta = fmt.read_layout(path)[1].get("__metadata__") or {}
     except (fmt.BadFile, OSError):
@@ -251,18 +241,12 @@ def stamp_problem(path: str) -> str | None:
             "the server's files carry no vllm-hsfix provenance: run vllm serve with "
             "vllm-hsfix installed and VLLM_HSFIX_PROVENANCE=1"
         )
-    if patches == "none" and not _fixed_release(vllm):
+    with contextlib.suppress(InvalidVersion):
+        if Version(vllm).release >= (0, 25):
+            return None  # a fixed release needs no patch
+    if patches == "none":
         return f"the server (vLLM {vllm}) wrote a file with no vllm-hsfix patch applied"
     return None
-
-
-def _fixed_release(version: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release >= (0, 25)
-    except InvalidVersion:
-        return False
 
 
 def outcome(args: argparse.Namespace, t: Target, produced: str | None, root: str | None) -> Any:

@@ -1,11 +1,6 @@
-"""``repair`` refuses to write wrong files again: the fix must be active, checked twice.
-
-:func:`preflight`, before vLLM starts: ``vllm-hsfix status --json`` of this environment
-must be clean. :func:`in_engine`, before the first request: the status files
-(``VLLM_HSFIX_STATUS_DIR``) of the processes that run the model must show every needed
-patch applied (a patch of another family of models, ``PatchSpec.models``, may stay
-on-import) and the in-situ check passed.
-"""
+"""``repair`` refuses to write wrong files again: the fix must be active, checked twice:
+before vLLM starts (:func:`preflight`) and in the processes that run the model, before
+the first request (:func:`in_engine`)."""
 
 from __future__ import annotations
 
@@ -46,8 +41,9 @@ def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
 
 
 def in_engine(status_dir: str, needed: list[str]) -> list[str]:
-    """Problems found in the running engine's processes: where the in-situ check ran,
-    else the engine core and workers."""
+    """Problems in the engine's processes (their ``VLLM_HSFIX_STATUS_DIR`` files): a needed
+    patch not applied (one of another family of models may stay on-import) or the in-situ
+    check failed."""
     statuses = []
     for f in sorted(Path(status_dir).glob("*.json")):
         with contextlib.suppress(OSError, ValueError):

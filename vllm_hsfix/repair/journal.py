@@ -1,10 +1,9 @@
 """``repair --state FILE``: what is done, so an interrupted repair picks up where it stopped.
 
-JSON Lines, one record per finished target, appended and fsynced the moment its file
-is in place: ``{"path", "status": "replaced" | "right", "sha256", "size"}`` ("right":
-the old file agreed with the regenerated one and was kept). A target whose file still
-has its record's size and digest is done; a line cut short by a kill is ignored
-(read and written through :mod:`vllm_hsfix.audit.store`, as ``audit --state``).
+JSON Lines through :mod:`vllm_hsfix.audit.store`, one record per finished target,
+appended and fsynced once its file is in place: ``{"path", "status": "replaced" |
+"right", "sha256", "size"}``. A target whose file still has its record's size and
+digest is done.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """How the repair's engine runs: the way the extraction ran, with room to run.
 
-``--engine-arg KEY=VALUE``: VALUE is JSON when it parses, else a string. The settings
-that change hidden states come from the files' provenance (``vllm_hsfix.engine``)
-when stamped, else from the checkpoint and the files (the files' dtype; a vision
-config without processor files ran its text stack alone; linear attention on vLLM's
-CPU build ran with an fp32 SSM state); ``--engine-arg`` overrides either. vLLM's CPU
-build sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE``, else from the machine's
-memory: when it is unset the repair sizes it for its own batches.
+The settings that change hidden states come from the files' provenance when stamped,
+else from the checkpoint and the files; ``--engine-arg`` overrides either. When
+``VLLM_CPU_KVCACHE_SPACE`` is unset, the repair sizes vLLM's CPU KV cache for its batches.
 """
 
 from __future__ import annotations
@@ -77,8 +73,8 @@ def _derived(model: str | None, targets: list[Target], cpu_build: bool) -> dict[
     return out
 
 
-def _fmt(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
+def _said(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in values.items())
 
 
 def engine_settings(
@@ -96,8 +92,7 @@ def engine_settings(
         stamped = json.loads(stamps.most_common(1)[0][0])
         settings = {k: stamped[k] for k in ENGINE_KEYS if stamped.get(k) is not None}
         max_len = int(settings.pop("max_model_len", 0) or 0)
-        said = ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items())
-        line = f"engine settings from the files' provenance: {said or 'none recorded'}"
+        line = f"engine settings from the files' provenance: {_said(settings) or 'none recorded'}"
         if max_len >= needed_len:
             line += f", max_model_len={max_len}"
         max_len = max(max_len, needed_len)
@@ -105,7 +100,7 @@ def engine_settings(
         derived = _derived(model, targets, cpu_build)
         settings = {k: v for k, (v, _) in derived.items()}
         max_len = needed_len
-        said = "; ".join(f"{k}={_fmt(v)} ({why})" for k, (v, why) in derived.items())
+        said = "; ".join(f"{_said({k: v})} ({why})" for k, (v, why) in derived.items())
         line = f"the files carry no engine provenance; assumed {said or 'vLLM defaults'}"
     over = {k: v for k, v in user.items() if k in settings or k in ENGINE_KEYS}
     max_len = int(user.get("max_model_len") or user_len or max_len)
@@ -113,10 +108,6 @@ def engine_settings(
     if over:
         return settings, max_len, line + "; --engine-arg sets " + _said(over)
     return settings, max_len, line + " (--engine-arg KEY=VALUE overrides)"
-
-
-def _said(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={_fmt(v)}" for k, v in values.items())
 
 
 def kv_bytes_needed(
@@ -145,15 +136,6 @@ def kv_bytes_needed(
     return 2 * seqs * (per_token * (max_len + 1) + linear * state)
 
 
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            found = [ln.split()[1] for ln in f if ln.startswith("MemAvailable:")]
-        return int(found[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def kv_cache_space(
     model: str | None, dtype: str | None, n_aux: int, seqs: int, max_len: int
 ) -> tuple[int, str]:
@@ -161,9 +143,11 @@ def kv_cache_space(
     memory available (then fewer prompts run at once)."""
     need = kv_bytes_needed(model, dtype, n_aux, seqs, max_len)
     gib = max(1, math.ceil(need / GIB))
-    free = _available_bytes()
+    import psutil
+
+    free = psutil.virtual_memory().available
     note = ""
-    if free is not None and gib * GIB > free // 2:
+    if gib * GIB > free // 2:
         one = kv_bytes_needed(model, dtype, n_aux, 1, max_len)
         gib = max(1, math.ceil(one / GIB), (free // 2) // GIB)
         note = f", capped at half the {free / GIB:.0f} GiB free (fewer prompts at once)"

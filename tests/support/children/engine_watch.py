@@ -46,7 +46,10 @@ def main(args: dict) -> None:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     watch = EngineWatch(grace_s=args["grace_s"])
     watch.start()
-    print("HSFIX_WATCH " + json.dumps([sorted(watch.watched), core.pid, worker]), flush=True)
+    print(
+        "HSFIX_WATCH " + json.dumps([sorted(p.pid for p in watch.watched), core.pid, worker]),
+        flush=True,
+    )
     time.sleep(1.0)  # the helper has ended meanwhile
     os.kill(core.pid, signal.SIGKILL)
     threading.Event().wait()  # as vLLM's generate after its engine core is gone
