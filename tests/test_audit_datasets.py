@@ -18,7 +18,7 @@ import torch
 from support.hsfiles import A, H, hs_file, write_raw
 from support.load import busy_cores
 
-from vllm_hsfix.audit import batched, command, parallel, pipeline, reports
+from vllm_hsfix.audit import command, parallel, pipeline, reports
 
 # ----------------------------------------------------------------- datasets
 
@@ -102,7 +102,7 @@ def test_workers_do_not_change_the_answers(tmp_path: Path) -> None:
         pipeline.audit_paths([tmp_path], workers=0)
 
 
-_REAL_AUDIT_FILES = batched.audit_files
+_REAL_AUDIT_FILES = parallel.audit_files
 
 
 def _dies_on_boom(paths: list[str]) -> list[reports.FileReport]:
@@ -134,7 +134,7 @@ def test_a_worker_crash_is_pinned_on_its_file(
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     boom = hs_file(tmp_path / "boom.safetensors", seed=9)
     _fork_workers(monkeypatch)
-    monkeypatch.setattr(batched, "audit_files", _dies_on_boom)
+    monkeypatch.setattr(parallel, "audit_files", _dies_on_boom)
     with busy_cores() if busy else contextlib.nullcontext():
         report = pipeline.audit_paths([tmp_path], workers=2, stall_s=120)
     by = {f.path: f for f in report.files}
@@ -188,7 +188,7 @@ def test_a_file_that_hangs_when_retried_alone_ends_the_run_naming_it(
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
     boom = hs_file(tmp_path / "boom.safetensors", seed=9)  # 8 files, 1 worker: batches of 2
     _fork_workers(monkeypatch)
-    monkeypatch.setattr(batched, "audit_files", _hangs_alone_on_boom)
+    monkeypatch.setattr(parallel, "audit_files", _hangs_alone_on_boom)
     t0 = time.monotonic()
     with pytest.raises(parallel.Stalled, match=f"1 still out, not judged: {re.escape(str(boom))}"):
         pipeline.audit_paths([tmp_path], workers=1, stall_s=2)
@@ -201,7 +201,7 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
 ) -> None:
     hs_file(tmp_path / "g.safetensors")
     _fork_workers(monkeypatch)
-    monkeypatch.setattr(batched, "audit_files", _always_dies)
+    monkeypatch.setattr(parallel, "audit_files", _always_dies)
     with pytest.raises(RuntimeError, match="cannot run"):
         pipeline.audit_paths([tmp_path], workers=1)
     assert command.main([str(tmp_path)]) == 2

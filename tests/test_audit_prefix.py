@@ -8,8 +8,12 @@ measurement on what real vLLM writes is in ``tests/test_e2e.py``.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -170,3 +174,50 @@ def test_the_verdicts_do_not_depend_on_the_order_workers_return_files_in() -> No
     # In input order the sample of 16 (evenly spaced over the 17) leaves out file 8: 8
     # of each, no strict majority, so no file of the group can be trusted: all flagged.
     assert found[0] == list(range(17)), found[0]
+
+
+def test_one_blas_thread_inside_and_the_same_sketches() -> None:
+    from threadpoolctl import threadpool_info
+
+    def blas_threads() -> list[int]:
+        return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
+
+    before = blas_threads()
+    rows = np.random.default_rng(0).standard_normal((16, 4, 4096)).astype(np.float32)
+    stacked = prefix.sketch_rows(rows)
+    with prefix.single_blas_thread() as on:
+        assert on and blas_threads() and set(blas_threads()) == {1}
+        flat = prefix.sketch_rows(rows)
+    assert blas_threads() == before
+    want = rows.astype(np.float64) @ prefix.sketch_matrix(4096).astype(np.float64)
+    np.testing.assert_allclose(flat, want, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(stacked, want, rtol=1e-4, atol=1e-3)
+
+
+def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None:
+    """The thread pools are looked up again after new imports: a BLAS that comes with a
+    later import (torch's, in a fresh interpreter) is limited as well, and given back
+    its threads after."""
+    program = """if True:
+        import json
+        from threadpoolctl import threadpool_info
+        from vllm_hsfix.audit import prefix
+
+        def blas():
+            return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
+
+        with prefix.single_blas_thread():
+            pass
+        import torch  # noqa: F401  (its BLAS is loaded now, after the first batch)
+        before = blas()
+        with prefix.single_blas_thread() as on:
+            inside = blas()
+        print(json.dumps({"on": on, "before": before, "inside": inside, "after": blas()}))
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["on"] and got["before"] and set(got["inside"]) == {1}, got
+    assert got["after"] == got["before"], got

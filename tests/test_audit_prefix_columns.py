@@ -1,22 +1,21 @@
-"""Where the shared-prefix check keeps its sketches until the dataset pass.
-
-At speculators' scale (10^6 files) the driver held about 4.5 KB of sketches a file in
-memory; they now go to a temporary file (:mod:`vllm_hsfix.audit.prefix_columns`). These
-tests hold the memory to what the design allows, and the verdicts to the ones the
-check gives however the sketches are kept: on disk, in memory where no temporary file
-can be made, after a disk fills up half-way, and with huge groups read in chunks.
+"""Where the shared-prefix check keeps its sketches until the dataset pass
+(:class:`vllm_hsfix.audit.prefix.Store`: a temporary file per position). The verdicts
+are the ones built into the data however the sketches are kept: on disk, in memory
+where no temporary file can be made, after a disk fills up half-way, with huge groups
+compared in chunks, and with token ids past int32.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from vllm_hsfix.audit import prefix, prefix_columns
+from vllm_hsfix.audit import prefix
 
 N_AUX, HIDDEN = 4, 64
 
@@ -75,18 +74,16 @@ def expected(data: list[prefix.PrefixData]) -> tuple[Any, ...]:
 
 
 def test_the_sketches_go_to_disk_and_come_back_as_they_went_in() -> None:
-    """The sketches wait in a temporary file (their memory budget is measured by
-    ``benchmarks/bench_audit.py``): each one read back is what went in."""
     one = contributions(1, set())[0]
     n = 3_000
     with prefix.Store() as store:
         for i in range(n):
             store.add(i, one)
         cols = store.shapes()[0]
-        assert cols._spill is not None
         back = cols.rows(np.array([0, n - 1]), 5)
-        want = one.sketches[5].astype(np.float32) * one.norms[5][:, None]
-        np.testing.assert_array_equal(back, np.stack([want, want]))
+        assert not any(isinstance(f, io.BytesIO) for f in cols._spill)
+    want = one.sketches[5].astype(np.float32) * one.norms[5][:, None]
+    np.testing.assert_array_equal(back, np.stack([want, want]))
 
 
 def test_the_same_verdicts_with_the_sketches_in_memory_when_no_temporary_file_can_be_made(
@@ -98,74 +95,53 @@ def test_the_same_verdicts_with_the_sketches_in_memory_when_no_temporary_file_ca
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "missing"))
     with prefix.Store() as store:
         store.add(0, data[0])
-        assert store.shapes()[0]._spill is None  # it really did fall back
+        assert all(isinstance(f, io.BytesIO) for f in store.shapes()[0]._spill)
     assert summary(run_check(data)) == expected
 
 
 def test_the_same_verdicts_when_the_disk_fills_up_half_way(
     data: list[prefix.PrefixData], expected: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A disk that takes the first records and then refuses: what was written is read
-    back and the rest stays in memory; nothing is lost, no error reaches the user."""
-    monkeypatch.setattr(prefix_columns, "_CHUNK", 16)
-    real = prefix_columns.tempfile.TemporaryFile
-    writes = []
+    """A disk that takes three chunks and then refuses: what was written is read back
+    and the rest stays in memory; nothing is lost, no error reaches the user."""
+    monkeypatch.setattr(prefix, "CHUNK", 16)
+    real = prefix.tempfile.TemporaryFile
+    refused = []
 
-    class Full:  # the real temporary file, refusing writes after the third
+    class Full:  # the real temporary file, refusing its fourth write
         def __init__(self, *a: Any, **k: Any) -> None:
-            self.f = real(*a, **k)
+            self.f, self.writes = real(*a, **k), 0
 
         def write(self, b: Any) -> int:
-            writes.append(len(b))
-            if len(writes) > 3:
+            self.writes += 1
+            if self.writes > 3:
+                refused.append(1)
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.f.write(b)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.f, name)
 
-    monkeypatch.setattr(prefix_columns.tempfile, "TemporaryFile", Full)
+    monkeypatch.setattr(prefix.tempfile, "TemporaryFile", Full)
     assert summary(run_check(data)) == expected
-    assert len(writes) == 4  # three chunks on disk, then the full disk, then memory
+    assert len(refused) == prefix.PREFIX_ROWS  # each position's file, once
 
 
-@pytest.mark.parametrize("dense", [1, 1 << 20], ids=["cell-reads", "block-reads"])
-def test_the_same_verdicts_when_huge_groups_are_read_a_chunk_at_a_time(
-    data: list[prefix.PrefixData],
-    expected: tuple[Any, ...],
-    monkeypatch: pytest.MonkeyPatch,
-    dense: int,
+def test_the_same_verdicts_when_huge_groups_are_compared_a_chunk_at_a_time(
+    data: list[prefix.PrefixData], expected: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Groups compared 7 files at a time, their sketches read cell by cell or a
-    position's whole block per chunk."""
     monkeypatch.setattr(prefix, "GROUP_CHUNK", 7)
-    monkeypatch.setattr(prefix_columns, "_DENSE", dense)
     assert summary(run_check(data)) == expected
 
 
-def test_token_ids_past_int32_widen_the_column_and_keep_every_verdict(
-    data: list[prefix.PrefixData],
-) -> None:
-    """Token ids are kept as int32 (every vocabulary fits); a file whose ids do not fit
-    (a corrupt or foreign file) widens the column half-way through, and the files
-    before it keep theirs: the 120 files split into two templates of 60, the second's
-    ids past 2**40, and exactly the wrong files are flagged, each in its own half."""
+def test_token_ids_past_int32_keep_every_verdict(data: list[prefix.PrefixData]) -> None:
+    """The 120 files split into two templates of 60, the second's ids past 2**40:
+    exactly the wrong files are flagged, each in its own half."""
     import dataclasses
 
     far = [
         p if i < 60 else dataclasses.replace(p, token_ids=tuple(t + 2**40 for t in p.token_ids))
         for i, p in enumerate(data)
     ]
-    with prefix.Store() as store:
-        for i, p in enumerate(far):
-            store.add(i, p)
-        cols = store.shapes()[0]
-        assert cols.tokens.dtype == np.int64
-        assert cols.tokens[0, 0] == data[0].token_ids[0]
-        assert cols.tokens[119, 0] == data[119].token_ids[0] + 2**40
-        got = summary(prefix.check(store, np.arange(len(far)), len(far)))
+    got = summary(run_check(far))
     assert got[0] == {i: (3, 0, 60) for i in WRONG}
-    with prefix.Store() as store:  # ids that fit stay int32
-        for i, p in enumerate(data):
-            store.add(i, p)
-        assert store.shapes()[0].tokens.dtype == np.int32

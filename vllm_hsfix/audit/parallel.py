@@ -1,4 +1,4 @@
-"""Judging many files in worker processes, in batches (:func:`.batched.audit_files`).
+"""Judging many files in worker processes, in batches of files.
 
 The start method (fork where it is safe, else forkserver or spawn), batching (a task
 per file costs a pickle round trip per file), a worker that dies (OOM, a signal)
@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import batched, window
+from . import scan, window
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
 
@@ -87,7 +87,12 @@ def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     if total_bytes:
         window.enable(total_bytes)
     with single_blas_thread():  # whole products for the prefix sketches
-        return batched.audit_files(paths)
+        return audit_files(paths)
+
+
+def audit_files(paths: list[str]) -> list[FileReport]:
+    """Each file's per-file report, ``pending`` while its writer holds the lock."""
+    return [scan.locked(p) or scan.audit_file(p) for p in paths]
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:
