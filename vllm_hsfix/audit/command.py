@@ -1,21 +1,7 @@
 """``vllm-hsfix audit PATH...``: find hidden-states files that a broken vLLM wrote.
 
-vLLM 0.17.0-0.24.x (see README) can save ``extract_hidden_states`` files whose rows are
-all zero or copied from other memory: the draft model trains "fine" on them and then
-accepts ~0% of tokens. Patching vLLM stops new damage; this auditor finds the damage
-already on disk, so only the bad files are regenerated.
-
-Exit codes of ``vllm-hsfix audit``: 0 no corrupt file (suspect files are listed, under
-their own name, but do not fail the run: their checks are heuristics, and a training
-job should not stop on a heuristic; pending files, still locked by their writer, and
-unsupported files, of a format the audit does not know, are not judged and listed
-under their own name); 1 at least one corrupt file; 2 usage error (a path that does not exist,
-``--workers`` < 1, nothing to audit, an output that cannot be written, two outputs on
-stdout, numpy or, for ``--ray``, Ray missing).
-
-This module holds the argparse parser (:func:`add_parser`, shared by ``vllm_hsfix.cli``
-and :func:`main`), the subcommand itself (:func:`run`) and its exit codes; it imports
-nothing heavy, and :mod:`.reference` (torch, transformers) only for ``--reference``.
+Exit codes: 0 no corrupt file (suspect, pending and unsupported files are listed but do
+not fail the run), 1 at least one corrupt file, 2 usage error.
 """
 
 from __future__ import annotations

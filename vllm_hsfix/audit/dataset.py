@@ -1,12 +1,5 @@
-"""The dataset pass: cross-file checks, which no single file can answer.
-
-Run after every file has been scanned: the ``[n_aux, hidden]`` majority, per aux layer
-the files whose median row norm is a robust outlier, and the shared-prefix consistency
-check (:mod:`.prefix`). They read only the columns of :class:`.ledger.Ledger` and the
-prefix sketches kept in :class:`.prefix.Store` (the reports themselves may already be
-written out and gone), each over all files at once, and return their findings by
-file index, plus what they compared against, for the report's ``dataset`` section.
-"""
+"""The dataset pass: cross-file checks no single file can answer (the ``[n_aux, hidden]``
+majority, per-layer norm outliers, shared prefixes), over the :class:`.ledger.Ledger`."""
 
 from __future__ import annotations
 

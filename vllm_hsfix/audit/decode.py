@@ -1,12 +1,5 @@
-"""Rows as values, in one place: every format's ``hidden_states`` turned into float32.
-
-Every check judges values, never stored bytes: the streamed scan takes its blocks from
-:meth:`Rows.block`, and ``--reference`` and repair read whole files through
-:func:`read_rows`. For ``fp8`` files (hs-connectors' ``FP8HiddenStatesConnector``) a
-row's values are its float8_e4m3fn values times its token's scale, exactly what the
-consumer (``FP8Transfer``) computes; other dtypes are widened to float32 (F64 stays
-F64). numpy has no fp8 dtype, so float8_e4m3fn is decoded through a 256-entry table.
-"""
+"""Rows as values: every format's ``hidden_states`` turned into float32 (fp8: its
+float8_e4m3fn values times its token's scale, through a 256-entry table)."""
 
 from __future__ import annotations
 

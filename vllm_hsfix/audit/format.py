@@ -1,22 +1,5 @@
-"""The hidden-states file formats the audit knows, parsed by hand.
-
-Two layouts, both ``.safetensors`` files with ``token_ids`` ``[tokens]`` (I64):
-
-* ``plain``: what vLLM's ``ExampleHiddenStatesConnector`` writes (speculators' ``file``
-  backend): ``hidden_states`` ``[tokens, n_aux, hidden]`` in BF16/F16/F32/F64.
-* ``fp8``: what hs-connectors' ``FP8HiddenStatesConnector`` writes (speculators' ``fp8``
-  backend): ``hidden_states`` ``F8_E4M3`` (float8_e4m3fn) ``[tokens, n_aux, hidden]``
-  and ``hidden_states_scales`` F32 ``[tokens, 1, 1]``; a row's values are the fp8 values
-  times its token's scale (:mod:`.decode` de-quantizes, every check sees the result).
-
-A "row" is one ``(token, aux layer)`` vector of ``hidden`` values. Anything else (a
-dtype or key layout with no rule here) is ``unsupported``, never ``corrupt``.
-
-The header is parsed here without the safetensors library: the auditor must run on a
-bare data box, and must say *why* a file is unreadable instead of raising on it. This
-module reads the header and the token ids; the rows themselves are streamed by
-:mod:`.scan`.
-"""
+"""The hidden-states file formats the audit knows (``plain`` and ``fp8`` safetensors),
+with the header parsed by hand so that a bad file gets a reason, not an exception."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""``audit --state FILE``: rescan only the files that changed since the last run.
-
-Each file's per-file results (its report before the dataset-level checks, and its
-prefix sketch) are kept by path, size and modification time in a :mod:`.store` file:
-a header line, then one line per file, arrays as base64. The dataset-level checks
-always run again over every file (a new file can change an old one's prefix group).
-Pending files and files whose scan failed for a reason that may pass (``unreadable``)
-are never stored. A state written by another version or checks revision is ignored,
-and the run says so.
-"""
+"""``audit --state FILE``: per-file results kept by path, size and mtime in a
+:mod:`.store` file, so a rerun scans only new or changed files."""
 
 from __future__ import annotations
 

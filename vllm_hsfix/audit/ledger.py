@@ -1,12 +1,5 @@
-"""Every file's part in the dataset pass, as columns: what stays in memory per file.
-
-The per-file reports are written out as they come (``--jsonl``) and dropped; the
-cross-file checks (:mod:`.dataset`) read, of each judged file, its verdict (kept in
-step with their findings), token count, ``[n_aux, hidden]`` and each aux layer's median
-row norm: numpy columns allocated once for the whole audit (an object per file held
-several times as much). A file with no verdict here (pending, or not back from its
-worker yet) takes no part.
-"""
+"""What the dataset pass reads of each judged file, as numpy columns (the reports
+themselves may already be written out and dropped)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""``audit --ray [ADDRESS]``: the per-file scan as Ray tasks across a cluster's machines.
-
-Only the per-file pass is spread, as tasks over the same batches as the local pool;
-the dataset-level checks stay one reduce on the driver, so the verdicts are the local
-run's. The files must be at the same path on every node; the package is shipped with
-the tasks (``runtime_env`` ``py_modules``). A task whose worker dies is run again
-(``max_retries``) and results are taken only from finished tasks, so a file is never
-counted twice nor lost; a task that keeps dying is split into one task per file, and
-a file that still kills its worker is reported ``unreadable``. When no task comes back
-for ``stall_s`` seconds the tasks still out are cancelled and the run ends with
-:class:`.parallel.Stalled`.
-"""
+"""``audit --ray [ADDRESS]``: the per-file scan as Ray tasks over the local pool's
+batches; the dataset pass stays on the driver, so the verdicts are the local run's."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""How a run is shown to people and pipelines: the text summary, ``--list``, the CSV.
-
-Text is a summary plus, per check, the first ``--show`` files it flagged (sorted by
-path, so the same dataset gives the same text whatever the worker count): on a dataset
-a broken vLLM wrote, every file is bad, and one line per file would bury the summary.
-It is built from the records (:class:`Digest`), so a streaming run prints the same
-text without keeping the reports. ``--json`` is :meth:`.reports.AuditReport.to_dict`.
-"""
+"""How a run is shown: the text summary (per check, the first ``--show`` files by
+path), ``--list`` and the CSV; the text is built from the records (:class:`Digest`)."""
 
 from __future__ import annotations
 

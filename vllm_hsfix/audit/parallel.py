@@ -1,12 +1,5 @@
-"""Judging many files in worker processes, in batches of files.
-
-The start method (fork where it is safe, else forkserver or spawn), batching (a task
-per file costs a pickle round trip per file), a worker that dies (OOM, a signal)
-pinned on the file that killed it, not on the files it took down nor, when no worker
-can run at all, on any file, and a run in which nothing comes back for ``stall_s``
-seconds ended by :class:`Stalled`, naming the batches still out. :func:`batches` and
-the stall bound are shared with the Ray backend.
-"""
+"""Judging many files in batches over a stdlib process pool: a worker that dies is
+pinned on its file, and a run where nothing comes back for ``stall_s`` seconds ends."""
 
 from __future__ import annotations
 

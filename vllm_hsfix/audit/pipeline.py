@@ -1,15 +1,5 @@
-"""A whole audit: paths -> files -> per-file pass (local pool or Ray) -> dataset pass.
-
-:func:`audit_paths` is the library entry point (the command, the tests, the benchmark,
-the end-to-end harness and ``repair`` call it); :func:`expand_paths` is its first step,
-also used by the command to answer "nothing to audit" before any work starts.
-
-The run is a stream (:mod:`.records`): each file's record goes to ``on_record`` as soon
-as the per-file checks judge it, then one update per file a dataset-level check
-changed, then the summary. Only each file's few columns of :class:`.ledger.Ledger` and
-its prefix token ids stay in memory for the dataset pass, unless ``keep`` asks for the
-full reports too (what ``--json`` and ``--csv`` print).
-"""
+"""A whole audit: paths -> files -> per-file pass (local pool or Ray) -> dataset pass,
+each file's record streamed to ``on_record`` as it is judged."""
 
 from __future__ import annotations
 

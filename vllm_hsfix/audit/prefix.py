@@ -1,24 +1,6 @@
-"""Shared-prefix consistency: catching files that hold other blocks' memory, no reference.
-
-A token's hidden state depends only on the tokens before it, so every file whose
-prompt starts with the same k token ids must hold the same first k rows (per aux
-layer), up to numerical noise. Files filled from other blocks' memory look like real
-hidden states but disagree with every correct file on those rows.
-
-* A worker keeps each file's first ``PREFIX_ROWS`` token ids and a fixed random
-  projection (``SKETCH_DIM`` numbers) of those rows; a Gaussian projection keeps
-  distances to about 1/sqrt(``SKETCH_DIM``), far inside the gap between agreeing and
-  wrong rows. The driver keeps them in a :class:`Store` until this pass.
-* Files are sorted by those ids; neighbours' common prefixes give, for every position,
-  the groups of files that share the tokens up to it.
-* Per group and aux layer, a consensus is formed only from sound rows (not zero, not
-  NaN) and only by a strict majority of a sample of the group agreeing within
-  ``TOLERANCE``. Files that disagree are flagged at their first disagreeing position;
-  a group with no consensus is flagged whole (none can be taken as the reference).
-
-It cannot catch a file that shares no prefix with another (``unchecked``) or rows
-past the shared prefix.
-"""
+"""Shared-prefix consistency: files whose prompts start with the same token ids must
+hold the same first rows; per group a majority consensus of row sketches is formed and
+files that disagree are flagged (docs/audit.md)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""The audit as a stream of records: what ``--jsonl`` writes and ``--json`` is built from.
-
-One JSON object per line, in this order:
-
-* ``{"type": "file", ...}`` for each file as soon as the per-file checks have judged it
-  (the :class:`.reports.FileReport` fields, ``format`` among them; ``cached`` when
-  ``--state`` supplied it instead of a scan; ``verdict`` ``pending`` for a file still
-  locked by its writer, ``unsupported`` for a format the audit does not know);
-* ``{"type": "update", "path", "verdict", "problems"}`` for each file the dataset-level
-  checks (shape majority, norms, shared prefixes, ``--reference``) changed: the new
-  findings and the file's final verdict;
-* one ``{"type": "summary", "schema", "totals", "regenerate", "suspect", "pending",
-  "unsupported", "dataset"}`` at the end (the lists name only files, so the summary of 500k files is
-  tens of MB, not the whole report).
-
-A consumer that keeps the last verdict per path has every file's final verdict.
-"""
+"""The audit as a stream of records (``--jsonl``): a ``file`` record per file as it is
+judged, an ``update`` per file a dataset check changed, then one ``summary``."""
 
 from __future__ import annotations
 

@@ -1,30 +1,5 @@
-"""What the auditor concludes: findings, the verdicts, per-file and per-run reports.
-
-Verdicts:
-
-* ``corrupt``: unusable as training data: unreadable, truncated or not safetensors,
-  missing keys or wrong dtypes/shapes, empty tensors, ``token_ids`` count not matching,
-  any all-zero row, any NaN/Inf.
-* ``suspect``: readable but probably damaged: identical rows at different token ids in
-  the same aux layer, rows with a norm under 1e-3 x their layer's median, a per-layer
-  median row norm far off the rest of the dataset (robust z-score over files), or
-  ``[n_aux, hidden]`` differing from the dataset majority, or unexpected extra tensors.
-* ``unsupported``: not judged: a layout or dtype the auditor has no rule for (say, an
-  ``F8_E5M2`` ``hidden_states``, fp8 rows without their scales, ``token_ids`` that are not
-  I64, no ``hidden_states`` tensor at all). The finding says why. A file of a format
-  the audit does not know is never called ``corrupt`` (that would say "regenerate" about
-  a file nobody has looked at); damage the audit can see whatever the format
-  (truncation, a header the data does not fit) still makes it ``corrupt``.
-* ``ok``: none of the above.
-* ``pending``: not judged: a ``.lock`` file sits beside it, so the writer may still be
-  writing it (an audit of a dataset still being generated); a rerun judges it.
-
-Only ``corrupt`` means "regenerate": ``suspect`` comes from heuristics and means "look"
-(``--list suspect``), never "delete". The two lists are kept apart everywhere.
-
-These are plain dataclasses, picklable for the worker pool and Ray, JSON-ready for the
-records (:mod:`.records`).
-"""
+"""What the auditor concludes: findings, verdicts (``ok``, ``suspect``, ``corrupt``,
+``unsupported``, ``pending``; docs/audit.md), per-file and per-run reports."""
 
 from __future__ import annotations
 

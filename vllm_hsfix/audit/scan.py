@@ -1,17 +1,5 @@
-"""Auditing one file: its header and keys (:mod:`.format`), then every row streamed.
-
-The rows are read window by window into one reused buffer (``CHUNK_BYTES`` at a time;
-small files in one read), so memory stays bounded whatever the file size, and each
-window is converted in small float32 blocks by :mod:`.decode` (fp8 rows de-quantized
-there: every check below sees values, whatever the format). Per row only a few numbers
-are kept (squared norm, a cheap key, zero / non-finite flags): from them come the zero,
-NaN/Inf, duplicate (:mod:`.repeats`) and near-zero findings and the per-layer norm
-statistics. The first rows are also kept as they stream by, as the shared-prefix
-check's input (:mod:`.prefix`). What a window of rows gives (the per-row numbers, by
-the compiled kernel or numpy blocks) is :mod:`.window`.
-
-:func:`audit_file` never raises: whatever goes wrong becomes a ``corrupt`` finding.
-"""
+"""Auditing one file: its header and keys (:mod:`.format`), then its rows streamed a
+window at a time (:mod:`.window`); never raises, whatever goes wrong is a finding."""
 
 from __future__ import annotations
 

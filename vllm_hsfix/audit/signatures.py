@@ -1,22 +1,5 @@
-"""Known hazards' signatures in the files: which findings a hazard of the register leaves.
-
-Some hazards of the pinned releases (``vllm_hsfix.hazards``) leave a recognisable mark
-in what they write, so a finding can name its likely cause and the release range to
-look at, not just say "corrupt":
-
-* ``prefix-cache-slicing`` (0.22-0.23, prefix caching on): fewer ``hidden_states`` rows
-  than ``token_ids`` (the step's slot mapping was cut with the full prompt length);
-  the finding is ``token_mismatch``.
-* ``torn-files`` (a writer killed mid-write, safetensors < 0.8.0): a file that ends
-  before the data its header promises; the finding is ``truncated``.
-* ``aux-final-layer-dropped`` (0.18-0.24, DeepSeek-V2-backbone models, an aux id equal
-  to ``num_hidden_layers``): with two aux ids the one state computed is broadcast into
-  both slots; the finding is ``aux_layers_identical`` (:mod:`.scan` finds it).
-
-:func:`attribute` adds the hazard to such findings (``Problem.hazard``) and says so in
-the detail. Only the standard library: the register's ids are written here as the
-register spells them (a test checks both agree).
-"""
+"""Known hazards' signatures: findings a hazard of ``vllm_hsfix.hazards`` leaves in
+its files are named after it (``Problem.hazard``)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
-"""What must outlive a run, as JSON Lines: one JSON object per line, never pickle.
-
-A file on a shared filesystem must not be able to run code when read back, and a run
-killed halfway must keep what it did. So records are appended and flushed one line at
-a time; :func:`read` returns every whole record, skipping a last line cut short by a
-kill (and any other line that is not a JSON object); :func:`rewrite` replaces the file
-compactly through a temporary file in the same directory, fsync and rename, so a
-reader sees the old file or the new one, never half of it.
-
-Used by ``audit --state`` and ``repair --state``; the API is small on purpose::
-
-    out = Appender(path)        # opens for append on the first record
-    out.append({"path": ..., ...})
-    out.close()
-    append(path, record, sync=True)  # one record, fsynced
-    records = read(path)        # [] when the file does not exist
-    rewrite(path, records)      # atomically
-"""
+"""What must outlive a run, as JSON Lines (never pickle): appended and flushed a line
+at a time, read back skipping a torn last line, rewritten atomically."""
 
 from __future__ import annotations
 

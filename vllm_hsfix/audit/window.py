@@ -1,14 +1,5 @@
-"""One window of a file's stored rows -> the few numbers per row the checks need.
-
-Per row: the squared norm, a cheap key (sampled columns; equal keys are confirmed by
-:mod:`.repeats`), and whether it is all zero or holds NaN/Inf. They come from the
-compiled kernel (:mod:`.kernel`, numba, audits of at least ``MIN_BYTES``) in one pass
-over the stored bits, or from numpy: each window converted in small float32 blocks by
-:mod:`.decode`, then reduced (:func:`_block_rows`). A window with a zero or non-finite
-row always takes the numpy path, which tells an all-zero row from underflow and NaN/Inf
-from overflow. The first rows of a file are also kept as values
-(:attr:`RowNumbers.head`), the shared-prefix check's input.
-"""
+"""One window of stored rows -> the per-row numbers the checks need (squared norm,
+key, zero and NaN/Inf flags), by the compiled kernel or numpy blocks."""
 
 from __future__ import annotations
 
