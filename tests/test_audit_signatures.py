@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 from support.hsfiles import hs_file
 
 from vllm_hsfix import hazards
-from vllm_hsfix.audit import pipeline, signatures
+from vllm_hsfix.audit import pipeline, reports
 
 
 def test_every_signature_names_a_row_of_the_register() -> None:
     ids = {h.id for h in hazards.HAZARDS}
-    assert set(signatures.HAZARD_IDS) <= ids
+    assert set(reports.HAZARD_IDS) <= ids
 
 
 def hazard_of(path: Path) -> dict[str, str]:

@@ -14,11 +14,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .format import SUFFIX
-from .output import DEFAULT_SHOW, LIST_KINDS, Digest, format_human, write_csv, write_list
+from .output import (
+    DEFAULT_SHOW,
+    LIST_KINDS,
+    Digest,
+    JsonlWriter,
+    format_human,
+    write_csv,
+    write_list,
+)
 from .parallel import STALL_S, default_workers
 from .pipeline import Reference, audit_paths, expand_paths
 from .progress import DEFAULT_INTERVAL, SILENT, for_stream
-from .records import JsonlWriter, Record
 from .reports import CORRUPT
 
 
@@ -190,14 +197,6 @@ def missing_dependency() -> str | None:
     return None
 
 
-def _fanout(sinks: list[Callable[[Record], None]]) -> Callable[[Record], None]:
-    def emit(record: Record) -> None:
-        for sink in sinks:
-            sink(record)
-
-    return emit
-
-
 def _usage(args: argparse.Namespace) -> str | None:
     """What makes the command unable to start (exit 2), before any work."""
     problem = (
@@ -262,7 +261,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
         return 2
-    sinks: list[Callable[[Record], None]] = [digest] + ([jsonl] if jsonl else [])
+    sinks: list[Callable[[dict[str, Any]], None]] = [digest] + ([jsonl] if jsonl else [])
+
+    def on_record(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink(record)
+
     reference = None
     if args.reference:
         aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
@@ -275,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             ray=args.ray,
             state=args.state,
-            on_record=_fanout(sinks),
+            on_record=on_record,
             keep=bool(args.json or args.csv),
             reference=reference,
             stall_s=args.stall_timeout,

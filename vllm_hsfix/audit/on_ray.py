@@ -30,8 +30,8 @@ def _package_dir() -> str:
 
 
 def connect(address: str | None) -> Any:
-    """Join the cluster at ``address`` (``None``: ``RAY_ADDRESS``, else the cluster
-    last started on this machine, else a new local one), shipping this package."""
+    """Join the cluster at ``address`` (``None``: ``RAY_ADDRESS`` or a local one),
+    shipping this package."""
     import ray
 
     ray.init(
@@ -54,10 +54,9 @@ def run_ray(
     on_result: ResultFn,
     stall_s: float = STALL_S,
 ) -> int:
-    """Scan ``files`` as Ray tasks; ``on_result(index, report)`` per file as each task
-    finishes. Returns the number of CPUs the cluster offered (the "workers"). Raises
-    :class:`.parallel.Stalled` when no task finishes for ``stall_s`` seconds (0: no
-    bound)."""
+    """Scan ``files`` as Ray tasks (a task whose worker dies is retried, then split into
+    one task per file); ``on_result(index, report)`` per file. Returns the cluster's
+    CPUs. Raises :class:`.parallel.Stalled` when no task finishes for ``stall_s`` s."""
     cpus = cluster_cpus(ray)
     total = int(sum(sizes))  # the workers decide on the compiled kernel from it
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES)(run_batch)
@@ -80,10 +79,8 @@ def run_ray(
 def _as_done(
     ray: Any, pending: dict[Any, range], files: Sequence[str], stall_s: float
 ) -> Iterator[tuple[range, Any]]:
-    """(batch, its reports or the exception its task ended with) as each task finishes,
-    popped from ``pending``. When none finishes for ``stall_s`` seconds the tasks still
-    out are cancelled (their workers killed: a worker stuck in a read holds a CPU of
-    the cluster) and :class:`.parallel.Stalled` is raised."""
+    """(batch, its reports or its task's exception) as each task finishes; the tasks
+    still out cancelled and :class:`.parallel.Stalled` raised when none does in time."""
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s or None)
         if not done:

@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import csv
 import heapq
+import json
 import os
 import sys
 from collections import Counter
 from typing import IO
 
 from .format import FORMATS
-from .records import FILE, UPDATE, Record, file_record
-from .reports import CORRUPT, OK, PENDING, SUSPECT, UNSUPPORTED, AuditReport
+from .reports import (
+    CORRUPT,
+    FILE,
+    OK,
+    PENDING,
+    SUSPECT,
+    UNSUPPORTED,
+    UPDATE,
+    AuditReport,
+    Record,
+    file_record,
+)
 
 DEFAULT_SHOW = 5
 LIST_KINDS = {
@@ -196,3 +207,20 @@ def write_csv(report: AuditReport, dest: str | os.PathLike[str] | IO[str]) -> No
             rows(out)
     else:
         rows(dest)
+
+
+class JsonlWriter:
+    """Records to a file or (``-``) stdout, one line each, flushed as written so that a
+    pipeline reading the other end sees each file as it is judged."""
+
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+        self.out: IO[str] = sys.stdout if dest == "-" else open(dest, "w", encoding="utf-8")  # noqa: SIM115
+
+    def __call__(self, record: Record) -> None:
+        self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.out is not sys.stdout:
+            self.out.close()

@@ -1,4 +1,4 @@
-"""Judging many files in batches over a stdlib process pool: a worker that dies is
+"""Judging many files in batches (:mod:`.batched`) over a stdlib process pool: a worker that dies is
 pinned on its file, and a run where nothing comes back for ``stall_s`` seconds ends."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import scan, window
+from . import window
+from .batched import audit_files
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
 
@@ -17,28 +18,22 @@ if TYPE_CHECKING:
 
 ResultFn = Callable[[int, FileReport], None]
 
-# A task holds at most this many files or bytes, and there are at least
-# TASKS_PER_WORKER tasks per worker while files last (so the pool stays balanced and a
-# retry after a crash redoes little).
+# A task holds at most this many files or bytes; at least TASKS_PER_WORKER tasks per
+# worker while files last, so the pool stays balanced.
 MAX_BATCH_FILES = 64
 MAX_BATCH_BYTES = 256 * 1024 * 1024
 TASKS_PER_WORKER = 4
-# No batch back for this long: a read that never returns (a hung network filesystem, a
-# FIFO or device among the files), not a slow one (a batch is at most 256 MB, judged at
-# hundreds of MB/s a worker; seconds even with every core busy). ``--stall-timeout``.
+# No batch back for this long: a read that never returns (a hung filesystem, a FIFO).
 STALL_S = 600.0
-# How many of the batches still out a :class:`Stalled` message names.
-NAMED_BATCHES = 3
+NAMED_BATCHES = 3  # batches a Stalled message names
 
 
 class Stalled(RuntimeError):
-    """No batch came back for ``stall_s`` seconds: the run ends (the command exits 2)
-    naming the batches still out, rather than wait forever on a read that never returns."""
+    """No batch came back for ``stall_s`` seconds: the run ends naming the batches out."""
 
 
 def stalled(out: Sequence[range], files: Sequence[str], stall_s: float) -> Stalled:
-    """The :class:`Stalled` for batches ``out`` (indices into ``files``), each named by
-    its first and last file, so the user can look at what hangs."""
+    """The :class:`Stalled` for batches ``out``, each named by its first and last file."""
     named = [
         files[b[0]] if len(b) == 1 else f"{len(b)} files {files[b[0]]} ... {files[b[-1]]}"
         for b in out[:NAMED_BATCHES]
@@ -57,8 +52,7 @@ def default_workers() -> int:
 
 
 def batches(sizes: Sequence[int], workers: int) -> list[range]:
-    """File indices cut into consecutive tasks (see ``MAX_BATCH_*``), each a range: no
-    object per file in the driver."""
+    """File indices cut into consecutive tasks (see ``MAX_BATCH_*``), each a range."""
     n = len(sizes)
     per = max(1, min(MAX_BATCH_FILES, -(-n // max(1, workers * TASKS_PER_WORKER))))
     out: list[range] = []
@@ -74,18 +68,12 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
-    """One task: judge each file (``pending`` while its writer holds the lock; never
-    raises). ``total_bytes``: the whole audit's size, which decides whether this worker
-    uses the compiled kernel (:func:`.window.enable`)."""
+    """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
+    on the compiled kernel (:func:`.window.enable`)."""
     if total_bytes:
         window.enable(total_bytes)
     with single_blas_thread():  # whole products for the prefix sketches
         return audit_files(paths)
-
-
-def audit_files(paths: list[str]) -> list[FileReport]:
-    """Each file's per-file report, ``pending`` while its writer holds the lock."""
-    return [scan.locked(p) or scan.audit_file(p) for p in paths]
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:
@@ -101,9 +89,7 @@ def _context() -> object:
     import multiprocessing
     import threading
 
-    # fork starts workers in milliseconds and needs no importable __main__ (stdin scripts,
-    # notebooks), but forking a threaded process can deadlock the child: there, use
-    # forkserver (spawn where it is missing).
+    # fork is fast and needs no importable __main__, but can deadlock a threaded process.
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1:
         method = "fork"
@@ -119,22 +105,16 @@ def run_pool(
     on_result: ResultFn,
     stall_s: float = STALL_S,
 ) -> None:
-    """Audit ``files`` in worker processes (numpy releases little of the GIL for this
-    work, so threads would not scale); ``on_result(index, report)`` as each file is
-    judged. A worker killed mid-file (OOM, a signal) breaks the pool: the files it
-    took down are retried one per fresh process, so the crash is pinned on the file
-    that causes it. Raises :class:`Stalled` when nothing comes back for ``stall_s``
-    seconds (0: no bound), its workers killed."""
+    """Audit ``files`` in worker processes; ``on_result(index, report)`` as each is
+    judged. A worker killed mid-file breaks the pool: the files in flight are retried
+    one per fresh process, so the crash is pinned on its file. Raises :class:`Stalled`
+    when nothing comes back for ``stall_s`` seconds (0: no bound)."""
     ctx = _context()
-    import numpy  # loaded once here, so forked workers inherit it
+    import numpy  # loaded once here, so forked workers inherit it (and the kernel)
 
-    # The compiled kernel, when the audit is large enough: compiled here once, so forked
-    # workers inherit it (others compile or load numba's cache in run_batch).
     total = int(numpy.asarray(sizes).sum())
     window.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
-    # A worker that dies breaks the whole pool, so every file still in flight lands
-    # here: retry each alone, and only then decide which ones kill a worker.
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
         try:
@@ -147,8 +127,7 @@ def run_pool(
         got += 1
         on_result(i, rep)
     if crashed and not got:
-        # Nothing has ever come back: the workers cannot run here at all, which says
-        # nothing about the files. Do not call them corrupt.
+        # Nothing ever came back: the workers cannot run here, which says nothing of files.
         exc = next(iter(crashed.values()))
         raise RuntimeError(f"audit worker processes cannot run: {exc!r}") from exc
     for i, exc in crashed.items():
@@ -174,8 +153,6 @@ def _first_pass(
             pool.submit(run_batch, [files[i] for i in batch], total): batch
             for batch in batches(sizes, workers)
         }
-        # Popped as they are done, so a future and the reports it holds go once they are
-        # handed on, not when the pool closes.
         for batch, fut in _as_done(pool, futures, files, stall_s):
             try:
                 reps = fut.result()
@@ -192,8 +169,7 @@ def _first_pass(
 def _as_done(
     pool: Any, futures: dict[Future, range], files: Sequence[str], stall_s: float
 ) -> Iterator[tuple[range, Future]]:
-    """(batch, future) as each finishes, popped from ``futures``; :class:`Stalled`, the
-    pool's workers killed, when none finishes for ``stall_s`` seconds."""
+    """(batch, future) as each finishes; :class:`Stalled` when none does in ``stall_s``."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
     while futures:
@@ -207,8 +183,7 @@ def _as_done(
 
 
 def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> FileReport:
-    """File ``i`` judged in a fresh process of its own (raises what killed it, or
-    :class:`Stalled` when it does not come back within ``stall_s`` seconds)."""
+    """File ``i`` judged in a fresh process of its own (raises what killed it)."""
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -222,10 +197,8 @@ def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> Fi
 
 
 def _abandon(pool: Any) -> None:
-    """Kill a pool's workers (one is stuck in a read that never returns), so that
-    leaving the pool does not wait for them."""
-    # ``_processes``: the executor's own map of its workers (CPython 3.2+; 3.14 adds a
-    # public terminate_workers()).
+    """Kill a pool's workers (one is stuck in a read), so leaving it does not wait."""
+    # ``_processes``: the executor's map of its workers (3.14 adds terminate_workers()).
     procs = list((getattr(pool, "_processes", None) or {}).values())
     for proc in procs:
         with contextlib.suppress(Exception):

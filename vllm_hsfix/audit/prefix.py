@@ -198,6 +198,7 @@ class Columns:
         self.tokens = np.zeros((0, PREFIX_ROWS), np.int64)
         self.sound = np.zeros((0, PREFIX_ROWS, n_aux), bool)
         self._chunk = np.zeros((PREFIX_ROWS, CHUNK), self.cell)
+        self._units, self._norms = self._chunk["units"], self._chunk["norms"]  # once: not per file
         self._filled = 0
         self._spill = [_spill_file() for _ in range(PREFIX_ROWS)]
         self._stored = 0  # files whose sketches are in the position files
@@ -219,8 +220,8 @@ class Columns:
         self.tokens[r, :k] = p.token_ids
         self.tokens[r, k:] = -1
         self.sound[r, :k] = p.sound
-        self._chunk["units"][:k, self._filled] = p.sketches
-        self._chunk["norms"][:k, self._filled] = p.norms
+        self._units[:k, self._filled] = p.sketches
+        self._norms[:k, self._filled] = p.norms
         self._filled += 1
         self.n += 1
         if self._filled == CHUNK:

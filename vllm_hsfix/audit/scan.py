@@ -10,9 +10,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from . import prefix, repeats, signatures, window
+from . import prefix, repeats, window
 from .decode import Rows, Whole, read_scales
 from .format import (
     FP8,
@@ -26,7 +26,7 @@ from .format import (
     read_header,
     read_token_ids,
 )
-from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats
+from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats, attribute
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -198,22 +198,16 @@ def _layer_stats(
         mean = np.add.reduce(norms, axis=0, keepdims=True) / n
         dev = norms - mean
         dev *= dev
-        std = np.sqrt(np.add.reduce(dev, axis=0) / n)
-        near = (norms < NEAR_ZERO_FRACTION * med).sum(axis=0)
-        return [
-            LayerStats(
-                aux=a,
-                count=n,
-                mean_norm=_finite(mean[0, a]),
-                std_norm=_finite(std[a]),
-                median_norm=_finite(med[a]),
-                min_norm=_finite(srt[0, a]),
-                max_norm=_finite(srt[-1, a]),
-                duplicate_rows=dups[a],
-                near_zero_rows=int(near[a]),
-            )
-            for a in range(n_aux)
-        ]
+        return sound_layer_stats(
+            n,
+            med.tolist(),
+            mean[0].tolist(),
+            np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
+            srt[0].tolist(),
+            srt[-1].tolist(),
+            (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
+            dups,
+        )
     out = []
     for a in range(n_aux):
         v = norms[:, a][~skip[:, a]]
@@ -242,13 +236,58 @@ def _layer_stats(
     return out
 
 
+def sound_layer_stats(
+    count: int,
+    med: list[float],
+    mean: list[float],
+    std: list[float],
+    lo: list[float],
+    hi: list[float],
+    near: list[int],
+    dups: list[int],
+) -> list[LayerStats]:
+    """Each aux layer's statistics when every row of the file is sound: one value per
+    layer in each list (what :func:`_layer_stats` and :mod:`.batched` compute)."""
+    return [
+        LayerStats(
+            aux=a,
+            count=count,
+            mean_norm=_finite(mean[a]),
+            std_norm=_finite(std[a]),
+            median_norm=_finite(med[a]),
+            min_norm=_finite(lo[a]),
+            max_norm=_finite(hi[a]),
+            duplicate_rows=dups[a],
+            near_zero_rows=int(near[a]),
+        )
+        for a in range(len(med))
+    ]
+
+
+class Prepared(NamedTuple):
+    """A file whose header and keys were read and found sound, its rows not yet seen:
+    what :func:`scan_rows` (or :mod:`.batched`, for many small files) takes."""
+
+    path: str
+    offset: int  # where hidden_states starts in the file
+    rows: Rows
+    shape: tuple[int, int, int]  # tokens, n_aux, hidden
+    token_ids: NDArray[Any] | None
+    whole: Whole | None  # the file's data when it was read whole
+
+
+def scan_rows(rep: FileReport, prep: Prepared) -> None:
+    """The row checks of one prepared file."""
+    _scan_hidden(rep, prep.path, prep.offset, prep.rows, prep.shape, prep.token_ids, prep.whole)
+
+
 def _audit_into(rep: FileReport, path: str) -> None:
-    found = prepare(rep, path)
-    if found is not None:
-        _scan_hidden(rep, path, *found)
+    prep = prepare(rep, path)
+    if prep is not None:
+        scan_rows(rep, prep)
 
 
-def prepare(rep: FileReport, path: str) -> tuple[Any, ...] | None:
+def prepare(rep: FileReport, path: str) -> Prepared | None:
     """Read ``path``'s header (and, when small, the whole file) and judge its layout and
     keys into ``rep``; the rows to scan next, or None when there are none to scan."""
     blob: Any = None
@@ -300,7 +339,7 @@ def prepare(rep: FileReport, path: str) -> tuple[Any, ...] | None:
             scales = read_scales(path, tensors, data_start, whole)
             _check_scale_values(rep, scales)
         rows = Rows(hs["dtype"], shape[2], shape[1], scales)
-        return offset, rows, shape, token_ids, whole
+        return Prepared(path, offset, rows, shape, token_ids, whole)
     return None
 
 
@@ -393,6 +432,6 @@ def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
 
 def conclude(rep: FileReport, t0: float) -> FileReport:
     """The last step of every file's audit: its findings' hazards, its time."""
-    signatures.attribute(rep)
+    attribute(rep)
     rep.seconds = time.perf_counter() - t0
     return rep
