@@ -106,15 +106,10 @@ def for_stream(
     second: str = "bytes",
     prefix: str = "audit ",
 ) -> Factory:
-    """The factory fitting ``stream`` (stderr by default): tqdm on a terminal where it is
-    installed, else log lines. ``second``: ``bytes`` (audit) or ``tokens`` (repair)."""
+    """The factory fitting ``stream`` (stderr by default): tqdm on a terminal, else log
+    lines. ``second``: ``bytes`` (audit) or ``tokens`` (repair)."""
     out = stream if stream is not None else sys.stderr
     use_tqdm = bool(getattr(out, "isatty", lambda: False)())
-    if use_tqdm:
-        try:
-            import tqdm  # noqa: F401
-        except ImportError:
-            use_tqdm = False
 
     def make(label: str, total: int, total_bytes: int = 0) -> Any:
         if use_tqdm:

@@ -219,9 +219,9 @@ class AuditReport:
             "reused": self.reused,
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` document (needs the kept reports)."""
-        return {
+    def to_dict(self, files: bool = True) -> dict[str, Any]:
+        """The ``--json`` document (needs the kept reports); without ``files``, the summary."""
+        out = {
             "schema": SCHEMA,
             "totals": self.totals(),
             "regenerate": self.regenerate,
@@ -229,8 +229,10 @@ class AuditReport:
             PENDING: self.paths(PENDING),
             UNSUPPORTED: self.paths(UNSUPPORTED),
             "dataset": self.dataset,
-            "files": [f.to_dict() for f in self.files],
         }
+        if files:
+            out["files"] = [f.to_dict() for f in self.files]
+        return out
 
 
 # Known hazards' signatures: findings a hazard of ``vllm_hsfix.hazards`` leaves in its
@@ -296,13 +298,4 @@ def update_record(path: str, verdict: str, problems: list[Problem]) -> Record:
 
 
 def summary_record(report: AuditReport) -> Record:
-    return {
-        "type": SUMMARY,
-        "schema": SCHEMA,
-        "totals": report.totals(),
-        "regenerate": report.regenerate,
-        SUSPECT: report.suspect,
-        PENDING: report.paths(PENDING),
-        UNSUPPORTED: report.paths(UNSUPPORTED),
-        "dataset": report.dataset,
-    }
+    return {"type": SUMMARY, **report.to_dict(files=False)}
