@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_hsfix.audit.dataset import dataset_pass
-from vllm_hsfix.audit.ledger import Ledger
+from vllm_hsfix.audit.dataset import Ledger, dataset_pass
 from vllm_hsfix.audit.reports import (
     CORRUPT,
     OK,

@@ -197,6 +197,14 @@ def missing_dependency() -> str | None:
     return None
 
 
+def _fanout(sinks: list[Callable[[dict[str, Any]], None]]) -> Callable[[dict[str, Any]], None]:
+    def emit(record: dict[str, Any]) -> None:
+        for sink in sinks:
+            sink(record)
+
+    return emit
+
+
 def _usage(args: argparse.Namespace) -> str | None:
     """What makes the command unable to start (exit 2), before any work."""
     problem = (
@@ -262,11 +270,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
         return 2
     sinks: list[Callable[[dict[str, Any]], None]] = [digest] + ([jsonl] if jsonl else [])
-
-    def on_record(record: dict[str, Any]) -> None:
-        for sink in sinks:
-            sink(record)
-
     reference = None
     if args.reference:
         aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             ray=args.ray,
             state=args.state,
-            on_record=on_record,
+            on_record=_fanout(sinks),
             keep=bool(args.json or args.csv),
             reference=reference,
             stall_s=args.stall_timeout,

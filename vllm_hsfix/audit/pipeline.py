@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import prefix, reports
-from .dataset import Findings, dataset_pass, prefix_pass
+from .dataset import Findings, Ledger, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
 from .incremental import State
-from .ledger import Ledger
 from .parallel import STALL_S, default_workers, run_pool
 from .progress import SILENT, Factory
 from .reports import CORRUPT, PENDING, AuditReport, FileReport
