@@ -170,13 +170,3 @@ def test_small_groups_and_a_group_pass_that_fails_lose_nothing(
     got = batched.audit_files(paths)
     assert len(calls) >= 3
     _compare(got, paths)
-
-
-def test_a_locked_file_is_pending(corpus: dict[str, tuple[Path, str]]) -> None:
-    import fcntl
-
-    path = str(corpus["bf16_3"][0])
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        got = batched.audit_files([path, str(corpus["bf16_4"][0])])
-    assert [r.verdict for r in got] == ["pending", "ok"]

@@ -77,9 +77,8 @@ def _takes(rep: FileReport, prep: Prepared) -> bool:
 
 
 def _judge(items: list[Item], out: list[FileReport | None]) -> None:
-    """Judge one group; the files it cannot judge whole go through the per-file path.
-    Should the group pass itself fail, every file it had not finished is judged alone
-    from the start (so a fault here costs time, never a verdict)."""
+    """Judge one group; the files it cannot judge go through the per-file path, and all
+    it had not finished should it fail (a fault here costs time, never a verdict)."""
     t0 = items[0][3]
     done = [False] * len(items)
     try:
@@ -102,10 +101,8 @@ def _judge(items: list[Item], out: list[FileReport | None]) -> None:
 
 
 def _group_stats(norms: Any, tokens: Any, tok_start: Any, owner: Any) -> list[list[Any]]:
-    """Every file's per-layer statistics from ``norms`` [all tokens, n_aux]: the median,
-    mean, standard deviation, minimum, maximum and near-zero count, each [files][n_aux].
-    The norms are sorted within each (file, layer) run, which starts at ``seg`` and holds
-    ``run`` values."""
+    """Every file's per-layer median, mean, standard deviation, minimum, maximum and
+    near-zero count ([files][n_aux] each) from ``norms`` [all tokens, n_aux]."""
     import numpy as np
 
     n_files, n_aux = len(tokens), norms.shape[1]

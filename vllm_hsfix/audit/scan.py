@@ -34,20 +34,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _local = threading.local()  # the window buffer (:func:`_window_buffer`)
 
-# Bytes of rows read at once into one reused buffer, so the resident set stays near this
-# size whatever the file size. Reads, not a memory map: a file that shrinks mid-scan is
-# a short read (a finding), not a SIGBUS that kills the worker.
+# Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
+# shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read() (the small files :mod:`.batched`
-# judges a group at a time); larger ones window by window into the thread's buffer.
+# Files up to this size are read whole with one read() (:mod:`.batched` takes them).
 WHOLE_FILE_BYTES = 1024 * 1024
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
 
 
 def _read_exact(f: Any, view: memoryview) -> None:
-    """Fill ``view`` from ``f`` (the file's length was checked: a short read means the
-    file changed while read)."""
+    """Fill ``view`` from ``f`` (a short read: the file changed while read)."""
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])
@@ -85,9 +82,7 @@ def _scan_hidden(
         raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
         window.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
     else:
-        # A window at a time into one reused buffer: the resident set stays at one
-        # window whatever the file size. Whole tokens per window, so a window never
-        # splits a token's rows.
+        # Whole tokens per window, so a window never splits a token's rows.
         tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
         buffer = _window_buffer(tokens_per_window * n_aux * row_bytes)
         with open(path, "rb", buffering=0) as f:
@@ -164,9 +159,8 @@ def near_zero(rep: FileReport) -> None:
 
 
 def _window_buffer(nbytes: int) -> NDArray[Any]:
-    """This thread's window buffer, at least ``nbytes``: one for every file, not a fresh
-    one per file (a fresh 4 MB buffer is new pages, faulted in and zeroed by the
-    kernel on first touch: a cost per byte read, as large as the read itself)."""
+    """This thread's window buffer, at least ``nbytes``: one for every file (fresh pages
+    are faulted in and zeroed, a cost as large as the read itself)."""
     import numpy as np
 
     buf = getattr(_local, "window", None)
@@ -178,20 +172,15 @@ def _window_buffer(nbytes: int) -> NDArray[Any]:
 def _layer_stats(
     norms: NDArray[Any], zero: NDArray[Any], bad: NDArray[Any], dups: list[int]
 ) -> list[LayerStats]:
-    """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs).
-
-    When every row is sound (nearly every file) each statistic is one call over all
-    layers at once; per-layer calls cost ~15 numpy calls a file, a third of a small
-    file's audit."""
+    """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs); when
+    every row is sound (nearly every file), each one call over all layers."""
     import numpy as np
 
     n_aux = norms.shape[1]
     skip = zero | bad
     if n_aux and len(norms) and not skip.any():
-        # One sort gives the median (as np.median takes it: the middle value, or the
-        # mean of the two middle ones), the minimum and the maximum; the mean and the
-        # standard deviation are the reductions ndarray.mean and .std make, in the same
-        # order (the same values), without their per-call overhead.
+        # One sort gives np.median's median, the minimum and the maximum; the mean and
+        # the standard deviation are ndarray.mean's and .std's reductions.
         n = len(norms)
         srt = np.sort(norms, axis=0)
         med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
@@ -295,8 +284,7 @@ def prepare(rep: FileReport, path: str) -> Prepared | None:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
         if size <= WHOLE_FILE_BYTES:
-            # The whole file in one system call (as ``cat`` reads it), header included;
-            # one byte more than its size, so a file that grew is seen to have changed.
+            # One byte more than its size, so a file that grew is seen to have changed.
             data = os.read(f.fileno(), size + 1)
             header, data_start = read_header(io.BytesIO(data), size)
             blob = memoryview(data)[data_start:]
@@ -360,13 +348,8 @@ def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
 
 
 def writer_holds_lock(path: str) -> bool:
-    """Whether the connector's writer still holds ``path.lock`` (its exclusive flock).
-
-    The ``.lock`` file itself stays behind after the write (the reader that consumes
-    the file removes it), so its existence says nothing; the lock does: the writer
-    holds ``LOCK_EX`` from before the first byte until the file is complete, and the
-    kernel drops it when the writer exits or dies. A non-blocking shared lock is
-    refused exactly while the writer holds it (and is released at once otherwise)."""
+    """Whether the connector's writer still holds ``path.lock``: the file outlives the
+    write, its ``LOCK_EX`` does not (a non-blocking shared lock is refused while held)."""
     try:
         import fcntl
     except ImportError:  # no flock on this platform: nothing can be known
@@ -404,9 +387,8 @@ def locked(path: str) -> FileReport | None:
 
 
 def audit_file(path: str | os.PathLike[str]) -> FileReport:
-    """Audit one file. Never raises: whatever goes wrong becomes a ``corrupt`` finding
-    (``unsupported`` for a format the audit does not know), because one bad file must
-    not hide the verdicts of the thousands after it."""
+    """Audit one file. Never raises: whatever goes wrong becomes a finding, so one bad
+    file cannot hide the verdicts of the thousands after it."""
     t0 = time.perf_counter()
     p = os.fspath(path)
     rep = FileReport(path=p)

@@ -13,8 +13,8 @@ from .format import HIDDEN_INT
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-# Audits of fewer bytes use the numpy path: the kernel's load (numba's import, and its
-# first compile on a machine) is repaid only past this size. ``KERNEL_ENV=0``: never.
+# Audits of fewer bytes use numpy: the kernel's load is repaid only past this size.
+# ``KERNEL_ENV=0``: never.
 MIN_BYTES = 1024 * 1024 * 1024
 KERNEL_ENV = "VLLM_HSFIX_AUDIT_KERNEL"
 _kernel: Any = None  # the loaded :mod:`.kernel` once :func:`enable` succeeded; False: failed
@@ -37,12 +37,10 @@ def enable(total_bytes: int) -> bool:
 
 # float32 working block: conversion and the row sums stay in the CPU caches.
 BLOCK_BYTES = 1024 * 1024
-# Rows up to this width get their squared norm from BLAS's dot (single-threaded up to
-# 10,000 values in OpenBLAS; threads that spin would slow parallel workers 10x, see
-# :func:`.prefix.sketch_rows`); wider rows from einsum.
+# Rows up to this width get their squared norm from BLAS's dot (one thread up to 10,000
+# values in OpenBLAS); wider rows from einsum.
 DOT_MAX_WIDTH = 8192
-# Row samples that make up the cheap per-row key; equal keys are then confirmed with a
-# blake2b digest of the whole row, so the key only has to be fast, not strong.
+# Row samples in the cheap per-row key (equal keys are confirmed on the whole row).
 KEY_SAMPLES = 16
 
 
@@ -59,10 +57,7 @@ def key_columns(hidden: int) -> tuple[NDArray[Any], NDArray[Any]]:
 
 
 def row_keys(ints: NDArray[Any], cols: NDArray[Any], mult: NDArray[Any]) -> NDArray[Any]:
-    """Cheap 64-bit key per row from a few sampled elements (wrapping multiply-add).
-
-    Identical rows always get identical keys; different rows almost never do, and when
-    they do the full-row digest that follows tells them apart."""
+    """Cheap 64-bit key per row from a few sampled elements (wrapping multiply-add)."""
     import numpy as np
 
     sample = ints[:, cols].astype(np.uint64)
@@ -71,9 +66,8 @@ def row_keys(ints: NDArray[Any], cols: NDArray[Any], mult: NDArray[Any]) -> NDAr
 
 
 class RowNumbers:
-    """One file's per-row numbers, filled window by window: O(rows) small numbers,
-    never O(file bytes), plus a float32 copy of the first ``head_rows`` rows, taken as
-    they stream by (the prefix check's input; no second read of the file)."""
+    """One file's per-row numbers, filled window by window, and a float32 copy of its
+    first ``head_rows`` rows (the prefix check's input)."""
 
     def __init__(self, n_rows: int, head_rows: int = 0, hidden: int = 0) -> None:
         import numpy as np
@@ -88,11 +82,8 @@ class RowNumbers:
 
 
 def _block_rows(nums: RowNumbers, row0: int, work: NDArray[Any]) -> None:
-    """Squared norms, zero and non-finite rows of one block of float rows.
-
-    The fast path is one dot per row; only blocks with a zero or non-finite sum
-    look at values again (to tell an all-zero row from underflow, and NaN/Inf from
-    overflow of large finite values)."""
+    """Squared norms, zero and non-finite rows of one block of float rows: one dot per
+    row; a zero or non-finite sum looks again (underflow is not zero, overflow not Inf)."""
     import numpy as np
 
     n = work.shape[0]
@@ -169,10 +160,8 @@ def _kernel_rows(
     cols: NDArray[Any],
     mult: NDArray[Any],
 ) -> bool:
-    """The window's squared norms and row keys from the compiled kernel, its head rows
-    from :meth:`.decode.Rows.block`. False when the kernel does not take this dtype or
-    a row needs the closer look of :func:`_block_rows` (a zero or non-finite sum): the
-    numpy path then does the window again, overwriting what the kernel filled."""
+    """The window's squared norms, keys and head rows from the compiled kernel; False
+    when it does not take this dtype or a row needs :func:`_block_rows`'s closer look."""
     n = raw.shape[0]
     sumsq, keys = nums.sumsq[row0 : row0 + n], nums.keys[row0 : row0 + n]
     if rows.dtype == "BF16":
