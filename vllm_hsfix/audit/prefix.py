@@ -195,7 +195,7 @@ class Columns:
         )
         self.index = np.zeros(0, np.int64)
         self.length = np.zeros(0, np.uint8)
-        self.tokens = np.zeros((0, PREFIX_ROWS), np.int64)
+        self.tokens = np.zeros((0, PREFIX_ROWS), np.int32)  # int64 once an id needs it
         self.sound = np.zeros((0, PREFIX_ROWS, n_aux), bool)
         self._chunk = np.zeros((PREFIX_ROWS, CHUNK), self.cell)
         self._units, self._norms = self._chunk["units"], self._chunk["norms"]  # once: not per file
@@ -216,6 +216,12 @@ class Columns:
                     self, name, np.concatenate([old, np.zeros((grow, *old.shape[1:]), old.dtype)])
                 )
         r, k = self.n, len(p.token_ids)
+        if (
+            k
+            and self.tokens.itemsize == 4
+            and not -(2**31) <= min(p.token_ids) <= max(p.token_ids) < 2**31
+        ):
+            self.tokens = self.tokens.astype(np.int64)
         self.index[r], self.length[r] = index, k
         self.tokens[r, :k] = p.token_ids
         self.tokens[r, k:] = -1
