@@ -213,9 +213,9 @@ def _usage(args: argparse.Namespace) -> str | None:
         or (_reference_usage(args) if args.reference else None)
     )
     if not problem and args.ray is not None:
-        from . import on_ray
+        from .parallel import ray_missing
 
-        problem = on_ray.missing_dependency()
+        problem = ray_missing()
     if problem:
         return problem
     if args.workers is not None and args.workers < 1:

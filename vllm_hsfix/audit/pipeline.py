@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import prefix, reports
+from . import parallel, prefix, reports
 from .dataset import Findings, Ledger, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
-from .incremental import State
 from .parallel import STALL_S, default_workers, run_pool
 from .progress import SILENT, Factory
 from .reports import CORRUPT, PENDING, AuditReport, FileReport
 from .scan import locked
+from .store import State
 
 RecordFn = Callable[[reports.Record], None]
 
@@ -196,13 +196,11 @@ class _Run:
             n = max(1, min(n, len(todo)))
             run_pool(paths_todo, todo_sizes, n, on_result, stall_s)
             return n, "local"
-        from . import on_ray
-
         # Ray's driver prints the cluster's notices on stdout, where --jsonl - may be.
         with contextlib.redirect_stdout(sys.stderr):
-            cluster = on_ray.connect(None if ray is True else str(ray))
+            cluster = parallel.ray_connect(None if ray is True else str(ray))
             try:
-                n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
+                n = parallel.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
             finally:
                 cluster.shutdown()
         return n, "ray"
