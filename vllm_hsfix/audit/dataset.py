@@ -76,13 +76,9 @@ def add_finding(findings: Findings, ledger: Ledger, i: int, problem: Problem) ->
     ledger.add(i, problem.severity)
 
 
-# Dataset pass: flag a file whose per-layer median row norm is more than OUTLIER_MADS
-# scaled MADs (1.4826 x MAD estimates one standard deviation for normal data) away from
-# the dataset median of that layer. REL_FLOOR keeps a very uniform dataset (MAD ~ 0) from
-# flagging files that differ by a few percent: with it, a file is an outlier only when
-# its median norm is more than 6 x 5% = 30% off. Measured on real vLLM output (chat-like
-# prompts sharing templates: norms very uniform), a floor of 1% flagged a correct
-# 14-token file whose median norm was 0.935x the dataset's.
+# A file whose per-layer median row norm is more than OUTLIER_MADS scaled MADs from the
+# dataset's median of that layer is an outlier; REL_FLOOR keeps a very uniform dataset
+# (MAD ~ 0) from flagging files a few percent off (real chat datasets: docs/audit.md).
 OUTLIER_MADS = 6.0
 MAD_SCALE = 1.4826
 REL_FLOOR = 0.05

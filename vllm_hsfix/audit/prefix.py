@@ -45,9 +45,8 @@ _controller: tuple[int, Any] | None = None
 
 
 def _blas_controller() -> Any:
-    """threadpoolctl's view of this process's thread pools, or None without threadpoolctl.
-    Looked up again only after new imports (a new BLAS comes with one): a fresh look at
-    the loaded libraries costs half a millisecond."""
+    """threadpoolctl's view of this process's thread pools (None without it), looked up
+    again only after new imports (a new BLAS comes with one)."""
     global _controller
     if _controller is None or _controller[0] != len(sys.modules):
         try:
@@ -61,11 +60,8 @@ def _blas_controller() -> Any:
 
 @contextlib.contextmanager
 def single_blas_thread() -> Iterator[bool]:
-    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged.
-
-    A whole 2-D product is the fastest way to make a file's sketches, but one that large
-    makes OpenBLAS start threads that spin, which slows parallel workers many times over;
-    where the thread count cannot be set the sketches are made one token at a time."""
+    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged
+    (a large product makes OpenBLAS start threads that spin, slowing parallel workers)."""
     global _one_blas_thread
     controller = _blas_controller()
     if controller is None or _one_blas_thread:
@@ -108,9 +104,8 @@ def from_head(
     zero: NDArray[Any],
     bad: NDArray[Any],
 ) -> PrefixData:
-    """One file's contribution (:mod:`.scan` calls this): the first rows' sketches and
-    token ids; ``head`` holds those rows as the scan saw them ([tokens x n_aux, hidden],
-    float32), ``zero`` / ``bad`` [tokens, n_aux] mark the rows already judged."""
+    """One file's contribution from its first rows as the scan saw them (``head``,
+    float32 [tokens x n_aux, hidden]); ``zero`` / ``bad`` mark the rows already judged."""
     n_tokens, n_aux, hidden = shape
     k = min(n_tokens, PREFIX_ROWS)
     unit, norms, sound = sketch_heads(head.reshape(k, n_aux, hidden), ~(zero[:k] | bad[:k]))
@@ -118,9 +113,8 @@ def from_head(
 
 
 def sketch_heads(rows: NDArray[Any], sound: NDArray[Any]) -> tuple[Any, Any, Any]:
-    """Head rows ``[positions, n_aux, hidden]`` (float32; of one file or of many files'
-    heads stacked) and which are ``sound`` -> the sketches as float16 unit vectors, their
-    float32 norms (0 where not sound) and ``sound`` (also False where the norm overflowed)."""
+    """Head rows ``[positions, n_aux, hidden]`` and which are ``sound`` -> float16 unit
+    sketches, float32 norms (0 where not sound) and ``sound`` (False where it overflowed)."""
     import numpy as np
 
     if not sound.all():  # unsound rows must not reach the sketch (NaN would spread)
@@ -340,10 +334,8 @@ def _consensus(sample: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
 def check(
     store: Store, positions: NDArray[Any], total: int, tick: Tick | None = None
 ) -> PrefixResult:
-    """Compare the shared-prefix rows of every group of files; see the module docstring.
-    ``positions[index]`` is a stored file's position in the result's numbering (-1: left
-    out); ``total`` files take part. ``tick(n)`` as each set of like-shaped files is
-    done (progress)."""
+    """Compare the shared-prefix rows of every group of files. ``positions[index]``: a
+    stored file's number in the result (-1: left out); ``tick(n)``: progress."""
     import numpy as np
 
     result = PrefixResult()
@@ -403,9 +395,8 @@ def _check_group(
     where: NDArray[Any],
     position: int,
 ) -> None:
-    """One group at one position: files ``sel`` (rows of ``cols``), ``where`` their
-    indices in the result. Per aux layer, a consensus from a sample of the group's
-    sound rows, then every sound row against it, a chunk of the group at a time."""
+    """One group at one position (files ``sel`` of ``cols``, ``where`` their numbers):
+    per aux layer a consensus of a sample of sound rows, then every sound row against it."""
     import numpy as np
 
     sound = cols.sound[sel, position]  # [files, n_aux]

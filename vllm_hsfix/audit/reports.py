@@ -30,9 +30,8 @@ def worse(verdict: str, severity: str) -> str:
 
 @dataclass
 class Problem:
-    """One finding. ``code`` is stable for scripts; ``detail`` is for people;
-    ``hazard`` names the row of ``vllm_hsfix.hazards`` whose signature it is, if any
-    (:mod:`.signatures`)."""
+    """One finding: ``code`` for scripts, ``detail`` for people, ``hazard`` the row of
+    ``vllm_hsfix.hazards`` whose signature it is, if any."""
 
     code: str
     severity: str
@@ -42,12 +41,8 @@ class Problem:
 
 @dataclass
 class LayerStats:
-    """Row-norm statistics of one aux layer over its finite, non-zero rows.
-
-    The dataset pass compares ``median_norm`` across files (a median, not the mean,
-    because attention-sink tokens legitimately have norms 100x the others, and a short
-    prompt's mean would then look like an outlier).
-    """
+    """Row-norm statistics of one aux layer over its finite, non-zero rows (the dataset
+    pass compares medians: attention-sink tokens have norms 100x the others)."""
 
     aux: int
     count: int
