@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from support.hsfiles import A, H, T, hs_file, write_raw
 
 from vllm_hsfix import hazards
-from vllm_hsfix.audit import pipeline, reports, scan, window
+from vllm_hsfix.audit import decode, pipeline, reports, scan
 
 
 def only(rep: reports.FileReport, code: str) -> reports.Problem:
@@ -263,7 +263,7 @@ def test_small_windows_give_the_same_answers(
     path = hs_file(tmp_path / "w.safetensors", tokens=300, hidden=96, edit=edit)
     default = scan.audit_file(path)
     monkeypatch.setattr(scan, "CHUNK_BYTES", 96 * 2 * 3 * 7)  # 7 tokens per window
-    monkeypatch.setattr(window, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
+    monkeypatch.setattr(decode, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
     small = scan.audit_file(path)
     assert default.verdict == small.verdict == "corrupt"
     assert (small.zero_rows, small.duplicate_rows, small.nan_count) == (2, 1, 1)

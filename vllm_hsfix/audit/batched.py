@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import prefix, window
+from . import decode, prefix
 from .reports import FileReport
 from .scan import (
     NEAR_ZERO_FRACTION,
@@ -158,9 +158,9 @@ def _group_pass(items: list[Item], done: list[bool]) -> set[int]:
             for _, _, p, _ in items
         ]
     ).reshape(-1, hidden)  # fmt: skip
-    nums = window.RowNumbers(len(raw), 0, hidden)
-    cols, mult = window.key_columns(hidden)
-    window.fill(nums, raw, rows, 0, cols, mult)
+    nums = decode.RowNumbers(len(raw), 0, hidden)
+    cols, mult = decode.key_columns(hidden)
+    decode.fill(nums, raw, rows, 0, cols, mult)
 
     # [all tokens, n_aux] per-token views; which file each token is of.
     tok_start = np.zeros(n_files, dtype=np.int64)

@@ -1,5 +1,5 @@
 """Every row's squared norm and key in one compiled pass over the stored bits (numba):
-what :mod:`.window` computes with numpy, for large audits."""
+what :mod:`.decode` computes with numpy, for large audits."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import window
+from . import decode
 from .batched import audit_files
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
@@ -70,9 +70,9 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
-    on the compiled kernel (:func:`.window.enable`)."""
+    on the compiled kernel (:func:`.decode.enable`)."""
     if total_bytes:
-        window.enable(total_bytes)
+        decode.enable(total_bytes)
     with single_blas_thread():  # whole products for the prefix sketches
         return audit_files(paths)
 
@@ -114,7 +114,7 @@ def run_pool(
     import numpy  # loaded once here, so forked workers inherit it (and the kernel)
 
     total = int(numpy.asarray(sizes).sum())
-    window.enable(total)
+    decode.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):

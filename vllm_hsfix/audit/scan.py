@@ -1,5 +1,5 @@
 """Auditing one file: its header and keys (:mod:`.format`), then its rows streamed a
-window at a time (:mod:`.window`); never raises, whatever goes wrong is a finding."""
+window at a time (:mod:`.decode`); never raises, whatever goes wrong is a finding."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from . import prefix, repeats, window
+from . import decode, prefix, repeats
 from .decode import Rows, Whole, read_scales
 from .format import (
     FP8,
@@ -75,12 +75,12 @@ def _scan_hidden(
     n_rows = n_tokens * n_aux
     row_bytes = rows.row_bytes
     with_prefix = token_ids is not None and len(token_ids) == n_tokens
-    scan = window.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
-    cols, mult = window.key_columns(hidden)
+    scan = decode.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
+    cols, mult = decode.key_columns(hidden)
     if whole is not None:
         base, blob = whole
         raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
-        window.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
+        decode.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
     else:
         # Whole tokens per window, so a window never splits a token's rows.
         tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
@@ -93,14 +93,14 @@ def _scan_hidden(
                 part = buffer[: n * row_bytes]
                 _read_exact(f, memoryview(part))
                 raw = part.view(rows.raw_dtype).reshape(n, hidden)
-                window.fill(scan, raw, rows, t0 * n_aux, cols, mult)
+                decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
 
     _row_findings(rep, scan, path, offset, rows, shape, token_ids)
 
 
 def _row_findings(
     rep: FileReport,
-    scan: window.RowNumbers,
+    scan: decode.RowNumbers,
     path: str,
     offset: int,
     rows: Rows,
