@@ -8,7 +8,7 @@ do), built once under ``~/.cache/vllm-hsfix/bench-audit`` and reused by later ru
 
 * ``bf16``: ``hidden_states`` BF16 (vLLM's ``ExampleHiddenStatesConnector``), hidden
   4096, 200-4000 tokens capped so that files are 1-30 MB, about 4 GB in all (past
-  ``vllm_hsfix.audit.window.MIN_BYTES``: the compiled kernel is used, as on real
+  ``vllm_hsfix.audit.decode.MIN_BYTES``: the compiled kernel is used, as on real
   datasets);
 * ``fp8``: ``hidden_states`` float8_e4m3fn plus ``hidden_states_scales`` F32
   ``[tokens, 1, 1]`` (hs-connectors' ``FP8HiddenStatesConnector``), hidden 7168, same
@@ -208,7 +208,7 @@ def child(roots: list[str], workers: str) -> None:
     kept); prints its seconds and CPU seconds (driver and workers), verdict counts and
     this driver's peak RSS. ``workers``
     ``ray``: on a local Ray cluster of 2 nodes with 1 CPU each."""
-    from vllm_hsfix.audit import pipeline, window
+    from vllm_hsfix.audit import decode, pipeline
 
     kw: dict = {"workers": int(workers)} if workers != "ray" else {}
     cluster = None
@@ -223,10 +223,10 @@ def child(roots: list[str], workers: str) -> None:
         kw["ray"] = cluster.address
     # The compiled kernel's load (importing numba; once per process, whatever the
     # dataset's size), timed apart: the audit below then finds it loaded.
-    loads = sum(os.path.getsize(f) for f in pipeline.expand_paths(roots)) >= window.MIN_BYTES
+    loads = sum(os.path.getsize(f) for f in pipeline.expand_paths(roots)) >= decode.MIN_BYTES
     t0, c0 = time.perf_counter(), cpu_seconds()
     if loads:
-        window.enable(window.MIN_BYTES)
+        decode.enable(decode.MIN_BYTES)
     load = time.perf_counter() - t0
     arrivals: list[tuple[float, int]] = []  # each file's record: when, its bytes
     pace = os.environ.get("BENCH_PACE") != "0"  # off where the driver's RSS is the point

@@ -8,9 +8,6 @@ reference for everything else (its own tests check it against torch).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -173,60 +170,3 @@ def test_small_groups_and_a_group_pass_that_fails_lose_nothing(
     got = batched.audit_files(paths)
     assert len(calls) >= 3
     _compare(got, paths)
-
-
-def test_a_locked_file_is_pending(corpus: dict[str, tuple[Path, str]]) -> None:
-    import fcntl
-
-    path = str(corpus["bf16_3"][0])
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        got = batched.audit_files([path, str(corpus["bf16_4"][0])])
-    assert [r.verdict for r in got] == ["pending", "ok"]
-
-
-def test_one_blas_thread_inside_and_the_same_sketches() -> None:
-    from threadpoolctl import threadpool_info
-
-    def blas_threads() -> list[int]:
-        return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
-
-    before = blas_threads()
-    rows = np.random.default_rng(0).standard_normal((16, 4, 4096)).astype(np.float32)
-    stacked = prefix.sketch_rows(rows)
-    with prefix.single_blas_thread() as on:
-        assert on and blas_threads() and set(blas_threads()) == {1}
-        flat = prefix.sketch_rows(rows)
-    assert blas_threads() == before
-    want = rows.astype(np.float64) @ prefix.sketch_matrix(4096).astype(np.float64)
-    np.testing.assert_allclose(flat, want, rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(stacked, want, rtol=1e-4, atol=1e-3)
-
-
-def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None:
-    """The thread pools are looked up again after new imports: a BLAS that comes with a
-    later import (torch's, in a fresh interpreter) is limited as well, and given back
-    its threads after."""
-    program = """if True:
-        import json
-        from threadpoolctl import threadpool_info
-        from vllm_hsfix.audit import prefix
-
-        def blas():
-            return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
-
-        with prefix.single_blas_thread():
-            pass
-        import torch  # noqa: F401  (its BLAS is loaded now, after the first batch)
-        before = blas()
-        with prefix.single_blas_thread() as on:
-            inside = blas()
-        print(json.dumps({"on": on, "before": before, "inside": inside, "after": blas()}))
-    """
-    out = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["on"] and got["before"] and set(got["inside"]) == {1}, got
-    assert got["after"] == got["before"], got

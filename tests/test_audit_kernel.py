@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from support import hsrows
 from support.hsfiles import hs_file
 
-from vllm_hsfix.audit import scan, window
+from vllm_hsfix.audit import decode, scan
 from vllm_hsfix.audit.decode import fp8_e4m3fn_table
 
 pytest.importorskip("numba")
@@ -28,7 +28,7 @@ from vllm_hsfix.audit import kernel
 
 
 def _run(raw: np.ndarray, name: str, scales: Any, sumsq: np.ndarray, keys: np.ndarray) -> bool:
-    cols, mult = window.key_columns(raw.shape[1])
+    cols, mult = decode.key_columns(raw.shape[1])
     if name == "F8_E4M3":
         return kernel.fp8(fp8_e4m3fn_table(), raw, scales, cols, mult, sumsq, keys)
     return getattr(kernel, name.lower())(raw, cols, mult, sumsq, keys)
@@ -68,7 +68,7 @@ def test_the_kernels_squared_norms_are_torchs(dtype: str, hidden: int, tmp_path:
         cast = torch.bfloat16 if dtype == "bf16" else torch.float32
         save_file({"hidden_states": rows.to(cast), "token_ids": torch.arange(30)}, str(path))
     raw, name, scales = _stored(path)
-    cols, mult = window.key_columns(hidden)
+    cols, mult = decode.key_columns(hidden)
     sumsq, keys = np.zeros(len(raw)), np.zeros(len(raw), np.uint64)
     assert _run(raw, name, scales, sumsq, keys) is False
     want = (_values(path) ** 2).sum(dim=-1).reshape(-1).numpy()
@@ -143,10 +143,10 @@ def test_every_finding_is_the_same_with_the_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     paths = _damaged(tmp_path)
-    monkeypatch.setattr(window, "_kernel", False)
+    monkeypatch.setattr(decode, "_kernel", False)
     without = _judged(paths)
-    monkeypatch.setattr(window, "_kernel", None)
-    assert window.enable(window.MIN_BYTES)
+    monkeypatch.setattr(decode, "_kernel", None)
+    assert decode.enable(decode.MIN_BYTES)
     used = []
     for name in ("bf16", "f32", "fp8"):
         real = getattr(kernel, name)
@@ -179,7 +179,7 @@ def test_every_finding_is_the_same_with_the_kernel(
 
 
 def _enabled(env: dict[str, str], total: int) -> str:
-    code = f"from vllm_hsfix.audit import window; print(window.enable({total}))"
+    code = f"from vllm_hsfix.audit import decode; print(decode.enable({total}))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
     )
@@ -188,10 +188,10 @@ def _enabled(env: dict[str, str], total: int) -> str:
 
 
 def test_the_kernel_is_used_only_past_min_bytes_and_can_be_switched_off() -> None:
-    env = {k: v for k, v in os.environ.items() if k != window.KERNEL_ENV}
-    assert _enabled(env, window.MIN_BYTES - 1) == "False"
-    assert _enabled(env, window.MIN_BYTES) == "True"
-    assert _enabled({**env, window.KERNEL_ENV: "0"}, window.MIN_BYTES) == "False"
+    env = {k: v for k, v in os.environ.items() if k != decode.KERNEL_ENV}
+    assert _enabled(env, decode.MIN_BYTES - 1) == "False"
+    assert _enabled(env, decode.MIN_BYTES) == "True"
+    assert _enabled({**env, decode.KERNEL_ENV: "0"}, decode.MIN_BYTES) == "False"
 
 
 def test_the_fp8_kernel_squares_every_byte_value() -> None:

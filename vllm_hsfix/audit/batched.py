@@ -1,13 +1,6 @@
-"""Many small files of one shape judged together: the row checks as one pass over all.
-
-On datasets of short samples the per-file path's hundred numpy calls a file, not the
-bytes, set the pace. Here a worker's small files of one ``[dtype, n_aux, hidden]`` have
-their headers judged one by one (:func:`.scan.prepare`), then their rows go through
-the checks as one array (row numbers, repeat candidates, layer statistics, prefix
-sketches), cut back into files at the end. A file with an all-zero, non-finite or
-repeating row is judged again alone by the per-file path, which has the rules for
-those, so every verdict is the per-file path's (``tests/test_audit_batched.py``).
-"""
+"""Many small files of one shape judged together: their rows through the checks as one
+array, cut back into files at the end; a file with an all-zero, non-finite or repeating
+row is judged again alone by the per-file path, so every verdict is that path's."""
 
 from __future__ import annotations
 
@@ -15,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import prefix, window
+from . import decode, prefix
 from .reports import FileReport
 from .scan import (
     NEAR_ZERO_FRACTION,
@@ -84,9 +77,8 @@ def _takes(rep: FileReport, prep: Prepared) -> bool:
 
 
 def _judge(items: list[Item], out: list[FileReport | None]) -> None:
-    """Judge one group; the files it cannot judge whole go through the per-file path.
-    Should the group pass itself fail, every file it had not finished is judged alone
-    from the start (so a fault here costs time, never a verdict)."""
+    """Judge one group; the files it cannot judge go through the per-file path, and all
+    it had not finished should it fail (a fault here costs time, never a verdict)."""
     t0 = items[0][3]
     done = [False] * len(items)
     try:
@@ -109,10 +101,8 @@ def _judge(items: list[Item], out: list[FileReport | None]) -> None:
 
 
 def _group_stats(norms: Any, tokens: Any, tok_start: Any, owner: Any) -> list[list[Any]]:
-    """Every file's per-layer statistics from ``norms`` [all tokens, n_aux]: the median,
-    mean, standard deviation, minimum, maximum and near-zero count, each [files][n_aux].
-    The norms are sorted within each (file, layer) run, which starts at ``seg`` and holds
-    ``run`` values."""
+    """Every file's per-layer median, mean, standard deviation, minimum, maximum and
+    near-zero count ([files][n_aux] each) from ``norms`` [all tokens, n_aux]."""
     import numpy as np
 
     n_files, n_aux = len(tokens), norms.shape[1]
@@ -168,9 +158,9 @@ def _group_pass(items: list[Item], done: list[bool]) -> set[int]:
             for _, _, p, _ in items
         ]
     ).reshape(-1, hidden)  # fmt: skip
-    nums = window.RowNumbers(len(raw), 0, hidden)
-    cols, mult = window.key_columns(hidden)
-    window.fill(nums, raw, rows, 0, cols, mult)
+    nums = decode.RowNumbers(len(raw), 0, hidden)
+    cols, mult = decode.key_columns(hidden)
+    decode.fill(nums, raw, rows, 0, cols, mult)
 
     # [all tokens, n_aux] per-token views; which file each token is of.
     tok_start = np.zeros(n_files, dtype=np.int64)

@@ -1,21 +1,7 @@
 """``vllm-hsfix audit PATH...``: find hidden-states files that a broken vLLM wrote.
 
-vLLM 0.17.0-0.24.x (see README) can save ``extract_hidden_states`` files whose rows are
-all zero or copied from other memory: the draft model trains "fine" on them and then
-accepts ~0% of tokens. Patching vLLM stops new damage; this auditor finds the damage
-already on disk, so only the bad files are regenerated.
-
-Exit codes of ``vllm-hsfix audit``: 0 no corrupt file (suspect files are listed, under
-their own name, but do not fail the run: their checks are heuristics, and a training
-job should not stop on a heuristic; pending files, still locked by their writer, and
-unsupported files, of a format the audit does not know, are not judged and listed
-under their own name); 1 at least one corrupt file; 2 usage error (a path that does not exist,
-``--workers`` < 1, nothing to audit, an output that cannot be written, two outputs on
-stdout, numpy or, for ``--ray``, Ray missing).
-
-This module holds the argparse parser (:func:`add_parser`, shared by ``vllm_hsfix.cli``
-and :func:`main`), the subcommand itself (:func:`run`) and its exit codes; it imports
-nothing heavy, and :mod:`.reference` (torch, transformers) only for ``--reference``.
+Exit codes: 0 no corrupt file (suspect, pending and unsupported files are listed but do
+not fail the run), 1 at least one corrupt file, 2 usage error.
 """
 
 from __future__ import annotations
@@ -28,11 +14,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .format import SUFFIX
-from .output import DEFAULT_SHOW, LIST_KINDS, Digest, format_human, write_csv, write_list
+from .output import (
+    DEFAULT_SHOW,
+    LIST_KINDS,
+    Digest,
+    JsonlWriter,
+    format_human,
+    write_csv,
+    write_list,
+)
 from .parallel import STALL_S, default_workers
 from .pipeline import Reference, audit_paths, expand_paths
 from .progress import DEFAULT_INTERVAL, SILENT, for_stream
-from .records import JsonlWriter, Record
 from .reports import CORRUPT
 
 
@@ -204,8 +197,8 @@ def missing_dependency() -> str | None:
     return None
 
 
-def _fanout(sinks: list[Callable[[Record], None]]) -> Callable[[Record], None]:
-    def emit(record: Record) -> None:
+def _fanout(sinks: list[Callable[[dict[str, Any]], None]]) -> Callable[[dict[str, Any]], None]:
+    def emit(record: dict[str, Any]) -> None:
         for sink in sinks:
             sink(record)
 
@@ -220,9 +213,9 @@ def _usage(args: argparse.Namespace) -> str | None:
         or (_reference_usage(args) if args.reference else None)
     )
     if not problem and args.ray is not None:
-        from . import on_ray
+        from .parallel import ray_missing
 
-        problem = on_ray.missing_dependency()
+        problem = ray_missing()
     if problem:
         return problem
     if args.workers is not None and args.workers < 1:
@@ -276,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
         return 2
-    sinks: list[Callable[[Record], None]] = [digest] + ([jsonl] if jsonl else [])
+    sinks: list[Callable[[dict[str, Any]], None]] = [digest] + ([jsonl] if jsonl else [])
     reference = None
     if args.reference:
         aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())

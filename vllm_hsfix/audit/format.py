@@ -1,22 +1,5 @@
-"""The hidden-states file formats the audit knows, parsed by hand.
-
-Two layouts, both ``.safetensors`` files with ``token_ids`` ``[tokens]`` (I64):
-
-* ``plain``: what vLLM's ``ExampleHiddenStatesConnector`` writes (speculators' ``file``
-  backend): ``hidden_states`` ``[tokens, n_aux, hidden]`` in BF16/F16/F32/F64.
-* ``fp8``: what hs-connectors' ``FP8HiddenStatesConnector`` writes (speculators' ``fp8``
-  backend): ``hidden_states`` ``F8_E4M3`` (float8_e4m3fn) ``[tokens, n_aux, hidden]``
-  and ``hidden_states_scales`` F32 ``[tokens, 1, 1]``; a row's values are the fp8 values
-  times its token's scale (:mod:`.decode` de-quantizes, every check sees the result).
-
-A "row" is one ``(token, aux layer)`` vector of ``hidden`` values. Anything else (a
-dtype or key layout with no rule here) is ``unsupported``, never ``corrupt``.
-
-The header is parsed here without the safetensors library: the auditor must run on a
-bare data box, and must say *why* a file is unreadable instead of raising on it. This
-module reads the header and the token ids; the rows themselves are streamed by
-:mod:`.scan`.
-"""
+"""The hidden-states file formats the audit knows (``plain`` and ``fp8`` safetensors),
+with the header parsed by hand so that a bad file gets a reason, not an exception."""
 
 from __future__ import annotations
 
@@ -40,22 +23,11 @@ LOCK_SUFFIX = ".lock"
 # safetensors itself refuses headers over 100 MB; larger means "not safetensors".
 MAX_HEADER_BYTES = 100_000_000
 
-ITEMSIZE: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
+ITEMSIZE = {
+    **dict.fromkeys(["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3"], 1),
+    **dict.fromkeys(["I16", "U16", "F16", "BF16"], 2),
+    **dict.fromkeys(["I32", "U32", "F32"], 4),
+    **dict.fromkeys(["I64", "U64", "F64"], 8),
 }
 # How each accepted hidden_states dtype is mapped (raw) and seen as integers (keys).
 HIDDEN_RAW = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}
@@ -84,8 +56,7 @@ class BadFile(Exception):
 
 
 def read_header(f: IO[bytes], size: int) -> tuple[dict[str, Any], int]:
-    """Parse the safetensors header by hand: the auditor must not need the library, and
-    must say *why* a file is unreadable instead of raising on it."""
+    """The safetensors header and where the data starts; ``BadFile`` says why not."""
     if size < 8:
         raise BadFile("not_safetensors", f"not a safetensors file: only {size} bytes")
     (n,) = struct.unpack("<Q", f.read(8))
@@ -110,10 +81,9 @@ def _is_int(x: Any) -> bool:
 
 
 def check_layout(header: dict[str, Any], data_len: int) -> tuple[dict[str, Any], Problem | None]:
-    """Validate every tensor entry the way safetensors' own loader does (contiguous,
-    sized by shape x dtype, ending exactly at the end of the file). Returns the entries
-    and, for a file that is too short or too long, that finding: the caller still reports
-    the shapes the header promises before giving up on the data."""
+    """Every tensor entry checked as safetensors' loader does (contiguous, sized by shape
+    x dtype, ending at the end of the file): the entries and a too short or too long
+    file's finding (the caller still reports the shapes the header promises)."""
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     spans = []
     for name, t in tensors.items():
@@ -162,10 +132,9 @@ def check_layout(header: dict[str, Any], data_len: int) -> tuple[dict[str, Any],
 
 
 def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
-    """Keys, dtypes and shapes against the layouts the audit knows. Fills the shape
-    fields and ``format`` of ``rep`` and says whether ``hidden_states`` (with its
-    scales, for ``fp8``) and ``token_ids`` can be read. A layout or dtype with no rule
-    is ``unsupported``; a known layout that is damaged is ``corrupt``."""
+    """Keys, dtypes and shapes against the known layouts, into ``rep``: whether
+    ``hidden_states`` (with fp8 scales) and ``token_ids`` can be read. No rule:
+    ``unsupported``; a known layout damaged: ``corrupt``."""
     hs, ti = tensors.get(HIDDEN_KEY), tensors.get(TOKEN_KEY)
     unknown = sorted(set(tensors) - {HIDDEN_KEY, TOKEN_KEY, SCALES_KEY})
     if hs is None or (ti is None and unknown):
@@ -286,9 +255,7 @@ def _check_scales(rep: FileReport, scales: dict[str, Any]) -> bool:
 
 
 def read_layout(path: str) -> tuple[int, dict[str, Any], int, dict[str, Any], Problem | None]:
-    """A file's size, header, data start, tensor entries and layout finding (None when
-    the data fits the header), for callers that need no rows. Raises ``BadFile`` or
-    ``OSError``."""
+    """A file's size, header, data start, tensor entries and layout finding (or None)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header, data_start = read_header(f, size)

@@ -1,16 +1,5 @@
-"""Every row's squared norm and key in one compiled pass over the stored bits (numba).
-
-The numpy path (:mod:`.decode`, then :mod:`.window`) widens each block to float32 and
-then reduces it, several passes over every value; here one loop per row reads the
-stored bits (BF16, F32, fp8 through its 256 values) and sums in float32, as numpy's
-dot does. Imported only by :func:`.window.enable`, for audits large enough to repay
-numba's import and compile (cached on disk, ``cache=True``).
-
-Each function fills, per row ``i``, ``sumsq[i]`` and ``keys[i]`` (the wrapping sum of
-``mult[k]`` times the unsigned bits of the value in column ``cols[k]``: what
-:func:`.window.row_keys` computes) and returns whether a row needs the numpy path's
-closer look (a zero or non-finite sum); the window is then redone there.
-"""
+"""Every row's squared norm and key in one compiled pass over the stored bits (numba):
+what :mod:`.decode` computes with numpy, for large audits."""
 
 from __future__ import annotations
 

@@ -1,24 +1,29 @@
-"""How a run is shown to people and pipelines: the text summary, ``--list``, the CSV.
-
-Text is a summary plus, per check, the first ``--show`` files it flagged (sorted by
-path, so the same dataset gives the same text whatever the worker count): on a dataset
-a broken vLLM wrote, every file is bad, and one line per file would bury the summary.
-It is built from the records (:class:`Digest`), so a streaming run prints the same
-text without keeping the reports. ``--json`` is :meth:`.reports.AuditReport.to_dict`.
-"""
+"""How a run is shown: the text summary (per check, the first ``--show`` files by
+path), ``--list`` and the CSV; the text is built from the records (:class:`Digest`)."""
 
 from __future__ import annotations
 
 import csv
 import heapq
+import json
 import os
 import sys
 from collections import Counter
 from typing import IO
 
 from .format import FORMATS
-from .records import FILE, UPDATE, Record, file_record
-from .reports import CORRUPT, OK, PENDING, SUSPECT, UNSUPPORTED, AuditReport
+from .reports import (
+    CORRUPT,
+    FILE,
+    OK,
+    PENDING,
+    SUSPECT,
+    UNSUPPORTED,
+    UPDATE,
+    AuditReport,
+    Record,
+    file_record,
+)
 
 DEFAULT_SHOW = 5
 LIST_KINDS = {
@@ -202,3 +207,20 @@ def write_csv(report: AuditReport, dest: str | os.PathLike[str] | IO[str]) -> No
             rows(out)
     else:
         rows(dest)
+
+
+class JsonlWriter:
+    """Records to a file or (``-``) stdout, one line each, flushed as written so that a
+    pipeline reading the other end sees each file as it is judged."""
+
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+        self.out: IO[str] = sys.stdout if dest == "-" else open(dest, "w", encoding="utf-8")  # noqa: SIM115
+
+    def __call__(self, record: Record) -> None:
+        self.out.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.out is not sys.stdout:
+            self.out.close()

@@ -1,12 +1,6 @@
-"""Judging many files in worker processes, in batches (:func:`.batched.audit_files`).
-
-The start method (fork where it is safe, else forkserver or spawn), batching (a task
-per file costs a pickle round trip per file), a worker that dies (OOM, a signal)
-pinned on the file that killed it, not on the files it took down nor, when no worker
-can run at all, on any file, and a run in which nothing comes back for ``stall_s``
-seconds ended by :class:`Stalled`, naming the batches still out. :func:`batches` and
-the stall bound are shared with the Ray backend.
-"""
+"""Judging many files in batches (:mod:`.batched`) over a stdlib process pool or Ray
+tasks: a worker that dies is pinned on its file, and a run where nothing comes back for
+``stall_s`` seconds ends."""
 
 from __future__ import annotations
 
@@ -15,7 +9,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import batched, window
+from . import decode
+from .batched import audit_files
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
 
@@ -24,28 +19,22 @@ if TYPE_CHECKING:
 
 ResultFn = Callable[[int, FileReport], None]
 
-# A task holds at most this many files or bytes, and there are at least
-# TASKS_PER_WORKER tasks per worker while files last (so the pool stays balanced and a
-# retry after a crash redoes little).
+# A task holds at most this many files or bytes; at least TASKS_PER_WORKER tasks per
+# worker while files last, so the pool stays balanced.
 MAX_BATCH_FILES = 64
 MAX_BATCH_BYTES = 256 * 1024 * 1024
 TASKS_PER_WORKER = 4
-# No batch back for this long: a read that never returns (a hung network filesystem, a
-# FIFO or device among the files), not a slow one (a batch is at most 256 MB, judged at
-# hundreds of MB/s a worker; seconds even with every core busy). ``--stall-timeout``.
+# No batch back for this long: a read that never returns (a hung filesystem, a FIFO).
 STALL_S = 600.0
-# How many of the batches still out a :class:`Stalled` message names.
-NAMED_BATCHES = 3
+NAMED_BATCHES = 3  # batches a Stalled message names
 
 
 class Stalled(RuntimeError):
-    """No batch came back for ``stall_s`` seconds: the run ends (the command exits 2)
-    naming the batches still out, rather than wait forever on a read that never returns."""
+    """No batch came back for ``stall_s`` seconds: the run ends naming the batches out."""
 
 
 def stalled(out: Sequence[range], files: Sequence[str], stall_s: float) -> Stalled:
-    """The :class:`Stalled` for batches ``out`` (indices into ``files``), each named by
-    its first and last file, so the user can look at what hangs."""
+    """The :class:`Stalled` for batches ``out``, each named by its first and last file."""
     named = [
         files[b[0]] if len(b) == 1 else f"{len(b)} files {files[b[0]]} ... {files[b[-1]]}"
         for b in out[:NAMED_BATCHES]
@@ -64,8 +53,7 @@ def default_workers() -> int:
 
 
 def batches(sizes: Sequence[int], workers: int) -> list[range]:
-    """File indices cut into consecutive tasks (see ``MAX_BATCH_*``), each a range: no
-    object per file in the driver."""
+    """File indices cut into consecutive tasks (see ``MAX_BATCH_*``), each a range."""
     n = len(sizes)
     per = max(1, min(MAX_BATCH_FILES, -(-n // max(1, workers * TASKS_PER_WORKER))))
     out: list[range] = []
@@ -81,13 +69,12 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
-    """One task: judge each file (``pending`` while its writer holds the lock; never
-    raises). ``total_bytes``: the whole audit's size, which decides whether this worker
-    uses the compiled kernel (:func:`.window.enable`)."""
+    """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
+    on the compiled kernel (:func:`.decode.enable`)."""
     if total_bytes:
-        window.enable(total_bytes)
+        decode.enable(total_bytes)
     with single_blas_thread():  # whole products for the prefix sketches
-        return batched.audit_files(paths)
+        return audit_files(paths)
 
 
 def crashed_report(path: str, exc: BaseException) -> FileReport:
@@ -103,9 +90,7 @@ def _context() -> object:
     import multiprocessing
     import threading
 
-    # fork starts workers in milliseconds and needs no importable __main__ (stdin scripts,
-    # notebooks), but forking a threaded process can deadlock the child: there, use
-    # forkserver (spawn where it is missing).
+    # fork is fast and needs no importable __main__, but can deadlock a threaded process.
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1:
         method = "fork"
@@ -121,22 +106,16 @@ def run_pool(
     on_result: ResultFn,
     stall_s: float = STALL_S,
 ) -> None:
-    """Audit ``files`` in worker processes (numpy releases little of the GIL for this
-    work, so threads would not scale); ``on_result(index, report)`` as each file is
-    judged. A worker killed mid-file (OOM, a signal) breaks the pool: the files it
-    took down are retried one per fresh process, so the crash is pinned on the file
-    that causes it. Raises :class:`Stalled` when nothing comes back for ``stall_s``
-    seconds (0: no bound), its workers killed."""
+    """Audit ``files`` in worker processes; ``on_result(index, report)`` as each is
+    judged. A worker killed mid-file breaks the pool: the files in flight are retried
+    one per fresh process, so the crash is pinned on its file. Raises :class:`Stalled`
+    when nothing comes back for ``stall_s`` seconds (0: no bound)."""
     ctx = _context()
-    import numpy  # loaded once here, so forked workers inherit it
+    import numpy  # loaded once here, so forked workers inherit it (and the kernel)
 
-    # The compiled kernel, when the audit is large enough: compiled here once, so forked
-    # workers inherit it (others compile or load numba's cache in run_batch).
     total = int(numpy.asarray(sizes).sum())
-    window.enable(total)
+    decode.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
-    # A worker that dies breaks the whole pool, so every file still in flight lands
-    # here: retry each alone, and only then decide which ones kill a worker.
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
         try:
@@ -149,8 +128,7 @@ def run_pool(
         got += 1
         on_result(i, rep)
     if crashed and not got:
-        # Nothing has ever come back: the workers cannot run here at all, which says
-        # nothing about the files. Do not call them corrupt.
+        # Nothing ever came back: the workers cannot run here, which says nothing of files.
         exc = next(iter(crashed.values()))
         raise RuntimeError(f"audit worker processes cannot run: {exc!r}") from exc
     for i, exc in crashed.items():
@@ -176,8 +154,6 @@ def _first_pass(
             pool.submit(run_batch, [files[i] for i in batch], total): batch
             for batch in batches(sizes, workers)
         }
-        # Popped as they are done, so a future and the reports it holds go once they are
-        # handed on, not when the pool closes.
         for batch, fut in _as_done(pool, futures, files, stall_s):
             try:
                 reps = fut.result()
@@ -194,8 +170,7 @@ def _first_pass(
 def _as_done(
     pool: Any, futures: dict[Future, range], files: Sequence[str], stall_s: float
 ) -> Iterator[tuple[range, Future]]:
-    """(batch, future) as each finishes, popped from ``futures``; :class:`Stalled`, the
-    pool's workers killed, when none finishes for ``stall_s`` seconds."""
+    """(batch, future) as each finishes; :class:`Stalled` when none does in ``stall_s``."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
     while futures:
@@ -209,8 +184,7 @@ def _as_done(
 
 
 def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> FileReport:
-    """File ``i`` judged in a fresh process of its own (raises what killed it, or
-    :class:`Stalled` when it does not come back within ``stall_s`` seconds)."""
+    """File ``i`` judged in a fresh process of its own (raises what killed it)."""
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -224,10 +198,8 @@ def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> Fi
 
 
 def _abandon(pool: Any) -> None:
-    """Kill a pool's workers (one is stuck in a read that never returns), so that
-    leaving the pool does not wait for them."""
-    # ``_processes``: the executor's own map of its workers (CPython 3.2+; 3.14 adds a
-    # public terminate_workers()).
+    """Kill a pool's workers (one is stuck in a read), so leaving it does not wait."""
+    # ``_processes``: the executor's map of its workers (3.14 adds terminate_workers()).
     procs = list((getattr(pool, "_processes", None) or {}).values())
     for proc in procs:
         with contextlib.suppress(Exception):
@@ -236,3 +208,93 @@ def _abandon(pool: Any) -> None:
         with contextlib.suppress(Exception):
             proc.join(timeout=10)
     pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ``audit --ray [ADDRESS]``: the same batches as Ray tasks; the dataset pass stays on the
+# driver, so the verdicts are the local run's.
+RAY_HINT = "pip install 'vllm-hsfix[ray]'"
+# Ray re-runs a task whose worker died this many times before giving up on it.
+RAY_RETRIES = 3
+
+
+def ray_missing() -> str | None:
+    """The one-line message when Ray is not installed, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return f"vllm-hsfix audit --ray needs Ray, which is not installed here: {RAY_HINT}"
+    return None
+
+
+def _package_dir() -> str:
+    """The ``vllm_hsfix`` directory this module belongs to (shipped to the workers)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ray_connect(address: str | None) -> Any:
+    """Join the cluster at ``address`` (``None``: ``RAY_ADDRESS`` or a local one),
+    shipping this package."""
+    import ray
+
+    ray.init(
+        address=address or None,
+        runtime_env={"py_modules": [_package_dir()]},
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+    return ray
+
+
+def cluster_cpus(ray: Any) -> int:
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def run_ray(
+    ray: Any,
+    files: list[str],
+    sizes: Sequence[int],
+    on_result: ResultFn,
+    stall_s: float = STALL_S,
+) -> int:
+    """Scan ``files`` as Ray tasks (a task whose worker dies is retried, then split into
+    one task per file); ``on_result(index, report)`` per file. Returns the cluster's
+    CPUs. Raises :class:`.parallel.Stalled` when no task finishes for ``stall_s`` s."""
+    cpus = cluster_cpus(ray)
+    total = int(sum(sizes))  # the workers decide on the compiled kernel from it
+    task = ray.remote(num_cpus=1, max_retries=RAY_RETRIES)(run_batch)
+    pending = {task.remote([files[i] for i in b], total): b for b in batches(sizes, cpus)}
+    singles: list[int] = []
+    for batch, reps in _ray_done(ray, pending, files, stall_s):
+        if isinstance(reps, Exception):
+            singles += batch  # retries spent: find the file, one task per file
+            continue
+        for i, rep in zip(batch, reps, strict=True):
+            on_result(i, rep)
+    alone = ray.remote(num_cpus=1, max_retries=1)(run_batch)
+    pending = {alone.remote([files[i]], total): range(i, i + 1) for i in singles}
+    for batch, reps in _ray_done(ray, pending, files, stall_s):
+        i = batch[0]
+        on_result(i, crashed_report(files[i], reps) if isinstance(reps, Exception) else reps[0])
+    return cpus
+
+
+def _ray_done(
+    ray: Any, pending: dict[Any, range], files: Sequence[str], stall_s: float
+) -> Iterator[tuple[range, Any]]:
+    """(batch, its reports or its task's exception) as each task finishes; the tasks
+    still out cancelled and :class:`.parallel.Stalled` raised when none does in time."""
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s or None)
+        if not done:
+            out = sorted(pending.values(), key=lambda b: b.start)
+            for ref in pending:
+                with contextlib.suppress(Exception):  # finished meanwhile: nothing to cancel
+                    ray.cancel(ref, force=True)
+            raise stalled(out, files, stall_s)
+        for ref in done:
+            batch = pending.pop(ref)
+            try:
+                got = ray.get(ref)
+            except Exception as exc:
+                got = exc
+            yield batch, got

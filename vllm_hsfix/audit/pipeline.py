@@ -1,15 +1,5 @@
-"""A whole audit: paths -> files -> per-file pass (local pool or Ray) -> dataset pass.
-
-:func:`audit_paths` is the library entry point (the command, the tests, the benchmark,
-the end-to-end harness and ``repair`` call it); :func:`expand_paths` is its first step,
-also used by the command to answer "nothing to audit" before any work starts.
-
-The run is a stream (:mod:`.records`): each file's record goes to ``on_record`` as soon
-as the per-file checks judge it, then one update per file a dataset-level check
-changed, then the summary. Only each file's few columns of :class:`.ledger.Ledger` and
-its prefix token ids stay in memory for the dataset pass, unless ``keep`` asks for the
-full reports too (what ``--json`` and ``--csv`` print).
-"""
+"""A whole audit: paths -> files -> per-file pass (local pool or Ray) -> dataset pass,
+each file's record streamed to ``on_record`` as it is judged."""
 
 from __future__ import annotations
 
@@ -22,17 +12,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import prefix, records
-from .dataset import Findings, dataset_pass, prefix_pass
+from . import parallel, prefix, reports
+from .dataset import Findings, Ledger, dataset_pass, prefix_pass
 from .format import LOCK_SUFFIX, SUFFIX
-from .incremental import State
-from .ledger import Ledger
 from .parallel import STALL_S, default_workers, run_pool
 from .progress import SILENT, Factory
 from .reports import CORRUPT, PENDING, AuditReport, FileReport
 from .scan import locked
+from .store import State
 
-RecordFn = Callable[[records.Record], None]
+RecordFn = Callable[[reports.Record], None]
 
 
 @dataclass(frozen=True)
@@ -47,9 +36,8 @@ class Reference:
 
 def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     """Directories give their ``*.safetensors`` files, recursively and sorted; a file
-    named explicitly is audited whatever its name (a shell glob may hand us a stray
-    file and the user should hear about it), except ``.lock`` companions. Duplicates
-    are dropped. Raises ``FileNotFoundError`` for a path that does not exist."""
+    named explicitly is audited whatever its name, except ``.lock`` companions; each
+    file once. Raises ``FileNotFoundError`` for a path that does not exist."""
     roots = [os.fspath(r) for r in paths]
     found: list[str] = []
     for p in roots:
@@ -72,38 +60,24 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
 
 def _first_of_each_file(paths: list[str]) -> list[str]:
     """``paths`` without the later names of a file named more than once (two spellings,
-    a link): one stat per path, the (device, inode) identities in two arrays, not a set
-    of tuples (the driver's memory per file)."""
-    if len(paths) < 2:
-        return paths
-    from array import array
-    from itertools import compress
-
-    import numpy as np
-
-    dev, ino = array("Q"), array("Q")
-    gone: dict[str, int] = {}  # files that cannot be stat'ed: one per real path
-    for k, p in enumerate(paths):
+    a link), by (device, inode); a path that cannot be stat'ed by its real path."""
+    seen: set[Any] = set()
+    out = []
+    for p in paths:
         try:
             st = os.stat(p)
+            key: Any = (st.st_dev, st.st_ino)
         except OSError:
-            dev.append(2**64 - 1)
-            ino.append(gone.setdefault(os.path.realpath(p), k))
-            continue
-        dev.append(st.st_dev)
-        ino.append(st.st_ino)
-    ident = np.stack([np.frombuffer(dev, np.uint64), np.frombuffer(ino, np.uint64)], axis=1)
-    _, first = np.unique(ident, axis=0, return_index=True)
-    if len(first) == len(paths):
-        return paths
-    keep = np.zeros(len(paths), dtype=bool)
-    keep[first] = True
-    return list(compress(paths, keep.tolist()))
+            key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def check_file(path: str | os.PathLike[str]) -> FileReport:
-    """The per-file checks on one file, without dataset context: what a generation loop
-    calls on each file it has just written (``pending`` while the file is locked)."""
+    """The per-file checks on one file, without dataset context (``pending`` while the
+    writer holds its lock)."""
     from .scan import audit_file, locked
 
     p = os.fspath(path)
@@ -138,14 +112,9 @@ def audit_paths(
 ) -> AuditReport:
     """Audit files and directories: the per-file pass in parallel, then the dataset pass.
 
-    ``ray``: ``None``/``False`` scan here with ``workers`` processes; ``True`` or an
-    address scan on a Ray cluster (``True``: ``RAY_ADDRESS`` or the local one).
-    ``state``: a ``--state`` file (files unchanged since it was written are not scanned
-    again). ``on_record``: each record as it is made (:mod:`.records`). ``keep``: keep
-    every full report in the result (else only verdicts). ``stall_s``: when no batch
-    of files comes back for this long the run stops with :class:`.parallel.Stalled`
-    (0: wait forever). Raises ``FileNotFoundError`` for a missing path and
-    ``ValueError`` for ``workers`` < 1."""
+    ``ray``: ``True`` or an address scans on a Ray cluster; ``state``: a ``--state``
+    file; ``on_record``: each record as it is made; ``keep``: keep every full report
+    (else only verdicts); ``stall_s``: see :class:`.parallel.Stalled` (0: no bound)."""
     t0 = time.perf_counter()
     files = expand_paths(paths)
     n = default_workers() if workers is None else workers
@@ -174,11 +143,11 @@ class _Run:
     ) -> None:
         self.files, self.keep, self.state = files, keep, state
         self.emit = on_record or (lambda r: None)
-        self.streaming = on_record is not None  # records only for someone who reads them
+        self.streaming = on_record is not None
         self.sizes, self.mtimes = _stats(files)
         self.full: list[FileReport | None] = [None] * len(files)
-        self.ledger = Ledger(len(files))  # what the dataset pass reads of each judged file
-        self.prefixes = prefix.Store()  # each file's prefix sketches: ids here, rows on disk
+        self.ledger = Ledger(len(files))
+        self.prefixes = prefix.Store()
         self.reused = 0
         self.bar: Any = None
 
@@ -187,7 +156,7 @@ class _Run:
         if self.state is not None and not cached and rep.verdict != PENDING:
             self.state.put(rep, int(self.sizes[i]), int(self.mtimes[i]))
         if self.streaming:
-            self.emit(records.file_record(rep, cached))
+            self.emit(reports.file_record(rep, cached))
         if rep.verdict != PENDING:
             self.ledger.put(i, rep)
             self.prefixes.add(i, rep.prefix)
@@ -197,8 +166,7 @@ class _Run:
         self.bar.update(1, rep.bytes)
 
     def reuse_state(self) -> Any:
-        """Take the files ``--state`` supplies; the indices of those left to scan. A file
-        still being written is found where it is judged: here for the state's files."""
+        """Take the files ``--state`` supplies; the indices of those left to scan."""
         import numpy as np
 
         fresh = np.ones(len(self.files), dtype=bool)
@@ -214,7 +182,7 @@ class _Run:
             else:
                 self.reused += 1
                 self.take(i, cached, cached=True)
-        return np.flatnonzero(fresh)  # an array: no int object per file for the whole run
+        return np.flatnonzero(fresh)
 
     def scan(self, todo: Any, n: int, ray: str | bool | None, stall_s: float) -> tuple[int, str]:
         """The per-file pass over files ``todo``, here or on Ray: (workers, backend)."""
@@ -228,14 +196,11 @@ class _Run:
             n = max(1, min(n, len(todo)))
             run_pool(paths_todo, todo_sizes, n, on_result, stall_s)
             return n, "local"
-        from . import on_ray
-
-        # Ray's driver prints the cluster's notices (a task retried after its worker
-        # died) on stdout: they would land in a --jsonl - stream.
+        # Ray's driver prints the cluster's notices on stdout, where --jsonl - may be.
         with contextlib.redirect_stdout(sys.stderr):
-            cluster = on_ray.connect(None if ray is True else str(ray))
+            cluster = parallel.ray_connect(None if ray is True else str(ray))
             try:
-                n = on_ray.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
+                n = parallel.run_ray(cluster, paths_todo, todo_sizes, on_result, stall_s)
             finally:
                 cluster.shutdown()
         return n, "ray"
@@ -243,8 +208,7 @@ class _Run:
     def dataset_pass(
         self, progress: Factory, reference: Reference | None
     ) -> tuple[dict[str, Any], Findings]:
-        """The cross-file checks over the judged files (files of a format the audit does
-        not know take no part: they stay ``unsupported``)."""
+        """The cross-file checks over the judged files."""
         import numpy as np
 
         judged = self.ledger.judged()
@@ -278,7 +242,7 @@ class _Run:
             if full[i] is not None:
                 for pr in problems:
                     full[i].add(pr.code, pr.severity, pr.detail)  # type: ignore[union-attr]
-            self.emit(records.update_record(self.files[i], final[i], problems))  # type: ignore[arg-type]
+            self.emit(reports.update_record(self.files[i], final[i], problems))  # type: ignore[arg-type]
         verdicts = [
             (p, v if v is not None else full[i].verdict)  # type: ignore[union-attr]
             for i, (p, v) in enumerate(zip(self.files, final, strict=True))
@@ -295,7 +259,7 @@ class _Run:
         )
         if self.state is not None and self.state.note:
             report.dataset["state_note"] = self.state.note
-        self.emit(records.summary_record(report))
+        self.emit(reports.summary_record(report))
         return report
 
 

@@ -1,35 +1,18 @@
-"""Shared-prefix consistency: catching files that hold other blocks' memory, no reference.
-
-A token's hidden state depends only on the tokens before it, so every file whose
-prompt starts with the same k token ids must hold the same first k rows (per aux
-layer), up to numerical noise. Files filled from other blocks' memory look like real
-hidden states but disagree with every correct file on those rows.
-
-* A worker keeps each file's first ``PREFIX_ROWS`` token ids and a fixed random
-  projection (``SKETCH_DIM`` numbers) of those rows; a Gaussian projection keeps
-  distances to about 1/sqrt(``SKETCH_DIM``), far inside the gap between agreeing and
-  wrong rows. The driver holds them in :mod:`.prefix_columns` until this pass.
-* Files are sorted by those ids; neighbours' common prefixes give, for every position,
-  the groups of files that share the tokens up to it.
-* Per group and aux layer, a consensus is formed only from sound rows (not zero, not
-  NaN) and only by a strict majority of a sample of the group agreeing within
-  ``TOLERANCE``. Files that disagree are flagged at their first disagreeing position;
-  a group with no consensus is flagged whole (none can be taken as the reference).
-
-It cannot catch a file that shares no prefix with another (``unchecked``) or rows
-past the shared prefix.
-"""
+"""Shared-prefix consistency: files whose prompts start with the same token ids must
+hold the same first rows; per group a majority consensus of row sketches is formed and
+files that disagree are flagged (docs/audit.md)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
-
-from .prefix_columns import Columns
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -62,9 +45,8 @@ _controller: tuple[int, Any] | None = None
 
 
 def _blas_controller() -> Any:
-    """threadpoolctl's view of this process's thread pools, or None without threadpoolctl.
-    Looked up again only after new imports (a new BLAS comes with one): a fresh look at
-    the loaded libraries costs half a millisecond."""
+    """threadpoolctl's view of this process's thread pools (None without it), looked up
+    again only after new imports (a new BLAS comes with one)."""
     global _controller
     if _controller is None or _controller[0] != len(sys.modules):
         try:
@@ -78,11 +60,8 @@ def _blas_controller() -> Any:
 
 @contextlib.contextmanager
 def single_blas_thread() -> Iterator[bool]:
-    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged.
-
-    A whole 2-D product is the fastest way to make a file's sketches, but one that large
-    makes OpenBLAS start threads that spin, which slows parallel workers many times over;
-    where the thread count cannot be set the sketches are made one token at a time."""
+    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged
+    (a large product makes OpenBLAS start threads that spin, slowing parallel workers)."""
     global _one_blas_thread
     controller = _blas_controller()
     if controller is None or _one_blas_thread:
@@ -125,9 +104,8 @@ def from_head(
     zero: NDArray[Any],
     bad: NDArray[Any],
 ) -> PrefixData:
-    """One file's contribution (:mod:`.scan` calls this): the first rows' sketches and
-    token ids; ``head`` holds those rows as the scan saw them ([tokens x n_aux, hidden],
-    float32), ``zero`` / ``bad`` [tokens, n_aux] mark the rows already judged."""
+    """One file's contribution from its first rows as the scan saw them (``head``,
+    float32 [tokens x n_aux, hidden]); ``zero`` / ``bad`` mark the rows already judged."""
     n_tokens, n_aux, hidden = shape
     k = min(n_tokens, PREFIX_ROWS)
     unit, norms, sound = sketch_heads(head.reshape(k, n_aux, hidden), ~(zero[:k] | bad[:k]))
@@ -135,9 +113,8 @@ def from_head(
 
 
 def sketch_heads(rows: NDArray[Any], sound: NDArray[Any]) -> tuple[Any, Any, Any]:
-    """Head rows ``[positions, n_aux, hidden]`` (float32; of one file or of many files'
-    heads stacked) and which are ``sound`` -> the sketches as float16 unit vectors, their
-    float32 norms (0 where not sound) and ``sound`` (also False where the norm overflowed)."""
+    """Head rows ``[positions, n_aux, hidden]`` and which are ``sound`` -> float16 unit
+    sketches, float32 norms (0 where not sound) and ``sound`` (False where it overflowed)."""
     import numpy as np
 
     if not sound.all():  # unsound rows must not reach the sketch (NaN would spread)
@@ -185,24 +162,127 @@ class PrefixResult:
         }
 
 
+# Files gathered in memory before their sketches are appended to the position files.
+CHUNK = 1024
+
+
+def _spill_file() -> IO[bytes]:
+    """An unnamed temporary file, or memory where none can be made (never an error)."""
+    try:
+        return tempfile.TemporaryFile(prefix="vllm-hsfix-prefix-", buffering=0)
+    except OSError:
+        return io.BytesIO()
+
+
+class Columns:
+    """The files of one ``[n_aux, hidden]`` shape. In memory, per file: its index in the
+    audit, its prefix token ids (-1 past its end) and which rows are sound; each
+    position's sketches (float16 unit vectors and float32 norms) go to a temporary file
+    of that position, read back whole one position at a time by :meth:`rows`."""
+
+    def __init__(self, n_aux: int) -> None:
+        import numpy as np
+
+        self.n_aux, self.n = n_aux, 0
+        self.cell = np.dtype(
+            [("units", np.float16, (n_aux, SKETCH_DIM)), ("norms", np.float32, n_aux)]
+        )
+        self.index = np.zeros(0, np.int64)
+        self.length = np.zeros(0, np.uint8)
+        self.tokens = np.zeros((0, PREFIX_ROWS), np.int32)  # int64 once an id needs it
+        self.sound = np.zeros((0, PREFIX_ROWS, n_aux), bool)
+        self._chunk = np.zeros((PREFIX_ROWS, CHUNK), self.cell)
+        self._units, self._norms = self._chunk["units"], self._chunk["norms"]  # once: not per file
+        self._filled = 0
+        self._spill = [_spill_file() for _ in range(PREFIX_ROWS)]
+        self._stored = 0  # files whose sketches are in the position files
+        self._loaded: tuple[int, Any] = (-1, None)
+
+    def append(self, index: int, p: PrefixData) -> None:
+        """File ``index``'s contribution (its first ``k`` token ids and sketches)."""
+        import numpy as np
+
+        if self.n == len(self.index):
+            grow = max(256, self.n // 2)
+            for name in ("index", "length", "tokens", "sound"):
+                old = getattr(self, name)
+                setattr(
+                    self, name, np.concatenate([old, np.zeros((grow, *old.shape[1:]), old.dtype)])
+                )
+        r, k = self.n, len(p.token_ids)
+        if (
+            k
+            and self.tokens.itemsize == 4
+            and not -(2**31) <= min(p.token_ids) <= max(p.token_ids) < 2**31
+        ):
+            self.tokens = self.tokens.astype(np.int64)
+        self.index[r], self.length[r] = index, k
+        self.tokens[r, :k] = p.token_ids
+        self.tokens[r, k:] = -1
+        self.sound[r, :k] = p.sound
+        self._units[:k, self._filled] = p.sketches
+        self._norms[:k, self._filled] = p.norms
+        self._filled += 1
+        self.n += 1
+        if self._filled == CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The chunk's sketches appended to each position's file; a file that cannot be
+        written (a full disk) is moved to memory with what it held."""
+        size = self._stored * self.cell.itemsize
+        for p, f in enumerate(self._spill):
+            data = self._chunk[p, : self._filled].tobytes()
+            try:
+                view = memoryview(data)
+                while view:  # an unbuffered write may take part of it
+                    view = view[f.write(view) or 0 :]
+            except OSError:
+                held = io.BytesIO(os.pread(f.fileno(), size, 0))
+                f.close()
+                held.seek(0, io.SEEK_END)
+                held.write(data)
+                self._spill[p] = held
+        self._stored += self._filled
+        self._filled = 0
+
+    def rows(self, sel: NDArray[Any], position: int) -> NDArray[Any]:
+        """The sketches of files ``sel`` (row numbers here) at ``position``: float32
+        ``[len(sel), n_aux, SKETCH_DIM]``."""
+        import numpy as np
+
+        if self._filled:
+            self._flush()
+        if self._loaded[0] != position:
+            f = self._spill[position]
+            data = (
+                f.getvalue()
+                if isinstance(f, io.BytesIO)
+                else os.pread(f.fileno(), self._stored * self.cell.itemsize, 0)
+            )
+            self._loaded = (position, np.frombuffer(data, self.cell))
+        cells = self._loaded[1][sel]
+        return cells["units"].astype(np.float32) * cells["norms"][:, :, None]
+
+    def close(self) -> None:
+        self._loaded = (-1, None)
+        for f in self._spill:
+            f.close()
+
+
 class Store:
     """Every file's contribution to the check, by ``[n_aux, hidden]`` shape, as the files
-    are judged (the reports themselves can then be dropped): :func:`check` reads it.
-    Token ids stay in memory, sketches go to disk (:mod:`.prefix_columns`);
-    :meth:`close` (or the end of the process) removes the temporary files."""
+    are judged (the reports themselves can then be dropped): :func:`check` reads it."""
 
     def __init__(self) -> None:
         self._shapes: dict[tuple[int, int], Columns] = {}
 
     def add(self, index: int, p: PrefixData | None) -> None:
         """File ``index``'s contribution (None or no token ids: nothing to compare)."""
-        if p is None or not p.token_ids:
-            return
-        cols = self._shapes.get(p.shape_key)
-        if cols is None:
-            cols = Columns(p.shape_key[0], PREFIX_ROWS, SKETCH_DIM)
-            self._shapes[p.shape_key] = cols
-        cols.append(index, p.token_ids, p.sketches, p.norms, p.sound)
+        if p is not None and p.token_ids:
+            if p.shape_key not in self._shapes:
+                self._shapes[p.shape_key] = Columns(p.shape_key[0])
+            self._shapes[p.shape_key].append(index, p)
 
     def shapes(self) -> list[Columns]:
         return list(self._shapes.values())
@@ -254,10 +334,8 @@ def _consensus(sample: NDArray[Any]) -> tuple[NDArray[Any] | None, float]:
 def check(
     store: Store, positions: NDArray[Any], total: int, tick: Tick | None = None
 ) -> PrefixResult:
-    """Compare the shared-prefix rows of every group of files; see the module docstring.
-    ``positions[index]`` is a stored file's position in the result's numbering (-1: left
-    out); ``total`` files take part. ``tick(n)`` as each set of like-shaped files is
-    done (progress)."""
+    """Compare the shared-prefix rows of every group of files. ``positions[index]``: a
+    stored file's number in the result (-1: left out); ``tick(n)``: progress."""
     import numpy as np
 
     result = PrefixResult()
@@ -317,9 +395,8 @@ def _check_group(
     where: NDArray[Any],
     position: int,
 ) -> None:
-    """One group at one position: files ``sel`` (rows of ``cols``), ``where`` their
-    indices in the result. Per aux layer, a consensus from a sample of the group's
-    sound rows, then every sound row against it, a chunk of the group at a time."""
+    """One group at one position (files ``sel`` of ``cols``, ``where`` their numbers):
+    per aux layer a consensus of a sample of sound rows, then every sound row against it."""
     import numpy as np
 
     sound = cols.sound[sel, position]  # [files, n_aux]
@@ -338,10 +415,6 @@ def _check_group(
             result.max_agreeing_distance = max(result.max_agreeing_distance, spread)
     result.no_consensus_groups += int(any(refs[a] is None for a in live))
     compare = [a for a in live if refs[a] is not None]
-    # Every file against the consensus in the order they were stored: a chunk of the
-    # group is then a few blocks of the sketch file, not a read per file.
-    stored = np.argsort(sel, kind="stable")
-    sel, where, sound = sel[stored], where[stored], sound[stored]
     for c0 in range(0, size if live else 0, GROUP_CHUNK):
         c1 = min(c0 + GROUP_CHUNK, size)
         rows = cols.rows(sel[c0:c1], position) if compare else None

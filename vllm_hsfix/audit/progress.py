@@ -1,46 +1,27 @@
-"""Progress of each pass (``scan``, ``norms``, ``prefix``, ``reference``; repair's own).
-
-On a terminal tqdm draws the bar. In a log (a job, a CI console, a file) ``\\r`` frames
-would pile up into one enormous line, so there it is one plain line every ``interval``
-seconds and one at the end, with the rates::
-
-    audit scan: 1200/5000 files, 3.41 GB, 12.0 s, 100.0 files/s, 0.284 GB/s
-"""
+"""Progress of each pass (audit's ``scan``, ``norms``, ``prefix``, ``reference``; repair's
+own): tqdm's bar on a terminal; in a log, where ``\\r`` frames would pile up into one
+line, a plain line every ``interval`` seconds and one at the end."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 DEFAULT_INTERVAL = 10.0
+# ``factory(label, total, total_bytes=0)`` -> a pass's progress: ``update(n, nbytes)``,
+# ``close()``.
+Factory = Callable[..., Any]
 
 
-class Progress(Protocol):
-    """One pass's progress: ``update`` as work is done, ``close`` at the end."""
-
-    def update(self, n: int = 1, nbytes: int = 0) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Factory(Protocol):
-    """Makes the :class:`Progress` of one pass (``label``: scan, prefix, norms, ...)."""
-
-    def __call__(self, label: str, total: int, total_bytes: int = 0) -> Progress: ...
-
-
-def _amount(nbytes: int, second: str, seconds: float | None = None) -> str:
-    """``, 0.10 GB``, or with ``seconds`` the rate ``, 0.100 GB/s`` (``second="tokens"``:
-    ``, N tokens``, ``, N tokens/s``); empty when nothing is counted."""
-    if not nbytes:
+def _amount(n: int, second: str, seconds: float | None = None) -> str:
+    """``, 0.10 GB`` or with ``seconds`` the rate ``, 0.100 GB/s`` (tokens for repair)."""
+    if not n:
         return ""
     if second == "tokens":
-        return f", {nbytes} tokens" if seconds is None else f", {nbytes / seconds:.0f} tokens/s"
-    if seconds is None:
-        return f", {nbytes / 1e9:.2f} GB"
-    return f", {nbytes / 1e9 / seconds:.3f} GB/s"
+        return f", {n} tokens" if seconds is None else f", {n / seconds:.0f} tokens/s"
+    return f", {n / 1e9:.2f} GB" if seconds is None else f", {n / 1e9 / seconds:.3f} GB/s"
 
 
 class LogLines:
@@ -114,12 +95,9 @@ class _Silent:
         pass
 
 
-def silent(label: str, total: int, total_bytes: int = 0) -> Progress:
+def SILENT(label: str, total: int, total_bytes: int = 0) -> Any:
     """The factory that draws nothing (``--no-progress``, library calls)."""
     return _Silent()
-
-
-SILENT: Factory = silent
 
 
 def for_stream(
@@ -128,16 +106,10 @@ def for_stream(
     second: str = "bytes",
     prefix: str = "audit ",
 ) -> Factory:
-    """The factory fitting ``stream`` (stderr by default): tqdm on a terminal where it is
-    installed, else log lines every ``interval`` seconds. ``second``: ``bytes`` (audit)
-    or ``tokens`` (repair); ``prefix``: put before each pass's label."""
+    """The factory fitting ``stream`` (stderr by default): tqdm on a terminal, else log
+    lines. ``second``: ``bytes`` (audit) or ``tokens`` (repair)."""
     out = stream if stream is not None else sys.stderr
     use_tqdm = bool(getattr(out, "isatty", lambda: False)())
-    if use_tqdm:
-        try:
-            import tqdm  # noqa: F401
-        except ImportError:
-            use_tqdm = False
 
     def make(label: str, total: int, total_bytes: int = 0) -> Any:
         if use_tqdm:

@@ -1,16 +1,5 @@
-"""``vllm-hsfix audit --reference MODEL_DIR``: recompute a sample of files and compare.
-
-The shared-prefix check cannot see a file that shares no prefix with another. With the
-verifier's weights, a ``transformers`` forward of the saved token ids gives the true
-hidden states; a sampled file's row whose relative L2 error is ``THRESHOLD`` or more
-is wrong (docs/audit.md). Aux id k < num_hidden_layers is the input of decoder layer k
-(``hidden_states[k]``); aux id k == num_hidden_layers (speculators always adds it) is
-the last decoder layer's output BEFORE the final norm, taken with a forward hook
-(:func:`conventions` says which rule each id follows). Files are read through
-:func:`.decode.read_rows` (fp8 de-quantized). Only this module of ``audit`` imports
-torch and transformers; ``demo/e2e.py`` compares vLLM's output through the same
-``load_model`` / ``aux_rows`` / ``row_errors``.
-"""
+"""``vllm-hsfix audit --reference MODEL_DIR``: recompute a sample of files with a
+transformers forward of the verifier and compare; the only module importing torch."""
 
 from __future__ import annotations
 

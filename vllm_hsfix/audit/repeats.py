@@ -1,10 +1,5 @@
-"""Rows that repeat: one row at several token ids, one state in two aux layers.
-
-Both checks start from the scan's cheap per-row keys (:mod:`.scan`, ``[tokens,
-n_aux]``) and confirm equal keys on the rows themselves, re-read with ``pread``: a key
-collision never becomes a finding. ``skip`` marks the rows already judged (all zero,
-NaN/Inf), which are left out.
-"""
+"""Rows that repeat: one row at several token ids, one state in two aux layers; equal
+cheap keys confirmed on the rows themselves."""
 
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
-"""What the auditor concludes: findings, the verdicts, per-file and per-run reports.
-
-Verdicts:
-
-* ``corrupt``: unusable as training data: unreadable, truncated or not safetensors,
-  missing keys or wrong dtypes/shapes, empty tensors, ``token_ids`` count not matching,
-  any all-zero row, any NaN/Inf.
-* ``suspect``: readable but probably damaged: identical rows at different token ids in
-  the same aux layer, rows with a norm under 1e-3 x their layer's median, a per-layer
-  median row norm far off the rest of the dataset (robust z-score over files), or
-  ``[n_aux, hidden]`` differing from the dataset majority, or unexpected extra tensors.
-* ``unsupported``: not judged: a layout or dtype the auditor has no rule for (say, an
-  ``F8_E5M2`` ``hidden_states``, fp8 rows without their scales, ``token_ids`` that are not
-  I64, no ``hidden_states`` tensor at all). The finding says why. A file of a format
-  the audit does not know is never called ``corrupt`` (that would say "regenerate" about
-  a file nobody has looked at); damage the audit can see whatever the format
-  (truncation, a header the data does not fit) still makes it ``corrupt``.
-* ``ok``: none of the above.
-* ``pending``: not judged: a ``.lock`` file sits beside it, so the writer may still be
-  writing it (an audit of a dataset still being generated); a rerun judges it.
-
-Only ``corrupt`` means "regenerate": ``suspect`` comes from heuristics and means "look"
-(``--list suspect``), never "delete". The two lists are kept apart everywhere.
-
-These are plain dataclasses, picklable for the worker pool and Ray, JSON-ready for the
-records (:mod:`.records`).
-"""
+"""What the auditor concludes: findings, verdicts (``ok``, ``suspect``, ``corrupt``,
+``unsupported``, ``pending``; docs/audit.md), per-file and per-run reports."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -55,9 +30,8 @@ def worse(verdict: str, severity: str) -> str:
 
 @dataclass
 class Problem:
-    """One finding. ``code`` is stable for scripts; ``detail`` is for people;
-    ``hazard`` names the row of ``vllm_hsfix.hazards`` whose signature it is, if any
-    (:mod:`.signatures`)."""
+    """One finding: ``code`` for scripts, ``detail`` for people, ``hazard`` the row of
+    ``vllm_hsfix.hazards`` whose signature it is, if any."""
 
     code: str
     severity: str
@@ -67,12 +41,8 @@ class Problem:
 
 @dataclass
 class LayerStats:
-    """Row-norm statistics of one aux layer over its finite, non-zero rows.
-
-    The dataset pass compares ``median_norm`` across files (a median, not the mean,
-    because attention-sink tokens legitimately have norms 100x the others, and a short
-    prompt's mean would then look like an outlier).
-    """
+    """Row-norm statistics of one aux layer over its finite, non-zero rows (the dataset
+    pass compares medians: attention-sink tokens have norms 100x the others)."""
 
     aux: int
     count: int
@@ -244,9 +214,9 @@ class AuditReport:
             "reused": self.reused,
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` document (needs the kept reports)."""
-        return {
+    def to_dict(self, files: bool = True) -> dict[str, Any]:
+        """The ``--json`` document (needs the kept reports); without ``files``, the summary."""
+        out = {
             "schema": SCHEMA,
             "totals": self.totals(),
             "regenerate": self.regenerate,
@@ -254,5 +224,73 @@ class AuditReport:
             PENDING: self.paths(PENDING),
             UNSUPPORTED: self.paths(UNSUPPORTED),
             "dataset": self.dataset,
-            "files": [f.to_dict() for f in self.files],
         }
+        if files:
+            out["files"] = [f.to_dict() for f in self.files]
+        return out
+
+
+# Known hazards' signatures: findings a hazard of ``vllm_hsfix.hazards`` leaves in its
+# files name it (``Problem.hazard``); the ids as the register spells them (a test checks).
+PREFIX_CACHE_SLICING = "prefix-cache-slicing"
+TORN_FILES = "torn-files"
+AUX_FINAL_LAYER_DROPPED = "aux-final-layer-dropped"
+HAZARD_IDS = (PREFIX_CACHE_SLICING, TORN_FILES, AUX_FINAL_LAYER_DROPPED)
+
+_NOTES = {
+    PREFIX_CACHE_SLICING: (
+        "the signature of hazard prefix-cache-slicing: vLLM 0.22-0.23 with prefix "
+        "caching on saves fewer rows than token ids"
+    ),
+    TORN_FILES: (
+        "the signature of hazard torn-files: a writer killed mid-write (safetensors < "
+        "0.8.0 writes the final path in place; vllm-hsfix's atomic-writes prevents it)"
+    ),
+    AUX_FINAL_LAYER_DROPPED: (
+        "the signature of hazard aux-final-layer-dropped: an aux layer id equal to "
+        "num_hidden_layers on DeepSeek-V2-backbone models, vLLM 0.18-0.24, saves one "
+        "state into both slots"
+    ),
+}
+
+
+def _hazard_of(p: Problem, rep: FileReport) -> str:
+    if p.code == "token_mismatch" and rep.n_tokens is not None and rep.n_token_ids is not None:
+        return PREFIX_CACHE_SLICING if rep.n_tokens < rep.n_token_ids else ""
+    if p.code == "truncated":
+        return TORN_FILES
+    if p.code == "aux_layers_identical":
+        return AUX_FINAL_LAYER_DROPPED
+    return ""
+
+
+def attribute(rep: FileReport) -> None:
+    """Name the hazard behind each finding of ``rep`` that carries a known signature."""
+    for p in rep.problems:
+        hazard = _hazard_of(p, rep)
+        if hazard and not p.hazard:
+            p.hazard = hazard
+            p.detail += f" ({_NOTES[hazard]})"
+
+
+# The records of ``--jsonl`` (docs/audit.md): a file record per file as it is judged, an
+# update per file a dataset check changed, then the summary.
+FILE, UPDATE, SUMMARY = "file", "update", "summary"
+Record = dict[str, Any]
+
+
+def file_record(rep: FileReport, cached: bool = False) -> Record:
+    return {"type": FILE, **rep.to_dict(), "cached": cached}
+
+
+def update_record(path: str, verdict: str, problems: list[Problem]) -> Record:
+    return {
+        "type": UPDATE,
+        "path": path,
+        "verdict": verdict,
+        "problems": [asdict(p) for p in problems],
+    }
+
+
+def summary_record(report: AuditReport) -> Record:
+    return {"type": SUMMARY, **report.to_dict(files=False)}

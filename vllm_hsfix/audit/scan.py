@@ -1,17 +1,5 @@
-"""Auditing one file: its header and keys (:mod:`.format`), then every row streamed.
-
-The rows are read window by window into one reused buffer (``CHUNK_BYTES`` at a time;
-small files in one read), so memory stays bounded whatever the file size, and each
-window is converted in small float32 blocks by :mod:`.decode` (fp8 rows de-quantized
-there: every check below sees values, whatever the format). Per row only a few numbers
-are kept (squared norm, a cheap key, zero / non-finite flags): from them come the zero,
-NaN/Inf, duplicate (:mod:`.repeats`) and near-zero findings and the per-layer norm
-statistics. The first rows are also kept as they stream by, as the shared-prefix
-check's input (:mod:`.prefix`). What a window of rows gives (the per-row numbers, by
-the compiled kernel or numpy blocks) is :mod:`.window`.
-
-:func:`audit_file` never raises: whatever goes wrong becomes a ``corrupt`` finding.
-"""
+"""Auditing one file: its header and keys (:mod:`.format`), then its rows streamed a
+window at a time (:mod:`.decode`); never raises, whatever goes wrong is a finding."""
 
 from __future__ import annotations
 
@@ -24,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from . import prefix, repeats, signatures, window
+from . import decode, prefix, repeats
 from .decode import Rows, Whole, read_scales
 from .format import (
     FP8,
@@ -38,7 +26,7 @@ from .format import (
     read_header,
     read_token_ids,
 )
-from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats
+from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats, attribute
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -46,20 +34,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _local = threading.local()  # the window buffer (:func:`_window_buffer`)
 
-# Bytes of rows read at once into one reused buffer, so the resident set stays near this
-# size whatever the file size. Reads, not a memory map: a file that shrinks mid-scan is
-# a short read (a finding), not a SIGBUS that kills the worker.
+# Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
+# shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read() (the small files :mod:`.batched`
-# judges a group at a time); larger ones window by window into the thread's buffer.
+# Files up to this size are read whole with one read() (:mod:`.batched` takes them).
 WHOLE_FILE_BYTES = 1024 * 1024
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
 
 
 def _read_exact(f: Any, view: memoryview) -> None:
-    """Fill ``view`` from ``f`` (the file's length was checked: a short read means the
-    file changed while read)."""
+    """Fill ``view`` from ``f`` (a short read: the file changed while read)."""
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])
@@ -90,16 +75,14 @@ def _scan_hidden(
     n_rows = n_tokens * n_aux
     row_bytes = rows.row_bytes
     with_prefix = token_ids is not None and len(token_ids) == n_tokens
-    scan = window.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
-    cols, mult = window.key_columns(hidden)
+    scan = decode.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
+    cols, mult = decode.key_columns(hidden)
     if whole is not None:
         base, blob = whole
         raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
-        window.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
+        decode.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
     else:
-        # A window at a time into one reused buffer: the resident set stays at one
-        # window whatever the file size. Whole tokens per window, so a window never
-        # splits a token's rows.
+        # Whole tokens per window, so a window never splits a token's rows.
         tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
         buffer = _window_buffer(tokens_per_window * n_aux * row_bytes)
         with open(path, "rb", buffering=0) as f:
@@ -110,14 +93,14 @@ def _scan_hidden(
                 part = buffer[: n * row_bytes]
                 _read_exact(f, memoryview(part))
                 raw = part.view(rows.raw_dtype).reshape(n, hidden)
-                window.fill(scan, raw, rows, t0 * n_aux, cols, mult)
+                decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
 
     _row_findings(rep, scan, path, offset, rows, shape, token_ids)
 
 
 def _row_findings(
     rep: FileReport,
-    scan: window.RowNumbers,
+    scan: decode.RowNumbers,
     path: str,
     offset: int,
     rows: Rows,
@@ -176,9 +159,8 @@ def near_zero(rep: FileReport) -> None:
 
 
 def _window_buffer(nbytes: int) -> NDArray[Any]:
-    """This thread's window buffer, at least ``nbytes``: one for every file, not a fresh
-    one per file (a fresh 4 MB buffer is new pages, faulted in and zeroed by the
-    kernel on first touch: a cost per byte read, as large as the read itself)."""
+    """This thread's window buffer, at least ``nbytes``: one for every file (fresh pages
+    are faulted in and zeroed, a cost as large as the read itself)."""
     import numpy as np
 
     buf = getattr(_local, "window", None)
@@ -190,20 +172,15 @@ def _window_buffer(nbytes: int) -> NDArray[Any]:
 def _layer_stats(
     norms: NDArray[Any], zero: NDArray[Any], bad: NDArray[Any], dups: list[int]
 ) -> list[LayerStats]:
-    """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs).
-
-    When every row is sound (nearly every file) each statistic is one call over all
-    layers at once; per-layer calls cost ~15 numpy calls a file, a third of a small
-    file's audit."""
+    """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs); when
+    every row is sound (nearly every file), each one call over all layers."""
     import numpy as np
 
     n_aux = norms.shape[1]
     skip = zero | bad
     if n_aux and len(norms) and not skip.any():
-        # One sort gives the median (as np.median takes it: the middle value, or the
-        # mean of the two middle ones), the minimum and the maximum; the mean and the
-        # standard deviation are the reductions ndarray.mean and .std make, in the same
-        # order (the same values), without their per-call overhead.
+        # One sort gives np.median's median, the minimum and the maximum; the mean and
+        # the standard deviation are ndarray.mean's and .std's reductions.
         n = len(norms)
         srt = np.sort(norms, axis=0)
         med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
@@ -307,8 +284,7 @@ def prepare(rep: FileReport, path: str) -> Prepared | None:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
         if size <= WHOLE_FILE_BYTES:
-            # The whole file in one system call (as ``cat`` reads it), header included;
-            # one byte more than its size, so a file that grew is seen to have changed.
+            # One byte more than its size, so a file that grew is seen to have changed.
             data = os.read(f.fileno(), size + 1)
             header, data_start = read_header(io.BytesIO(data), size)
             blob = memoryview(data)[data_start:]
@@ -372,13 +348,8 @@ def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
 
 
 def writer_holds_lock(path: str) -> bool:
-    """Whether the connector's writer still holds ``path.lock`` (its exclusive flock).
-
-    The ``.lock`` file itself stays behind after the write (the reader that consumes
-    the file removes it), so its existence says nothing; the lock does: the writer
-    holds ``LOCK_EX`` from before the first byte until the file is complete, and the
-    kernel drops it when the writer exits or dies. A non-blocking shared lock is
-    refused exactly while the writer holds it (and is released at once otherwise)."""
+    """Whether the connector's writer still holds ``path.lock``: the file outlives the
+    write, its ``LOCK_EX`` does not (a non-blocking shared lock is refused while held)."""
     try:
         import fcntl
     except ImportError:  # no flock on this platform: nothing can be known
@@ -416,9 +387,8 @@ def locked(path: str) -> FileReport | None:
 
 
 def audit_file(path: str | os.PathLike[str]) -> FileReport:
-    """Audit one file. Never raises: whatever goes wrong becomes a ``corrupt`` finding
-    (``unsupported`` for a format the audit does not know), because one bad file must
-    not hide the verdicts of the thousands after it."""
+    """Audit one file. Never raises: whatever goes wrong becomes a finding, so one bad
+    file cannot hide the verdicts of the thousands after it."""
     t0 = time.perf_counter()
     p = os.fspath(path)
     rep = FileReport(path=p)
@@ -444,6 +414,6 @@ def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
 
 def conclude(rep: FileReport, t0: float) -> FileReport:
     """The last step of every file's audit: its findings' hazards, its time."""
-    signatures.attribute(rep)
+    attribute(rep)
     rep.seconds = time.perf_counter() - t0
     return rep

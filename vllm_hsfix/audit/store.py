@@ -1,28 +1,19 @@
-"""What must outlive a run, as JSON Lines: one JSON object per line, never pickle.
-
-A file on a shared filesystem must not be able to run code when read back, and a run
-killed halfway must keep what it did. So records are appended and flushed one line at
-a time; :func:`read` returns every whole record, skipping a last line cut short by a
-kill (and any other line that is not a JSON object); :func:`rewrite` replaces the file
-compactly through a temporary file in the same directory, fsync and rename, so a
-reader sees the old file or the new one, never half of it.
-
-Used by ``audit --state`` and ``repair --state``; the API is small on purpose::
-
-    out = Appender(path)        # opens for append on the first record
-    out.append({"path": ..., ...})
-    out.close()
-    append(path, record, sync=True)  # one record, fsynced
-    records = read(path)        # [] when the file does not exist
-    rewrite(path, records)      # atomically
-"""
+"""What must outlive a run, as JSON Lines (never pickle): appended and flushed a line
+at a time, read back skipping a torn last line, rewritten atomically. Used by repair's
+journal and by ``audit --state`` (:class:`State`: per-file results kept by path, size
+and mtime, so a rerun scans only new or changed files)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Iterable
 from typing import IO, Any
+
+from .._version import __version__
+from .prefix import PrefixData
+from .reports import PENDING, VERDICTS, FileReport
 
 Record = dict[str, Any]
 
@@ -98,3 +89,103 @@ class Appender:
         if self._out is not None:
             self._out.close()
             self._out = None
+
+
+# Bump when a per-file check changes what it reports: old states are then rescanned.
+# 2: fp8 files de-quantized (were corrupt), unknown formats ``unsupported``.
+CHECKS_REVISION = 2
+_HEADER = {"kind": "vllm-hsfix audit state", "version": __version__, "checks": CHECKS_REVISION}
+# Findings that say nothing lasting about the file.
+TRANSIENT = frozenset({"unreadable"})
+
+
+def _arr(a: Any) -> dict[str, Any]:
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "b64": base64.b64encode(a).decode()}
+
+
+def _unarr(d: dict[str, Any]) -> Any:
+    import numpy as np
+
+    raw = base64.b64decode(d["b64"])
+    return np.frombuffer(raw, dtype=d["dtype"]).reshape(d["shape"]).copy()
+
+
+def _prefix_out(p: PrefixData | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {
+        "token_ids": list(p.token_ids),
+        "sketches": _arr(p.sketches),
+        "norms": _arr(p.norms),
+        "sound": _arr(p.sound),
+        "shape_key": list(p.shape_key),
+    }
+
+
+def _prefix_in(d: dict[str, Any] | None) -> PrefixData | None:
+    if d is None:
+        return None
+    return PrefixData(
+        token_ids=tuple(d["token_ids"]),
+        sketches=_unarr(d["sketches"]),
+        norms=_unarr(d["norms"]),
+        sound=_unarr(d["sound"]),
+        shape_key=(int(d["shape_key"][0]), int(d["shape_key"][1])),
+    )
+
+
+class State:
+    """The per-file results of earlier runs, and the lines of this one."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.note = ""  # why an existing state was not used, for the run's output
+        self._old: dict[str, Record] = {}
+        self._new: dict[str, Record | str] = {}
+        records = read(path)
+        if records and records[0] != _HEADER:
+            self.note = (
+                f"--state {self.path}: written by another vllm-hsfix version or checks "
+                "revision (or not a state file): every file is scanned again"
+            )
+            records = []
+        self._old = {r["path"]: r for r in records[1:] if isinstance(r.get("path"), str)}
+        self._out = Appender(path, fresh=not self._old)
+        if not self._old:
+            self._out.append(_HEADER)
+
+    def lookup(self, path: str, size: int, mtime_ns: int) -> FileReport | None:
+        """The stored per-file report (with its prefix sketch), if the file is unchanged."""
+        d = self._old.get(path)
+        if d is None or d.get("size") != size or d.get("mtime_ns") != mtime_ns:
+            return None
+        try:
+            rep = FileReport.from_dict(d["report"])
+            rep.prefix = _prefix_in(d.get("prefix"))
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return None  # a line this version cannot read back: the file is scanned again
+        if rep.verdict not in VERDICTS or rep.verdict == PENDING:
+            return None
+        self._new[path] = d  # already on disk: kept at save(), not appended again
+        return rep
+
+    def put(self, rep: FileReport, size: int, mtime_ns: int) -> None:
+        """Store a freshly scanned file's per-file results (before any dataset check)."""
+        if TRANSIENT & set(rep.codes()):
+            return
+        line = dumps(
+            {
+                "path": rep.path,
+                "size": size,
+                "mtime_ns": mtime_ns,
+                "report": rep.to_dict(),
+                "prefix": _prefix_out(rep.prefix),
+            }
+        )
+        self._new[rep.path] = line
+        self._out.append(line)
+
+    def save(self) -> None:
+        """Rewrite the state with this run's files only (deleted files drop out)."""
+        self._out.close()
+        rewrite(self.path, [_HEADER, *self._new.values()])
