@@ -88,15 +88,29 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"vllm under test: {INSTALL.distribution} {INSTALL.version} at {INSTALL.location}"
 
 
+def has_hazard(hazard_id: str) -> bool:
+    """The register's range of the hazard holds the installed release."""
+    from vllm_hsfix import hazards
+
+    return bool(RELEASE) and hazards.by_id(hazard_id).affects(RELEASE)
+
+
 def _release_mismatch(item: pytest.Item) -> str | None:
     """Why ``item`` does not concern the installed release: ``applies(id, ...)`` needs
-    one of the rows applied, ``fixed_upstream(id, ...)`` every row's fix shipped."""
+    one of the rows applied, ``fixed_upstream(id, ...)`` every row's fix shipped,
+    ``hazard(id, ...)`` one of the register's hazards here, ``no_hazard(id, ...)`` none."""
     for mark in item.iter_markers("applies"):
         if not any(applies(pid) for pid in mark.args):
             return f"needs a release where {' or '.join(mark.args)} applies"
     for mark in item.iter_markers("fixed_upstream"):
         if not all(fixed_upstream(pid) for pid in mark.args):
             return f"needs a release carrying upstream's fix of {', '.join(mark.args)}"
+    for mark in item.iter_markers("hazard"):
+        if not any(has_hazard(hid) for hid in mark.args):
+            return f"needs a release with hazard {' or '.join(mark.args)}"
+    for mark in item.iter_markers("no_hazard"):
+        if any(has_hazard(hid) for hid in mark.args):
+            return f"needs a release without hazard {', '.join(mark.args)}"
     return None
 
 
@@ -150,16 +164,20 @@ def clean_env(**extra: str | None) -> dict[str, str]:
     return env
 
 
-def run_py(
-    code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
+def run(
+    cmd: list[Any],
+    env: dict[str, str] | None = None,
+    timeout: float | None = 300,
+    cwd: str | Path | None = None,
+    merge: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter, in a session of its own killed whole after."""
-    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    """Run ``cmd`` (default environment: ``clean_env()``) in a session of its own,
+    killed whole after; with ``merge``, stderr goes into stdout (one order of events)."""
     proc = subprocess.Popen(
-        cmd,
+        [str(c) for c in cmd],
         env=env if env is not None else clean_env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
         text=True,
         cwd=cwd,
         start_new_session=True,
@@ -172,6 +190,13 @@ def run_py(
         if proc.returncode is None:
             proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_py(
+    code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (``run``)."""
+    return run([sys.executable, "-c", textwrap.dedent(code)], env, timeout, cwd)
 
 
 def last_json(stdout: str, objects_only: bool = False) -> Any:

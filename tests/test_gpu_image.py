@@ -16,7 +16,17 @@ import sys
 import textwrap
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, ROOT, clean_env, last_json
+from conftest import (
+    CONNECTOR_MODULE,
+    INSTALL,
+    MODEL_MODULE,
+    RELEASE,
+    ROOT,
+    clean_env,
+    last_json,
+    run,
+    run_py,
+)
 from support.commands import cli
 
 from vllm_hsfix import tested
@@ -57,15 +67,8 @@ def stated() -> dict[str, str]:
 def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter, stdout and stderr in ONE pipe (so their order is the order
     things happened), unbuffered."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=clean_env(PYTHONUNBUFFERED="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        start_new_session=True,
-    )
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    return run(cmd, clean_env(PYTHONUNBUFFERED="1"), timeout, merge=True)
 
 
 def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
@@ -77,9 +80,7 @@ def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
         "print(json.dumps([[d.metadata['Name'], d.version, hasattr(d, 'hsfix_alias_of')]"
         " for d in found]))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
-    )
+    proc = run_py(code, timeout=60)
     assert json.loads(proc.stdout) == [["vllm", INSTALL.version, False]], proc.stdout
 
 

@@ -12,16 +12,13 @@ machine is not what this is about (there, CUDA-graph padding does produce ``-1``
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT
+from conftest import run as run_cmd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
@@ -48,22 +45,8 @@ def test_vllm_cpu_hands_basic_cache_no_padding_slot(tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
-    proc = subprocess.Popen(
-        cmd,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=480)
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc.returncode is None:
-            proc.communicate()
-    assert proc.returncode == 0 and out.exists(), log[-4000:]
+    proc = run_cmd(cmd, timeout=480, merge=True)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:]
     (res,) = json.loads(out.read_text())["results"]
     print(json.dumps({k: res[k] for k in ("run", "processes")}, indent=1))
     run = res["run"]
