@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from vllm_hsfix import detect, releases
+from vllm_hsfix.patches.hooks import Hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = detect.detect()
@@ -24,6 +26,15 @@ RELEASE = INSTALL.release
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
+
+
+def connector() -> Any:
+    """vLLM's hidden-states connector module, imported (and so patched where active)."""
+    return importlib.import_module(CONNECTOR_MODULE)
+
+
+# Hooks that do nothing, for a patch applied by hand in a test.
+NO_HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
 
 
 def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
@@ -215,8 +226,6 @@ def last_json(stdout: str, objects_only: bool = False) -> Any:
 @pytest.fixture
 def patched() -> Any:
     """vllm-hsfix applied in this process for one test, and reverted after it."""
-    import importlib
-
     import vllm_hsfix
 
     vllm_hsfix.apply()

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE, declared
+from conftest import connector, declared
 from support.hsrows import NoEvent
 
 from vllm_hsfix import checks
@@ -93,7 +93,7 @@ def test_without_the_patch_the_fp8_writer_writes_the_final_path(tmp_path, monkey
 def test_verify_covers_the_fp8_writer_and_names_an_unknown_one(applied) -> None:  # type: ignore[no-untyped-def]
     from vllm_hsfix.patches import atomic_writes
 
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     base = module.ExampleHiddenStatesConnector
 
     class OwnWriter(base):  # a user's subclass that writes with open(): not wrapped

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL
+from conftest import INSTALL, NO_HOOKS, connector
 from packaging.version import Version
 from support.skeletons import RELEASES, connector_file
 
@@ -28,7 +28,6 @@ from vllm_hsfix import checks, hazards
 from vllm_hsfix.patches import PATCH_IDS, by_id
 from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
 from vllm_hsfix.patches._wrap import ours_in, wrap
-from vllm_hsfix.patches.hooks import Hooks
 from vllm_hsfix.shapes import parse, probe_file
 
 # What each release's connector is, for this patch: read off the files by hand
@@ -223,15 +222,6 @@ def test_a_changed_connector_is_refused(variant: str) -> None:
 # The live class of the installed vLLM
 
 
-def _live_class() -> Any:
-    import importlib
-
-    return importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
-
-
-HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
-
-
 def _switch_all(cls: type, on: bool) -> list[Any]:
     """Our wrappers on ``cls`` (activation on import may have put them there) set to
     ``on``; returns them, so the caller can put their state back."""
@@ -247,7 +237,7 @@ def _switch_all(cls: type, on: bool) -> list[Any]:
 @pytest.mark.needs_vllm
 @pytest.mark.fixed_upstream("abort-before-scheduling")
 def test_live_class_check_passes_on_upstreams_fix() -> None:
-    cls = _live_class()
+    cls = connector().ExampleHiddenStatesConnector
     present = _switch_all(cls, False)
     try:
         assert abort_unscheduled.check_abort(cls) == []
@@ -261,9 +251,7 @@ def test_live_class_check_passes_on_upstreams_fix() -> None:
 def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
     """The release's own methods (any wrapper of ours switched off) fail the check; the
     connector half alone fails it too; the patch passes it and ``verify`` says so."""
-    import importlib
-
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     cls = module.ExampleHiddenStatesConnector
     present = _switch_all(cls, False)  # put back on at the end: activation had them on
     try:
@@ -278,7 +266,7 @@ def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
         shape = abort_unscheduled.probe(module).shape
         assert shape == abort_unscheduled.SHAPE
         # Activation's own wrappers when there are (switched on), else apply here.
-        reps = [] if _switch_all(cls, True) else abort_unscheduled.apply(module, shape, HOOKS)
+        reps = [] if _switch_all(cls, True) else abort_unscheduled.apply(module, shape, NO_HOOKS)
         try:
             assert abort_unscheduled.check_abort(cls) == []
             ctx = checks.Context(device="cpu", version=INSTALL.version, shape=shape)
@@ -297,9 +285,7 @@ def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
 @pytest.mark.applies("abort-before-scheduling")
 def test_the_mark_travels_with_the_metadata() -> None:
     """The multiprocessing executor pickles the scheduler output to the workers."""
-    import importlib
-
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     meta = module.ExampleHiddenStatesConnectorMetadata()
     setattr(meta, abort_unscheduled.NOT_HELD, frozenset({"r1"}))
     back = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))

@@ -10,16 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CONNECTOR_MODULE
+from conftest import CONNECTOR_MODULE, NO_HOOKS, connector
 from support.skeletons import RELEASES, connector_file
 
 from vllm_hsfix.patches import atomic_writes
 from vllm_hsfix.patches._wrap import ours_in
-from vllm_hsfix.patches.hooks import Hooks
 from vllm_hsfix.releases import key as release_key
 from vllm_hsfix.shapes import parse, probe_file
 
-HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
 KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_writer.py"
 
 
@@ -112,11 +110,9 @@ def test_a_changed_writer_is_not_patched(variant: str) -> None:
 def test_writer_check_fails_in_place_and_passes_patched() -> None:
     """``verify``'s check on the live writer: with an in-place ``save_file`` (what
     safetensors < 0.8.0 does) the release's writer fails it, the patched one passes."""
-    import importlib
-
     from safetensors.torch import save
 
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     cls = module.ExampleHiddenStatesConnector
 
     def in_place(tensors: Any, filename: str, metadata: Any = None) -> None:
@@ -135,7 +131,7 @@ def test_writer_check_fails_in_place_and_passes_patched() -> None:
             ours.hsfix_set_active(True)
             assert atomic_writes.check_writer(cls) == []
         else:
-            reps = atomic_writes.apply(module, atomic_writes.SHAPE, HOOKS)
+            reps = atomic_writes.apply(module, atomic_writes.SHAPE, NO_HOOKS)
             try:
                 assert atomic_writes.check_writer(cls) == []
             finally:
