@@ -125,7 +125,6 @@ STATIC_TESTS = [
     "tests/test_config.py",
     "tests/test_doc_tables.py",
     "tests/test_patch_contract.py",
-    "tests/test_upstream_list.py",
     "tests/test_ci_rows.py",
 ]
 STATIC_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
