@@ -21,12 +21,12 @@ from conftest import (
     INSTALL,
     MODEL_MODULE,
     RELEASE,
-    ROOT,
     clean_env,
     last_json,
     run,
     run_py,
 )
+from support import skeletons as sk
 from support.commands import cli
 
 from vllm_hsfix import tested
@@ -42,26 +42,16 @@ pytestmark = [
     ),
 ]
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import fingerprints  # noqa: E402
-
-# What a GPU image must get, stated by hand from the README's table
-# (``scripts/fingerprints.py``'s ``STATED``), not read from the code: the rows of any
-# platform in their ranges, never a CPU-only row (GPU workers zero new blocks themselves).
-STATED: dict[str, dict[str, str]] = {
-    release: {
-        pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED
-    }
-    for release in ("0.24.0", "0.25.0")
-}
 WORKER_MODULES = (MODEL_MODULE, CONNECTOR_MODULE, "vllm.v1.worker.gpu_model_runner")
 MARK = "HSFIX-TEST-MARK first print of the process"
 
 
 def stated() -> dict[str, str]:
-    if RELEASE not in STATED:
+    """What a GPU image must get, stated by hand from the README's table
+    (``support.skeletons.stated``), not read from the code."""
+    if RELEASE not in ("0.24.0", "0.25.0"):
         pytest.skip(f"no stated expectation for the CUDA wheel of {RELEASE}")
-    return STATED[RELEASE]
+    return sk.stated(RELEASE)
 
 
 def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

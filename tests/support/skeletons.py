@@ -74,15 +74,17 @@ def status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
 # hand from the upstream PRs): the clamp on 0.17-0.24, the connector patch on 0.24
 # only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
 # from 0.25.0 on. A new patch is stated there once.
-def stated_cuda(release: str) -> dict[str, str]:
+def stated(release: str) -> dict[str, str]:
+    """Each row's stated code for the CUDA wheel of ``release`` ("apply", or the code)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import fingerprints
 
-    out = {}
-    for pid in fingerprints.STATED:
-        code = fingerprints.stated(pid, release, cpu_build=False)
-        out[pid] = "would-apply" if code == "apply" else code
-    return out
+    return {pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED}
+
+
+def stated_cuda(release: str) -> dict[str, str]:
+    """``stated`` as ``vllm-hsfix status`` spells it (not imported: "would-apply")."""
+    return {pid: "would-apply" if c == "apply" else c for pid, c in stated(release).items()}
 
 
 def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
