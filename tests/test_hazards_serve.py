@@ -25,14 +25,13 @@ from support.abort import (
     AUX_IDS,
     PROMPT_LEN,
     compare_files,
-    healthy,
     model_dir,
     prompts,
     right,
     serving,
 )
 from support.lockfile import written
-from support.serve import post
+from support.serve import healthy, post
 
 from hsfix_demo import e2e
 from vllm_hsfix.patches import by_id
