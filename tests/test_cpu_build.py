@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import INSTALL, connector
 from support.lockfile import held
-from support.skeletons import CONN, RELEASES, SKELETONS
+from support.skeletons import RELEASES, connector_file
 
 from vllm_hsfix import checks, releases
 from vllm_hsfix.patches import cpu_connector_save as save
@@ -45,21 +45,13 @@ def expected_save_shape(release: str) -> str | None:
     return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
 
 
-SKELETON_RELEASES = [r for r in RELEASES if (SKELETONS / f"vllm-{r}" / CONN).exists()]
-
-
-@pytest.mark.skipif(not SKELETON_RELEASES, reason=f"no release files under {SKELETONS}")
-def test_the_save_path_probe_on_every_release_file_there_is() -> None:
-    """Every release whose connector file the cache holds (``scripts/vllm_env.py
-    skeletons``: 0.17.0-0.33.0 here) is recognised as its line's shape; none is
-    refused, so ``status`` on any of them tells the truth."""
-    seen = {}
-    for release in SKELETON_RELEASES:
-        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONN), save.probe_tree)
-        want = expected_save_shape(release)
-        assert p.shape == want and p.fixed == (want is None), (release, p)
-        seen[release] = p.shape
-    print(seen)
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_save_path_probe_on_each_release(release: str) -> None:
+    """Each release's connector file (the cache's CUDA skeletons) is recognised as its
+    line's shape; none is refused, so ``status`` on any of them tells the truth."""
+    p = probe_file(str(connector_file(release)), save.probe_tree)
+    want = expected_save_shape(release)
+    assert p.shape == want and p.fixed == (want is None), p
 
 
 def _mutated(edit: Any) -> ast.Module:
