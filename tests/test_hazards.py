@@ -7,8 +7,7 @@
 * on the installed vLLM (0.24.0+): the live connector class driven through an abort
   before scheduling fails without the patch (KeyError) and with only its connector
   half (the declined request is still reported), and passes patched; the metadata's
-  mark survives pickling, as on the way to a worker process.
-
+  mark survives pickling, as on the way to a worker process;
 * the ``atomic-writes`` patch: the release's writer killed mid-write
   (``support/children/killed_writer.py``), the shape gate as above, and ``verify``'s
   check of the live writer.
