@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +31,6 @@ def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> di
     env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = run_child(script, args, work, env=env, timeout=900)
     result: dict[str, Any] = marked_json(proc, marker + " ")
-    keep = os.environ.get("HSFIX_TEST_KEEP_DIR")  # a copy for a report, when asked
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        (Path(keep) / f"{RELEASE}-{script[:-3]}.json").write_text(json.dumps(result, indent=1))
     print(f"vLLM {INSTALL.version}: {json.dumps(result, indent=1)[:6000]}")
     return result
 
@@ -128,9 +123,6 @@ def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert result["error"] is None, result["error"]
     result["files"] = compare_files(result["paths"], prefix_prompts())
     print(json.dumps(result["files"]))
-    keep = os.environ.get("HSFIX_TEST_KEEP_DIR")
-    if keep:
-        (Path(keep) / f"{RELEASE}-prefix-files.json").write_text(json.dumps(result["files"]))
     return result
 
 
