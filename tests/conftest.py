@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from vllm_hsfix import detect, releases
+from vllm_hsfix.patches.hooks import Hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = detect.detect()
@@ -24,6 +26,15 @@ RELEASE = INSTALL.release
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
+
+
+def connector() -> Any:
+    """vLLM's hidden-states connector module, imported (and so patched where active)."""
+    return importlib.import_module(CONNECTOR_MODULE)
+
+
+# Hooks that do nothing, for a patch applied by hand in a test.
+NO_HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
 
 
 def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
@@ -88,15 +99,29 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"vllm under test: {INSTALL.distribution} {INSTALL.version} at {INSTALL.location}"
 
 
+def has_hazard(hazard_id: str) -> bool:
+    """The register's range of the hazard holds the installed release."""
+    from vllm_hsfix import hazards
+
+    return bool(RELEASE) and hazards.by_id(hazard_id).affects(RELEASE)
+
+
 def _release_mismatch(item: pytest.Item) -> str | None:
     """Why ``item`` does not concern the installed release: ``applies(id, ...)`` needs
-    one of the rows applied, ``fixed_upstream(id, ...)`` every row's fix shipped."""
+    one of the rows applied, ``fixed_upstream(id, ...)`` every row's fix shipped,
+    ``hazard(id, ...)`` one of the register's hazards here, ``no_hazard(id, ...)`` none."""
     for mark in item.iter_markers("applies"):
         if not any(applies(pid) for pid in mark.args):
             return f"needs a release where {' or '.join(mark.args)} applies"
     for mark in item.iter_markers("fixed_upstream"):
         if not all(fixed_upstream(pid) for pid in mark.args):
             return f"needs a release carrying upstream's fix of {', '.join(mark.args)}"
+    for mark in item.iter_markers("hazard"):
+        if not any(has_hazard(hid) for hid in mark.args):
+            return f"needs a release with hazard {' or '.join(mark.args)}"
+    for mark in item.iter_markers("no_hazard"):
+        if any(has_hazard(hid) for hid in mark.args):
+            return f"needs a release without hazard {', '.join(mark.args)}"
     return None
 
 
@@ -150,16 +175,20 @@ def clean_env(**extra: str | None) -> dict[str, str]:
     return env
 
 
-def run_py(
-    code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
+def run(
+    cmd: list[Any],
+    env: dict[str, str] | None = None,
+    timeout: float | None = 300,
+    cwd: str | Path | None = None,
+    merge: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter, in a session of its own killed whole after."""
-    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    """Run ``cmd`` (default environment: ``clean_env()``) in a session of its own,
+    killed whole after; with ``merge``, stderr goes into stdout (one order of events)."""
     proc = subprocess.Popen(
-        cmd,
+        [str(c) for c in cmd],
         env=env if env is not None else clean_env(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge else subprocess.PIPE,
         text=True,
         cwd=cwd,
         start_new_session=True,
@@ -172,6 +201,13 @@ def run_py(
         if proc.returncode is None:
             proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_py(
+    code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (``run``)."""
+    return run([sys.executable, "-c", textwrap.dedent(code)], env, timeout, cwd)
 
 
 def last_json(stdout: str, objects_only: bool = False) -> Any:
@@ -190,8 +226,6 @@ def last_json(stdout: str, objects_only: bool = False) -> Any:
 @pytest.fixture
 def patched() -> Any:
     """vllm-hsfix applied in this process for one test, and reverted after it."""
-    import importlib
-
     import vllm_hsfix
 
     vllm_hsfix.apply()

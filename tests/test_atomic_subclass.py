@@ -17,11 +17,10 @@ import sys
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE, declared
+from conftest import connector
 from support.hsrows import NoEvent
 
 from vllm_hsfix import checks
-from vllm_hsfix.patches import by_id
 
 pytestmark = [pytest.mark.needs_vllm]
 
@@ -32,14 +31,13 @@ hs_connectors = pytest.importorskip(
 
 @pytest.fixture
 def applied(patched):  # type: ignore[no-untyped-def]
-    if declared(by_id("atomic-writes")) != "applied":
-        pytest.skip("atomic-writes does not apply to this release")
     sys.modules.pop("hs_connectors.fp8_hidden_states_connector", None)
     mod = importlib.import_module("hs_connectors.fp8_hidden_states_connector")
     yield mod
     sys.modules.pop("hs_connectors.fp8_hidden_states_connector", None)
 
 
+@pytest.mark.applies("atomic-writes")
 def test_fp8_writer_writes_a_temporary_file_then_renames(applied, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 
@@ -90,10 +88,11 @@ def test_without_the_patch_the_fp8_writer_writes_the_final_path(tmp_path, monkey
     sys.modules.pop("hs_connectors.fp8_hidden_states_connector", None)
 
 
+@pytest.mark.applies("atomic-writes")
 def test_verify_covers_the_fp8_writer_and_names_an_unknown_one(applied) -> None:  # type: ignore[no-untyped-def]
     from vllm_hsfix.patches import atomic_writes
 
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     base = module.ExampleHiddenStatesConnector
 
     class OwnWriter(base):  # a user's subclass that writes with open(): not wrapped

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import CACHE, clean_env
 from safetensors.torch import load_file
-from support import commands, hsrows
+from support import commands
 from support import speculators as spec
 
 from hsfix_demo import e2e, tiny_model
@@ -99,10 +99,6 @@ def written_without(model: Path, tmp_path_factory: pytest.TempPathFactory) -> li
     return got
 
 
-def worst(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(hsrows.rel_errors(got, want).max())
-
-
 def copies(states: torch.Tensor) -> list[tuple[int, int]]:
     """Pairs of slots of which one holds (nearly) the other's state at some token."""
     n = states.shape[1]
@@ -134,7 +130,7 @@ def test_speculators_pipeline_writes_what_0_25_writes(
         have = data["hidden_states"].float()
         assert have.shape[1:] == (4, tiny_model.HIDDEN) and copies(have) == [], i
         if i < len(oracle):
-            errs.append(round(worst(have, oracle[i]), 4))
+            errs.append(round(spec.worst(have, oracle[i]), 4))
     print(f"worst row against 0.25.0, per file: {errs}")
     assert max(errs) < SAME, errs
 
@@ -145,7 +141,7 @@ def test_two_ids_get_their_own_layers(
     got = engine(tmp_path, model, PAIR)
     assert isinstance(got, list), got
     for have, want in zip(rows(got), oracle, strict=True):
-        assert worst(have, want[:, [1, 3]]) < SAME and copies(have) == []
+        assert spec.worst(have, want[:, [1, 3]]) < SAME and copies(have) == []
 
 
 @pytest.mark.extended  # about 60 s: out of default CI to keep it under 45 minutes cold
@@ -159,7 +155,7 @@ def test_a_kimi_k2_config_runs_on_the_same_backbone_and_is_fixed_too(
     got = engine(tmp_path, kimi, ALL)
     assert isinstance(got, list), got
     for have, want in zip(rows(got), oracle, strict=True):
-        assert worst(have, want) < SAME and copies(have) == []
+        assert spec.worst(have, want) < SAME and copies(have) == []
 
 
 def test_without_the_row_two_ids_share_one_state(written_without: list[Path]) -> None:
@@ -197,4 +193,4 @@ def test_repair_regenerates_what_was_written_without_the_row(
     done = repair(dataset, model, tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for have, want in zip(rows(files), oracle, strict=True):
-        assert worst(have, want[:, [1, 3]]) < SAME and copies(have) == []
+        assert spec.worst(have, want[:, [1, 3]]) < SAME and copies(have) == []

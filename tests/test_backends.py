@@ -11,7 +11,7 @@ import inspect
 import json
 
 import pytest
-from conftest import CONNECTOR_MODULE, clean_env
+from conftest import clean_env, connector
 from support.commands import cli
 
 pytestmark = [pytest.mark.needs_vllm]
@@ -28,7 +28,7 @@ def overridden(cls: type, base: type) -> set[str]:
 
 
 def test_the_backends_are_what_status_says_they_are() -> None:
-    base = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    base = connector().ExampleHiddenStatesConnector
     fp8 = importlib.import_module(
         "hs_connectors.fp8_hidden_states_connector"
     ).FP8HiddenStatesConnector

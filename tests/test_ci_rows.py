@@ -1,12 +1,17 @@
-"""CI's releases cover the patch table: for every row, CI runs at least one release the
-row applies on, and for a row upstream fixed, one release that carries the fix. A row
-whose range no CI release reaches fails here, naming the row (add a release to
-``scripts/run_tests.py``'s ``FULL`` or ``SUBSET``). Static: no vLLM needed."""
+"""CI's rows agree with the patch table. Static: no vLLM needed.
+
+* every row has a CI release it applies on, and a row upstream fixed one that carries
+  the fix (else: add a release to ``scripts/run_tests.py``'s ``FULL`` or ``SUBSET``);
+* the ``upstream`` row's list of vLLM's own tests (tests/upstream/upstream_tests.toml):
+  every suite names real patches, runs "patched" only on releases those patches cover
+  and "fixed" only where upstream's fix ships, every exception names a listed test and
+  says why."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +20,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import run_tests  # noqa: E402
 
-from vllm_hsfix.patches import PATCHES  # noqa: E402
+from vllm_hsfix.patches import PATCH_IDS, PATCHES, by_id  # noqa: E402
+from vllm_hsfix.releases import key as release_key  # noqa: E402
 
 
 def _key(release: str) -> tuple[int, ...]:
@@ -43,3 +49,43 @@ def test_is_fixed_follows_the_46301_rows() -> None:
     0.24.0 is before PR 46301's release, 0.25.0 and later carry it."""
     assert not run_tests.is_fixed("0.24.0")
     assert run_tests.is_fixed("0.25.0") and run_tests.is_fixed("0.32.0")
+
+
+UPSTREAM = ROOT / "tests" / "upstream"
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10; the driver's Python is 3.11+
+    tomllib = None  # type: ignore[assignment]
+SUITES = tomllib.loads((UPSTREAM / "upstream_tests.toml").read_text())["suite"] if tomllib else []
+
+
+def test_the_driver_and_its_plugin_are_there() -> None:
+    assert (ROOT / "scripts" / "upstream_tests.py").is_file()
+    assert (UPSTREAM / "hsfix_upstream_plugin.py").is_file()
+
+
+@pytest.mark.parametrize("suite", SUITES, ids=[s["id"] for s in SUITES])
+def test_suite_agrees_with_the_patch_table(suite: dict[str, Any]) -> None:
+    assert suite["patches"] and set(suite["patches"]) <= set(PATCH_IDS)
+    assert suite["tests"] and len(set(suite["tests"])) == len(suite["tests"])
+    assert suite["patched"], "a suite runs on at least one release the patch covers"
+    for pid in suite["patches"]:
+        row = by_id(pid)
+        for release in suite["patched"]:
+            assert release_key(row.first) <= release_key(release) < release_key(row.fixed_in)
+        for release in suite["fixed"]:
+            assert release_key(release) >= release_key(row.fixed_in)
+    kind, _, spec = suite["source"].partition(":")
+    assert kind in ("sdist", "github")
+    if kind == "sdist":  # the release that carries the fix (and its tests)
+        assert all(release_key(spec) >= release_key(by_id(p).fixed_in) for p in suite["patches"])
+    else:
+        assert "@" in spec and len(spec.split("@", 1)[1]) == 40, "a full commit: immutable"
+    for test, why in suite.get("unpatched_passes", {}).items():
+        assert test in suite["tests"] and why.strip()
+    for key, why in suite.get("not_runnable", {}).items():
+        test, release = key.split(" @ ")
+        assert test in suite["tests"] and why.strip()
+        assert release in suite["patched"] + suite["fixed"]
+    for module, names in suite.get("shims", {}).items():
+        assert module.startswith("vllm.") and names

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import AFFECTED, CONNECTOR_MODULE, FIXED, MODEL_MODULE
+from conftest import AFFECTED, FIXED, MODEL_MODULE, connector
 from support.extraction import kv_transfer_config, speculative_config
 from support.serve import free_port
 
@@ -116,7 +116,7 @@ def test_ambiguous_layouts_raise_naming_the_groups(make: Any, count: int) -> Non
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_same_answers_as_upstreams_own_fix(name: str) -> None:
-    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    cls = connector().ExampleHiddenStatesConnector
     cfg = LAYOUTS[name][0]()
     assert patch.find_hidden_group(cfg) == cls._find_cache_kv_group_id(cfg)
 
@@ -165,7 +165,7 @@ def _roles() -> Any:
 def test_real_connector_uses_the_hidden_groups_block_size(
     patched: Any, vllm_config: Any, role: str
 ) -> None:
-    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    cls = connector().ExampleHiddenStatesConnector
     conn = cls(vllm_config, getattr(_roles(), role), layout(full(), hidden(22), mamba()))
     assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     assert (conn._hs_group_idx, conn._block_size) == (1, 22)
@@ -177,7 +177,7 @@ def test_unpatched_024_connector_shows_the_bug(vllm_config: Any) -> None:
     import vllm_hsfix
 
     vllm_hsfix.unapply()
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
     )
@@ -223,7 +223,7 @@ BUFFERS = {
 def test_register_kv_caches_checks_the_buffer(
     patched: Any, vllm_config: Any, distributed: Any, name: str
 ) -> None:
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     conn = module.ExampleHiddenStatesConnector(
         vllm_config, _roles().WORKER, layout(full(), hidden(22), mamba())
@@ -245,7 +245,7 @@ def test_register_kv_caches_checks_the_buffer(
 def test_request_finished_all_groups_hands_over_the_hidden_groups_blocks(
     patched: Any, vllm_config: Any
 ) -> None:
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     cls = module.ExampleHiddenStatesConnector
     assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     conn = cls(vllm_config, _roles().SCHEDULER, layout(full(), hidden(22), mamba()))
@@ -267,7 +267,7 @@ def test_pre_022_connector_constructs_untouched_with_real_configs(
     from vllm_hsfix.patches._wrap import patch_id_of
 
     k = specs()
-    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    cls = connector().ExampleHiddenStatesConnector
     assert patch_id_of(cls.__dict__["__init__"]) is None
     spec = k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     cfg = k.KVCacheConfig(

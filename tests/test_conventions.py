@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE
+from conftest import connector
 
 from vllm_hsfix import checks
 from vllm_hsfix.patches import PATCHES
@@ -174,14 +174,10 @@ def test_every_replacement_binds_like_the_original(patched: Any) -> None:
 # 2. The patches' own bodies under those conventions
 
 
-def connector_class() -> type:
-    return importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector  # type: ignore[no-any-return]
-
-
 @pytest.mark.applies("hidden-group-block-size")
 def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
     """Names, kinds, signatures and answers of 0.25.0's helpers (issue 26.2)."""
-    cls = connector_class()
+    cls = connector().ExampleHiddenStatesConnector
     config, want = checks.hybrid_layout()
     find = inspect.getattr_static(cls, "_find_cache_kv_group_id")
     size = inspect.getattr_static(cls, "_get_cache_block_size")
@@ -206,7 +202,7 @@ def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
     "how", ["class", "inherits (FP8HiddenStatesConnector)", "overrides __init__"]
 )
 def test_connector_init_resolves_however_built(patched: Any, how: str) -> None:
-    base = connector_class()
+    base = connector().ExampleHiddenStatesConnector
     if how == "class":
         cls = base
     elif how.startswith("inherits"):
@@ -227,7 +223,7 @@ def test_connector_init_resolves_however_built(patched: Any, how: str) -> None:
 def test_a_subclass_overriding_a_helper_is_honoured(patched: Any) -> None:
     """As upstream's __init__ calls ``self._find_cache_kv_group_id``."""
 
-    class PicksGroupZero(connector_class()):  # type: ignore[misc]
+    class PicksGroupZero(connector().ExampleHiddenStatesConnector):  # type: ignore[misc]
         @classmethod
         def _find_cache_kv_group_id(cls, kv_cache_config: Any) -> int:
             return 0
@@ -250,7 +246,7 @@ def bare(cls: type) -> Any:
 @pytest.mark.applies("abort-before-scheduling")
 @pytest.mark.parametrize("which", ["class", "FP8HiddenStatesConnector"])
 def test_abort_answers_through_the_class_and_a_subclass(patched: Any, which: str) -> None:
-    base = connector_class()
+    base = connector().ExampleHiddenStatesConnector
     cls = base if which == "class" else fp8_connector()
     conn = bare(cls)
     never = SimpleNamespace(request_id="never", kv_transfer_params=None)
@@ -311,7 +307,7 @@ def test_added_methods_leave_with_unapply_and_come_back_with_apply() -> None:
     """What the release lacks is deleted on revert (the base class answers again)."""
     import vllm_hsfix
 
-    cls = connector_class()
+    cls = connector().ExampleHiddenStatesConnector
     added = ("_find_cache_kv_group_id", "_get_cache_block_size", "get_finished_count")
     vllm_hsfix.apply()
     try:

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONNECTOR_MODULE, INSTALL
+from conftest import INSTALL, connector
 from support.lockfile import held
-from support.skeletons import CONN, RELEASES, SKELETONS
+from support.skeletons import RELEASES, connector_file
 
 from vllm_hsfix import checks, releases
 from vllm_hsfix.patches import cpu_connector_save as save
@@ -34,10 +34,6 @@ needs_sampler = pytest.mark.applies(sampler.PATCH_ID)
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for a CPU machine")
 
 
-def _connector() -> Any:
-    return importlib.import_module(CONNECTOR_MODULE)
-
-
 # Which save path each release line has, read from the release files (issue 22):
 # synchronous before 0.22.0; per-layer CUDA-stream copy in save_kv_layer 0.22-0.23; per
 # finished request in _submit_async_write from 0.24.0 (checked up to 0.33.0). The
@@ -49,25 +45,17 @@ def expected_save_shape(release: str) -> str | None:
     return "save-kv-layer" if r < (0, 24, 0) else "submit-async-write"
 
 
-SKELETON_RELEASES = [r for r in RELEASES if (SKELETONS / f"vllm-{r}" / CONN).exists()]
-
-
-@pytest.mark.skipif(not SKELETON_RELEASES, reason=f"no release files under {SKELETONS}")
-def test_the_save_path_probe_on_every_release_file_there_is() -> None:
-    """Every release whose connector file the cache holds (``scripts/vllm_env.py
-    skeletons``: 0.17.0-0.33.0 here) is recognised as its line's shape; none is
-    refused, so ``status`` on any of them tells the truth."""
-    seen = {}
-    for release in SKELETON_RELEASES:
-        p = probe_file(str(SKELETONS / f"vllm-{release}" / CONN), save.probe_tree)
-        want = expected_save_shape(release)
-        assert p.shape == want and p.fixed == (want is None), (release, p)
-        seen[release] = p.shape
-    print(seen)
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_save_path_probe_on_each_release(release: str) -> None:
+    """Each release's connector file (the cache's CUDA skeletons) is recognised as its
+    line's shape; none is refused, so ``status`` on any of them tells the truth."""
+    p = probe_file(str(connector_file(release)), save.probe_tree)
+    want = expected_save_shape(release)
+    assert p.shape == want and p.fixed == (want is None), p
 
 
 def _mutated(edit: Any) -> ast.Module:
-    tree = ast.parse(inspect.getsource(_connector()))
+    tree = ast.parse(inspect.getsource(connector()))
     edit(tree)
     return tree
 
@@ -121,7 +109,7 @@ def test_the_release_save_path_fails_on_a_cpu() -> None:
     import vllm_hsfix
 
     vllm_hsfix.unapply()  # the release's own methods (the suite may have activated it)
-    problems = save.check_save(_connector())
+    problems = save.check_save(connector())
     assert problems and "the save path raised" in problems[0], problems
 
 
@@ -129,7 +117,7 @@ def test_the_release_save_path_fails_on_a_cpu() -> None:
 @no_cuda
 def test_the_patched_save_path_writes_the_requests_rows(patched: Any) -> None:
     assert patched.status()["patches"][save.PATCH_ID]["status"] == "applied"
-    assert save.check_save(_connector()) == []
+    assert save.check_save(connector()) == []
 
 
 @contextlib.contextmanager
@@ -151,7 +139,7 @@ def test_same_file_and_same_lock_protocol(patched: Any, tmp_path: Path) -> None:
     request's tokens and rows."""
     from safetensors.torch import save as serialize
 
-    module = _connector()
+    module = connector()
     case = save.save_case()
     path = str(tmp_path / "req-0.safetensors")
     conn = save.new_connector(module)
@@ -172,7 +160,7 @@ def test_same_file_and_same_lock_protocol(patched: Any, tmp_path: Path) -> None:
 def test_a_buffer_off_the_host_goes_to_the_release_path(patched: Any, tmp_path: Path) -> None:
     """Only a host buffer takes the synchronous copy; any other device (here ``meta``)
     reaches the release's own method, whose CUDA copy fails on this machine."""
-    module = _connector()
+    module = connector()
     case = save.save_case()
     case["buffer"] = case["buffer"].to("meta")
     target = save.SHAPES[expected_save_shape(INSTALL.release or "") or ""][0]
@@ -201,7 +189,7 @@ def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: 
     """Composition with ``hidden-group-block-size`` (0.24.0) or upstream's own (0.25+):
     a hybrid layout whose global block size is 528 and whose hidden-states group's is
     22; the save reads with 22, the block size of the buffer it was given."""
-    module = _connector()
+    module = connector()
     config, want = checks.hybrid_layout()
     conn = checks.construct_connector(module.ExampleHiddenStatesConnector, config, 528)
     assert conn._block_size == want["block_size"] == 22

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import INSTALL, RELEASE, clean_env
+from conftest import run as run_cmd
 from support.serve import console_script
 
 pytestmark = [
@@ -27,9 +28,7 @@ pytestmark = [
 
 
 def run(*cmd: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        list(cmd), env=clean_env(**env), capture_output=True, text=True, timeout=300
-    )
+    return run_cmd(list(cmd), clean_env(**env))
 
 
 def test_the_pth_is_installed_beside_the_package() -> None:

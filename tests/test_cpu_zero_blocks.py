@@ -14,26 +14,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import INSTALL
 
-from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import cpu_zero_blocks as patch
-from vllm_hsfix.plan import in_release_range
 
 pytestmark = pytest.mark.needs_vllm
 RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
-IN_RANGE = bool(INSTALL.parsed and in_release_range(INSTALL.parsed, by_id(patch.PATCH_ID).releases))
-needs_range = pytest.mark.skipif(
-    not IN_RANGE, reason=f"cpu-zero-blocks applies to vLLM 0.22-0.24, have {INSTALL.release}"
-)
 NUM_BLOCKS = 8
 
 
 def _runner(kv_split: int = 1) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A real CPUModelRunner with a hybrid layout full of NaN (see
-    ``cpu_runner_case``)."""
-    cls = importlib.import_module(RUNNER_MODULE).CPUModelRunner
-    return patch.cpu_runner_case(cls, kv_split)
+    """A real CPUModelRunner with a hybrid layout full of NaN (``cpu_runner_case``)."""
+    return patch.cpu_runner_case(importlib.import_module(RUNNER_MODULE).CPUModelRunner, kv_split)
 
 
 def _zeroed_blocks(t: torch.Tensor) -> list[int]:
@@ -41,7 +32,6 @@ def _zeroed_blocks(t: torch.Tensor) -> list[int]:
     return [b for b in range(NUM_BLOCKS) if bool((flat[b] == 0).all())]
 
 
-@needs_range
 @pytest.mark.applies("cpu-zero-blocks")
 def test_the_release_method_leaves_stale_bytes(patched: Any) -> None:
     """What makes the test below able to fail: the shipped method zeroes nothing."""
@@ -51,7 +41,6 @@ def test_the_release_method_leaves_stale_bytes(patched: Any) -> None:
     assert _zeroed_blocks(bufs["shared"]) == [] and bool(bufs["shared"].isnan().all())
 
 
-@needs_range
 @pytest.mark.applies("cpu-zero-blocks")
 @pytest.mark.parametrize("kv_split", [1, 2], ids=["block-per-row", "kernel-blocks-split-2"])
 def test_patched_runner_zeroes_exactly_the_listed_blocks(patched: Any, kv_split: int) -> None:
@@ -67,7 +56,6 @@ def test_patched_runner_zeroes_exactly_the_listed_blocks(patched: Any, kv_split:
     assert _zeroed_blocks(bufs["shared"]) == [2, 5]
 
 
-@needs_range
 @pytest.mark.applies("cpu-zero-blocks")
 def test_a_view_that_does_not_divide_into_blocks_is_an_error(patched: Any) -> None:
     importlib.import_module(RUNNER_MODULE)
@@ -80,7 +68,6 @@ def test_a_view_that_does_not_divide_into_blocks_is_an_error(patched: Any) -> No
         runner._zero_block_ids([1])
 
 
-@needs_range
 @pytest.mark.applies("cpu-zero-blocks")
 def test_unapply_restores_the_release_method() -> None:
     import vllm_hsfix

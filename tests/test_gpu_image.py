@@ -16,7 +16,17 @@ import sys
 import textwrap
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, RELEASE, ROOT, clean_env, last_json
+from conftest import (
+    CONNECTOR_MODULE,
+    INSTALL,
+    MODEL_MODULE,
+    RELEASE,
+    clean_env,
+    last_json,
+    run,
+    run_py,
+)
+from support import skeletons as sk
 from support.commands import cli
 
 from vllm_hsfix import tested
@@ -32,40 +42,23 @@ pytestmark = [
     ),
 ]
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import fingerprints  # noqa: E402
-
-# What a GPU image must get, stated by hand from the README's table
-# (``scripts/fingerprints.py``'s ``STATED``), not read from the code: the rows of any
-# platform in their ranges, never a CPU-only row (GPU workers zero new blocks themselves).
-STATED: dict[str, dict[str, str]] = {
-    release: {
-        pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED
-    }
-    for release in ("0.24.0", "0.25.0")
-}
 WORKER_MODULES = (MODEL_MODULE, CONNECTOR_MODULE, "vllm.v1.worker.gpu_model_runner")
 MARK = "HSFIX-TEST-MARK first print of the process"
 
 
 def stated() -> dict[str, str]:
-    if RELEASE not in STATED:
+    """What a GPU image must get, stated by hand from the README's table
+    (``support.skeletons.stated``), not read from the code."""
+    if RELEASE not in ("0.24.0", "0.25.0"):
         pytest.skip(f"no stated expectation for the CUDA wheel of {RELEASE}")
-    return STATED[RELEASE]
+    return sk.stated(RELEASE)
 
 
 def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter, stdout and stderr in ONE pipe (so their order is the order
     things happened), unbuffered."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=clean_env(PYTHONUNBUFFERED="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        start_new_session=True,
-    )
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    return run(cmd, clean_env(PYTHONUNBUFFERED="1"), timeout, merge=True)
 
 
 def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
@@ -77,9 +70,7 @@ def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
         "print(json.dumps([[d.metadata['Name'], d.version, hasattr(d, 'hsfix_alias_of')]"
         " for d in found]))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
-    )
+    proc = run_py(code, timeout=60)
     assert json.loads(proc.stdout) == [["vllm", INSTALL.version, False]], proc.stdout
 
 

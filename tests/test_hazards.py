@@ -7,10 +7,12 @@
 * on the installed vLLM (0.24.0+): the live connector class driven through an abort
   before scheduling fails without the patch (KeyError) and with only its connector
   half (the declined request is still reported), and passes patched; the metadata's
-  mark survives pickling, as on the way to a worker process.
+  mark survives pickling, as on the way to a worker process;
+* the ``atomic-writes`` patch: the release's writer killed mid-write
+  (``support/children/killed_writer.py``), the shape gate as above, and ``verify``'s
+  check of the live writer.
 
-The ``atomic-writes`` patch (a writer killed mid-write): test_hazards_atomic.py. The
-engine-level evidence is in test_hazards_e2e.py.
+The engine-level evidence is in test_hazards_e2e.py.
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL
+from conftest import CONNECTOR_MODULE, INSTALL, NO_HOOKS, connector
 from packaging.version import Version
 from support.skeletons import RELEASES, connector_file
 
 from vllm_hsfix import checks, hazards
-from vllm_hsfix.patches import PATCH_IDS, by_id
+from vllm_hsfix.patches import PATCH_IDS, atomic_writes, by_id
 from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
 from vllm_hsfix.patches._wrap import ours_in, wrap
-from vllm_hsfix.patches.hooks import Hooks
+from vllm_hsfix.releases import key as release_key
 from vllm_hsfix.shapes import parse, probe_file
 
 # What each release's connector is, for this patch: read off the files by hand
@@ -182,6 +184,11 @@ def test_probe_on_each_release(release: str) -> None:
         assert not got.fixed and got.shape is None, got
     else:
         assert got.shape == want and not got.fixed, got
+    writer = probe_file(str(connector_file(release)), atomic_writes.probe_tree)
+    if release_key(release) < release_key("0.22.0"):  # no writer thread
+        assert writer.shape is None and not writer.fixed, writer
+    else:  # 0.22.0-0.33.0: save_file on the final path, then unlock
+        assert writer.shape == atomic_writes.SHAPE, writer
 
 
 VARIANTS = {
@@ -223,15 +230,6 @@ def test_a_changed_connector_is_refused(variant: str) -> None:
 # The live class of the installed vLLM
 
 
-def _live_class() -> Any:
-    import importlib
-
-    return importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
-
-
-HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
-
-
 def _switch_all(cls: type, on: bool) -> list[Any]:
     """Our wrappers on ``cls`` (activation on import may have put them there) set to
     ``on``; returns them, so the caller can put their state back."""
@@ -247,7 +245,7 @@ def _switch_all(cls: type, on: bool) -> list[Any]:
 @pytest.mark.needs_vllm
 @pytest.mark.fixed_upstream("abort-before-scheduling")
 def test_live_class_check_passes_on_upstreams_fix() -> None:
-    cls = _live_class()
+    cls = connector().ExampleHiddenStatesConnector
     present = _switch_all(cls, False)
     try:
         assert abort_unscheduled.check_abort(cls) == []
@@ -261,9 +259,7 @@ def test_live_class_check_passes_on_upstreams_fix() -> None:
 def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
     """The release's own methods (any wrapper of ours switched off) fail the check; the
     connector half alone fails it too; the patch passes it and ``verify`` says so."""
-    import importlib
-
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     cls = module.ExampleHiddenStatesConnector
     present = _switch_all(cls, False)  # put back on at the end: activation had them on
     try:
@@ -278,7 +274,7 @@ def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
         shape = abort_unscheduled.probe(module).shape
         assert shape == abort_unscheduled.SHAPE
         # Activation's own wrappers when there are (switched on), else apply here.
-        reps = [] if _switch_all(cls, True) else abort_unscheduled.apply(module, shape, HOOKS)
+        reps = [] if _switch_all(cls, True) else abort_unscheduled.apply(module, shape, NO_HOOKS)
         try:
             assert abort_unscheduled.check_abort(cls) == []
             ctx = checks.Context(device="cpu", version=INSTALL.version, shape=shape)
@@ -297,10 +293,127 @@ def test_live_class_check_fails_without_the_patch_and_passes_with_it() -> None:
 @pytest.mark.applies("abort-before-scheduling")
 def test_the_mark_travels_with_the_metadata() -> None:
     """The multiprocessing executor pickles the scheduler output to the workers."""
-    import importlib
-
-    module = importlib.import_module(CONNECTOR_MODULE)
+    module = connector()
     meta = module.ExampleHiddenStatesConnectorMetadata()
     setattr(meta, abort_unscheduled.NOT_HELD, frozenset({"r1"}))
     back = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
     assert getattr(back, abort_unscheduled.NOT_HELD) == frozenset({"r1"})
+
+
+# ---------------------------------------------------------------------------
+# atomic-writes: the release's writer killed mid-write, its shape gate, its check
+
+KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_writer.py"
+
+
+# ---------------------------------------------------------------------------
+# atomic-writes: the release's writer killed mid-write
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.applies("atomic-writes")
+def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> None:
+    """The release's ``_write_tensors`` (0.22.0+), killed by the kernel mid-write (a 1 MB
+    file-size limit, 8 MB to write, an older complete file at the path). Failing first:
+    with safetensors < 0.8.0's in-place write (a stand-in writing exactly as it does) the
+    path then holds a truncated file a waiting reader cannot load. Patched: the older
+    file is intact, only a temporary file is left. With the installed safetensors the
+    release's own result is reported as measured (0.8.0 renames into place itself)."""
+    from conftest import clean_env, last_json, run_py
+
+    argv = [str(KILL_CHILD), str(tmp_path), CONNECTOR_MODULE]
+    code = (
+        f"import runpy, sys\nsys.argv = {argv!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = run_py(code, env=clean_env(VLLM_HSFIX_DISABLE="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    print(out)
+    import signal
+
+    for case in ("release-in-place", "patched-in-place", "release-installed", "patched-installed"):
+        assert out[case]["killed_by"] == signal.SIGXFSZ, (case, out[case])
+    torn = out["release-in-place"]
+    assert torn["size"] == 1 << 20 and torn["content"].startswith("unloadable"), torn
+    # The audit names the hazard behind the file the release's writer left (issue 19).
+    from vllm_hsfix.audit import pipeline
+
+    rep = pipeline.check_file(tmp_path / "a.safetensors")
+    assert rep.verdict == "corrupt"
+    assert {p.code: p.hazard for p in rep.problems}.get("truncated") == "torn-files", rep
+    for case in ("patched-in-place", "patched-installed"):
+        assert out[case]["content"] == "old", (case, out[case])
+    assert any(n.endswith(".hsfix-tmp") for n in out["patched-in-place"]["leftovers"]), out
+    if release_key(out["safetensors"]) >= release_key("0.8.0"):
+        assert out["release-installed"]["content"] == "old", out
+    else:
+        assert out["release-installed"]["content"].startswith("unloadable"), out
+
+
+WRITER_VARIANTS = {
+    "renames into place": (
+        "save_file(tensors, filename)",
+        "save_file(tensors, filename + '.tmp')\n"
+        "            os.replace(filename + '.tmp', filename)",
+        "fixed",
+    ),
+    "unlocks before the write": (
+        "            event.synchronize()\n            save_file(tensors, filename)\n"
+        "        finally:\n            if lock_fd is not None:\n"
+        "                os.close(lock_fd)  # releases LOCK_EX",
+        "            if lock_fd is not None:\n                os.close(lock_fd)\n"
+        "        finally:\n            event.synchronize()\n"
+        "            save_file(tensors, filename)",
+        "unknown",
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(WRITER_VARIANTS))
+def test_a_changed_writer_is_not_patched(variant: str) -> None:
+    src = connector_file("0.24.0").read_text()
+    old, new, want = WRITER_VARIANTS[variant]
+    assert src.count(old) == 1, variant
+    tree = parse(src.replace(old, new))
+    assert tree is not None
+    got = atomic_writes.probe_tree(tree)
+    assert got.shape is None and got.fixed is (want == "fixed"), (variant, got)
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.applies("atomic-writes")
+def test_writer_check_fails_in_place_and_passes_patched() -> None:
+    """``verify``'s check on the live writer: with an in-place ``save_file`` (what
+    safetensors < 0.8.0 does) the release's writer fails it, the patched one passes."""
+    from safetensors.torch import save
+
+    module = connector()
+    cls = module.ExampleHiddenStatesConnector
+
+    def in_place(tensors: Any, filename: str, metadata: Any = None) -> None:
+        with open(filename, "wb") as fh:
+            fh.write(save(tensors, metadata=metadata))
+
+    ours = ours_in(cls.__dict__.get("_write_tensors"), atomic_writes.PATCH_ID)
+    real = module.save_file
+    module.save_file = in_place
+    try:
+        if ours is not None:
+            ours.hsfix_set_active(False)
+        problems = atomic_writes.check_writer(cls)
+        assert any("written in place" in p for p in problems), problems
+        if ours is not None:
+            ours.hsfix_set_active(True)
+            assert atomic_writes.check_writer(cls) == []
+        else:
+            reps = atomic_writes.apply(module, atomic_writes.SHAPE, NO_HOOKS)
+            try:
+                assert atomic_writes.check_writer(cls) == []
+            finally:
+                for rep in reps:
+                    rep.restore()
+    finally:
+        module.save_file = real
+        if ours is not None:
+            ours.hsfix_set_active(True)

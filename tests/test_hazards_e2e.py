@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +20,9 @@ from conftest import INSTALL, RELEASE, clean_env
 from support.abort import AUX_IDS, PROMPT_LEN, compare_files, model_dir, prompts, right
 from support.procs import marked_json, run_child
 
-from vllm_hsfix import hazards, releases
-from vllm_hsfix.patches import by_id
+from vllm_hsfix import hazards
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
-
-PATCH = by_id("abort-before-scheduling")
-
-
-IN_RANGE = bool(RELEASE) and releases.in_range(RELEASE, PATCH.first, PATCH.fixed_in)
-_RESULT: dict[str, Any] = {}
 
 
 def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> dict[str, Any]:
@@ -40,31 +31,24 @@ def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> di
     env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = run_child(script, args, work, env=env, timeout=900)
     result: dict[str, Any] = marked_json(proc, marker + " ")
-    keep = os.environ.get("HSFIX_TEST_KEEP_DIR")  # a copy for a report, when asked
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        (Path(keep) / f"{RELEASE}-{script[:-3]}.json").write_text(json.dumps(result, indent=1))
     print(f"vLLM {INSTALL.version}: {json.dumps(result, indent=1)[:6000]}")
     return result
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not IN_RANGE:
-        pytest.skip(f"vLLM {RELEASE}: the patch applies to {PATCH.releases} only")
-    if "run" not in _RESULT:
-        work = tmp_path_factory.mktemp("abort")
-        args = {
-            "model": str(model_dir()),
-            "aux_ids": AUX_IDS,
-            "out": str(work / "hs"),
-            "prompts": prompts(),
-            "half": True,
-        }
-        _RESULT["run"] = run_script("abort_case.py", args, work, "HSFIX_ABORT_RESULT")
-    return _RESULT["run"]
+    work = tmp_path_factory.mktemp("abort")
+    args = {
+        "model": str(model_dir()),
+        "aux_ids": AUX_IDS,
+        "out": str(work / "hs"),
+        "prompts": prompts(),
+        "half": True,
+    }
+    return run_script("abort_case.py", args, work, "HSFIX_ABORT_RESULT")
 
 
+@pytest.mark.applies("abort-before-scheduling")
 def test_release_raises_keyerror_on_abort_before_scheduling(run: dict[str, Any]) -> None:
     """Failing first: the release's own connector, no patch in place."""
     assert run["patches"]["abort-before-scheduling"] == "applied", run["patches"]
@@ -76,6 +60,7 @@ def test_release_raises_keyerror_on_abort_before_scheduling(run: dict[str, Any])
     assert "finish_requests" in err["functions"], err
 
 
+@pytest.mark.applies("abort-before-scheduling")
 def test_patched_engine_survives_and_saves_the_other_requests(run: dict[str, Any]) -> None:
     b = run["rounds"]["patched"]
     assert all(b["live"].values()), b["live"]
@@ -88,6 +73,7 @@ def test_patched_engine_survives_and_saves_the_other_requests(run: dict[str, Any
         assert right(r), (rid, r)
 
 
+@pytest.mark.applies("abort-before-scheduling")
 def test_connector_half_alone_moves_the_crash_to_the_scheduler(run: dict[str, Any]) -> None:
     """Why the patch has a worker half: declining in request_finished alone is not enough."""
     c = run["rounds"]["request-finished-only"]
@@ -125,91 +111,97 @@ def prefix_prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if "prefix" not in _RESULT:
-        work = tmp_path_factory.mktemp("prefix")
-        args = {
-            "model": str(model_dir()),
-            "aux_ids": AUX_IDS,
-            "out": str(work / "hs"),
-            "prompts": prefix_prompts(),
-            "max_model_len": PREFIX_MAX_MODEL_LEN,
-        }
-        result = run_script("prefix_case.py", args, work, "HSFIX_PREFIX_RESULT")
-        assert result["error"] is None, result["error"]
-        result["files"] = compare_files(result["paths"], prefix_prompts())
-        print(json.dumps(result["files"]))
-        keep = os.environ.get("HSFIX_TEST_KEEP_DIR")
-        if keep:
-            (Path(keep) / f"{RELEASE}-prefix-files.json").write_text(json.dumps(result["files"]))
-        _RESULT["prefix"] = result
-    return _RESULT["prefix"]
+    work = tmp_path_factory.mktemp("prefix")
+    args = {
+        "model": str(model_dir()),
+        "aux_ids": AUX_IDS,
+        "out": str(work / "hs"),
+        "prompts": prefix_prompts(),
+        "max_model_len": PREFIX_MAX_MODEL_LEN,
+    }
+    result = run_script("prefix_case.py", args, work, "HSFIX_PREFIX_RESULT")
+    assert result["error"] is None, result["error"]
+    result["files"] = compare_files(result["paths"], prefix_prompts())
+    print(json.dumps(result["files"]))
+    return result
 
 
-def test_prefix_hit_alone_matches_the_register(prefix_run: dict[str, Any]) -> None:
-    """S (64 of 65 tokens from the prefix cache, alone in its step): wrong on 0.22-0.23
-    (prefix-cache-slicing), right elsewhere; W (the first, nothing cached) always right."""
+SLICING, SKIP = "prefix-cache-slicing", "drafter-skip"
+
+
+@pytest.mark.no_hazard(SLICING)
+def test_prefix_hit_alone_is_right(prefix_run: dict[str, Any]) -> None:
+    """S (64 of 65 tokens from the prefix cache, alone in its step) and W (the first,
+    nothing cached): right; the audit finds no slicing in S's file."""
+    files = prefix_run["files"]
+    assert right(files["W"]) and right(files["S"]), (files["W"], files["S"])
+    _, found = audit(prefix_run["paths"]["S"])
+    assert SLICING not in found.values(), found
+
+
+@pytest.mark.hazard(SLICING)
+def test_prefix_hit_alone_is_cut_short_and_the_audit_names_it(prefix_run: dict[str, Any]) -> None:
+    """0.22-0.23: S comes out wrong, short of rows; the audit's finding on it names the
+    hazard (fewer rows than token ids). W stays right."""
     files = prefix_run["files"]
     assert right(files["W"]), files["W"]
-    if hazards.by_id("prefix-cache-slicing").affects(RELEASE):
-        assert not right(files["S"]), files["S"]
-        assert files["S"]["shape"][0] < len(prefix_prompts()["S"]), files["S"]
-    else:
-        assert right(files["S"]), files["S"]
+    assert not right(files["S"]), files["S"]
+    assert files["S"]["shape"][0] < len(prefix_prompts()["S"]), files["S"]
+    verdict, found = audit(prefix_run["paths"]["S"])
+    assert found.get("token_mismatch") == SLICING and verdict == "corrupt", found
 
 
-def test_padded_prefix_hit_with_a_decode_matches_the_register(prefix_run: dict[str, Any]) -> None:
-    """P (a prefix hit but for one token) and Q (new) arrive while R decodes. On
-    0.25-0.28 P is padded to max_model_len, the drafter is skipped for that step: P's
-    last row and every row of Q are never written. 0.22-0.23 get P and Q wrong too
-    (the step's slot mapping sliced from offset 0 while R's decode comes first)."""
-    files = prefix_run["files"]
-    p = prefix_prompts()
-    assert right(files["R"]), files["R"]
-    if hazards.by_id("drafter-skip").affects(RELEASE):
-        assert False in prefix_run["fits_after_pq"], prefix_run["fits_after_pq"]
-        assert files["P"]["wrong_positions"] == [len(p["P"]) - 1], files["P"]
-        assert files["Q"]["wrong_positions"] == list(range(len(p["Q"]))), files["Q"]
-    elif hazards.by_id("prefix-cache-slicing").affects(RELEASE):
-        assert not (right(files["P"]) and right(files["Q"])), (files["P"], files["Q"])
-    else:
-        assert all(prefix_run["fits_after_pq"]), prefix_run["fits_after_pq"]
-        assert right(files["P"]) and right(files["Q"]), (files["P"], files["Q"])
-
-
-def test_audit_names_the_prefix_cache_slicing_signature(prefix_run: dict[str, Any]) -> None:
-    """The file the release wrote for S (64 of 65 tokens from the prefix cache): on
-    0.22-0.23 the audit's finding names the hazard (fewer rows than token ids); on the
-    other releases S's file carries no such finding."""
+def audit(path: str) -> tuple[str, dict[str, str | None]]:
+    """The audit's verdict on one file, and its findings: code -> the hazard named."""
     from vllm_hsfix.audit import pipeline
 
-    rep = pipeline.check_file(prefix_run["paths"]["S"])
-    found = {p.code: p.hazard for p in rep.problems}
-    if hazards.by_id("prefix-cache-slicing").affects(RELEASE):
-        assert found.get("token_mismatch") == "prefix-cache-slicing", rep.problems
-        assert rep.verdict == "corrupt"
-    else:
-        assert "prefix-cache-slicing" not in found.values(), rep.problems
+    rep = pipeline.check_file(path)
+    return rep.verdict, {p.code: p.hazard for p in rep.problems}
 
 
+# P (a prefix hit but for one token) and Q (new) arrive while R decodes; R is right.
+@pytest.mark.no_hazard(SLICING, SKIP)
+def test_padded_prefix_hit_with_a_decode_is_right(prefix_run: dict[str, Any]) -> None:
+    files = prefix_run["files"]
+    assert all(prefix_run["fits_after_pq"]), prefix_run["fits_after_pq"]
+    assert right(files["R"]) and right(files["P"]) and right(files["Q"]), files
+
+
+@pytest.mark.hazard(SKIP)
+def test_padded_prefix_hit_skips_the_drafter(prefix_run: dict[str, Any]) -> None:
+    """0.25-0.28: P is padded to max_model_len and the drafter skipped for that step: P's
+    last row and every row of Q are never written."""
+    files, p = prefix_run["files"], prefix_prompts()
+    assert right(files["R"]), files["R"]
+    assert False in prefix_run["fits_after_pq"], prefix_run["fits_after_pq"]
+    assert files["P"]["wrong_positions"] == [len(p["P"]) - 1], files["P"]
+    assert files["Q"]["wrong_positions"] == list(range(len(p["Q"]))), files["Q"]
+
+
+@pytest.mark.hazard(SLICING)
+def test_padded_prefix_hit_with_a_decode_is_sliced_wrong(prefix_run: dict[str, Any]) -> None:
+    """0.22-0.23: the step's slot mapping is sliced from offset 0 while R's decode comes
+    first: P or Q wrong."""
+    files = prefix_run["files"]
+    assert right(files["R"]), files["R"]
+    assert not (right(files["P"]) and right(files["Q"])), (files["P"], files["Q"])
+
+
+@pytest.mark.no_hazard(SLICING, SKIP)
+def test_prefix_engine_start_says_nothing_without_the_hazards(prefix_run: dict[str, Any]) -> None:
+    assert prefix_run["hsfix_warnings_at_start"] == [], prefix_run["hsfix_warnings_at_start"]
+    assert prefix_run["config_checks"] == {"checked": [], "triggered": {}}, prefix_run
+
+
+@pytest.mark.hazard(SLICING, SKIP)
 def test_prefix_engine_start_warns_per_register(prefix_run: dict[str, Any]) -> None:
     """refuse-config at a real engine start, the same start whose files show the damage:
     block size 16, max_model_len 66, prefix caching on is drafter-skip's trigger on
-    0.25-0.28 and prefix-cache-slicing's on 0.22-0.23: one WARNING naming the hazard
-    and the setting; every other release (0.24.0 among them) says nothing."""
-    said = prefix_run["hsfix_warnings_at_start"]
-    rows = ("drafter-skip", "prefix-cache-slicing")
-    want = [h for h in rows if hazards.by_id(h).affects(RELEASE)]
-    if not want:
-        assert said == [], said
-        assert prefix_run["config_checks"] == {"checked": [], "triggered": {}}, prefix_run
-        return
-    (warning,) = said
-    assert warning.startswith(f"hazard {want[0]} on vLLM {RELEASE}"), warning
+    0.25-0.28 and prefix-cache-slicing's on 0.22-0.23: one WARNING naming the hazard and
+    the setting (drafter-skip's: the length too)."""
+    (want,) = [h for h in (SLICING, SKIP) if hazards.by_id(h).affects(RELEASE)]
+    (warning,) = prefix_run["hsfix_warnings_at_start"]
+    assert warning.startswith(f"hazard {want} on vLLM {RELEASE}"), warning
     assert "--no-enable-prefix-caching" in warning, warning
-    if want == ["drafter-skip"]:
-        assert "--max-model-len 65" in warning, warning
-    assert list(prefix_run["config_checks"]["triggered"]) == want, prefix_run["config_checks"]
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v", "-s"]))
+    assert want == SLICING or "--max-model-len 65" in warning, warning
+    assert list(prefix_run["config_checks"]["triggered"]) == [want], prefix_run["config_checks"]

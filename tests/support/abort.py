@@ -15,7 +15,6 @@ from typing import Any
 from conftest import CACHE, clean_env
 
 from support.serve import free_port, running, serve_command
-from support.serve import healthy as healthy  # test_hazards_serve imports it from here
 
 AUX_IDS = [1, 2, 3]
 PROMPT_LEN = 50

@@ -1,12 +1,16 @@
-"""``vllm-hsfix ARGS`` (``python -m vllm_hsfix``) run in a fresh interpreter, as a user runs it."""
+"""``vllm-hsfix ARGS`` (``python -m vllm_hsfix``) run in a fresh interpreter, as a user runs
+it, and a copy of the checkout to build from."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-from conftest import clean_env
+from conftest import ROOT, clean_env, run
 
 
 def cli(
@@ -16,14 +20,7 @@ def cli(
     cwd: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``vllm-hsfix ARGS`` with ``env`` (default: ``clean_env()``), output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", *args],
-        env=env or clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    return run([sys.executable, "-m", "vllm_hsfix", *args], env or clean_env(), timeout, cwd)
 
 
 def repair(
@@ -40,3 +37,14 @@ def repair(
             timeout=timeout,
             cwd=cwd,
         )
+
+
+def checkout_copy(dest: Path, *ls_args: str) -> Path:
+    """A copy in ``dest`` of the checkout's files that ``git ls-files ARGS`` names."""
+    listed = run(["git", "-C", ROOT, "ls-files", *ls_args], dict(os.environ))
+    assert listed.returncode == 0, listed.stderr
+    for name in listed.stdout.split():
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest

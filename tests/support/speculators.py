@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from support import hsrows
 from support.extraction import speculative_config
 
 HS_LAYER = "VLLM_HSFIX_LAYER_HS_CONNECTORS"
@@ -28,6 +29,11 @@ def layer(var: str) -> str:
             "`python3 scripts/run_tests.py --only speculators` (it builds the layers)"
         )
     return path
+
+
+def worst(got: Any, want: Any) -> float:
+    """The largest relative L2 error of a row of ``got`` against ``want``."""
+    return float(hsrows.rel_errors(got, want).max())
 
 
 def num_hidden_layers(model: Path) -> int:

@@ -34,11 +34,10 @@ def describe(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def submit_and_abort(
-    engine: Any, ids: list[str], prompts: list[list[int]], sp: Any
-) -> dict[str, Any]:
-    """Queue every prompt, then abort the last while it still waits (``max_num_seqs=1``:
-    before any step, so it was never scheduled). The round's result so far."""
+def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
+    """Queue every prompt, abort the last while it still waits (``max_num_seqs=1``: before
+    any step, so it was never scheduled), then step until the others' files are written."""
+    ids = [f"{tag}-r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     result: dict[str, Any] = {"aborted": ids[-1], "abort_error": None, "step_error": None}
@@ -46,12 +45,6 @@ def submit_and_abort(
         engine.abort_request([ids[-1]])
     except Exception as exc:
         result["abort_error"] = describe(exc)
-    return result
-
-
-def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[str, Any]:
-    ids = [f"{tag}-r{i}" for i in range(len(prompts))]
-    result = submit_and_abort(engine, ids, prompts, sp)
     paths: dict[str, str | None] = {}
     steps = 0
     deadline = time.monotonic() + 240
@@ -96,7 +89,7 @@ def switch(cls: type, on: dict[str, bool]) -> dict[str, bool]:
 
 
 def make_llm(args: dict[str, Any]) -> Any:
-    """The engine of every abort case: ``max_num_seqs=1``, the tiny model, the connector."""
+    """The engine: ``max_num_seqs=1``, the tiny model, the connector."""
     from vllm import LLM
 
     return LLM(

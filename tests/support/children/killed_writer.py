@@ -1,4 +1,4 @@
-"""The release's writer killed mid-write (test_hazards_atomic.py).
+"""The release's writer killed mid-write (test_hazards.py).
 
 ``killed_writer.py WORK CONNECTOR_MODULE`` prints one JSON line: per case (release or
 patched ``_write_tensors``; an in-place ``save_file`` as safetensors < 0.8.0, or the
