@@ -44,26 +44,25 @@ def compare_files(paths: dict[str, str | None], expected: dict[str, list[int]]) 
     """Load each request's file and compare it with its prompt and a transformers
     forward of the prompt: token ids, shape, and per token position whether any aux
     row is off (relative L2 >= THRESHOLD)."""
-    import torch
     from safetensors.torch import load_file
 
-    from vllm_hsfix.audit import reference
+    from support import hsrows
 
-    model = reference.load_model(model_dir())
+    model = hsrows.load(model_dir())
     report: dict[str, Any] = {}
     for rid, ids in expected.items():
         path = paths.get(rid)
         assert path and Path(path).exists(), (rid, path)
         data = load_file(path)
         got = data["hidden_states"]
-        want = reference.aux_rows(model, torch.tensor(ids), AUX_IDS)
+        want = hsrows.rows(model, ids, AUX_IDS)
         entry: dict[str, Any] = {
             "token_ids_match": data["token_ids"].tolist() == ids,
             "shape": tuple(got.shape),
             "want_shape": tuple(want.shape),
         }
         if got.shape == want.shape:
-            bad = ~(reference.row_errors(got, want) < THRESHOLD)
+            bad = ~(hsrows.rel_errors(got, want) < THRESHOLD)
             entry["wrong_positions"] = bad.any(dim=1).nonzero().flatten().tolist()
             entry["rows_wrong"] = int(bad.sum())
         report[rid] = entry
