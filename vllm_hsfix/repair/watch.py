@@ -127,6 +127,7 @@ class EngineWatch:
         self.grace_s = grace_s
         self.watched: list[Any] = []
         self.names: dict[int, str] = {}
+        self.objects: dict[int, Any] = {}  # pid -> multiprocessing object, set by start()
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         self.told = False
