@@ -33,8 +33,6 @@ LAYERS: list[set[str]] = [
         "tested",
         "backends",
         "hazards",
-        "hazards.model",
-        "hazards.register",
     },
     {"patches._probe", "patches._observer", "provenance", "checks", "refuse_config"},
     PATCH_MODULES,
@@ -45,7 +43,7 @@ LAYERS: list[set[str]] = [
     {"plugin", "__init__", "cli"},
     {"__main__", "_bootstrap"},
 ]
-GROUPS = ("audit", "repair", "_bootstrap", "hazards")
+GROUPS = ("audit", "repair", "_bootstrap")
 
 
 def module_name(path: Path) -> str:

@@ -29,6 +29,11 @@ class Context:
     shape: str | None = None
 
 
+def result(name: str, problems: list[str], **extra: Any) -> dict[str, Any]:
+    """One check's row as ``verify`` reports it (``extra``: ``skipped``, ``ms``, ...)."""
+    return {"check": name, "ok": not problems, "problems": problems, **extra}
+
+
 def one(name: str, run: Any) -> list[dict[str, Any]]:
     """One check as ``verify`` reports it: ``run()`` lists problems; an exception is a
     problem too, never a crash of ``verify``."""
@@ -36,7 +41,11 @@ def one(name: str, run: Any) -> list[dict[str, Any]]:
         problems = list(run())
     except Exception as exc:
         problems = [f"check could not run: {exc!r}"]
-    return [{"check": name, "ok": not problems, "problems": problems}]
+    return [result(name, problems)]
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)
 
 
 def scratch_case(
@@ -147,14 +156,8 @@ def scatter_checks(fn: Any, device: str, shape: str | None) -> list[dict[str, An
             case = scratch_case(device=device, dtype=getattr(torch, dtype), strided=strided)
             t0 = time.perf_counter()
             problems = check_scatter(fn, case)
-            results.append(
-                {
-                    "check": f"scatter {dtype} {'strided view' if strided else 'contiguous'}",
-                    "ok": not problems,
-                    "problems": problems,
-                    "ms": round((time.perf_counter() - t0) * 1e3, 3),
-                }
-            )
+            layout = "strided view" if strided else "contiguous"
+            results.append(result(f"scatter {dtype} {layout}", problems, ms=_ms(t0)))
     return results
 
 
@@ -280,20 +283,20 @@ def connector_checks(version: str | None) -> list[dict[str, Any]]:
     name = "connector group / block size (hybrid: 528, 528, hidden 22)"
     if version is None or Version(Version(version).public) < Version(CONNECTOR_READS_FROM):
         why = f"vLLM {version}: the connector does not read with its block size before 0.24"
-        return [{"check": name, "ok": True, "problems": [], "skipped": why}]
+        return [result(name, [], skipped=why)]
     cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
     config, want = hybrid_layout()
     problems: list[str] = []
     try:
         conn = construct_connector(cls, config, want["global_block_size"])
     except Exception as exc:
-        return [{"check": name, "ok": False, "problems": [f"construction failed: {exc!r}"]}]
+        return [result(name, [f"construction failed: {exc!r}"])]
     group = getattr(conn, "_cache_kv_group_id", getattr(conn, "_hs_group_idx", None))
     got = {"group": group, "block_size": conn._block_size}
     expected = {"group": want["group"], "block_size": want["block_size"]}
     if got != expected:
         problems.append(f"resolved {got}, expected {expected}")
-    return [{"check": name, "ok": not problems, "problems": problems, "resolved": got}]
+    return [result(name, problems, resolved=got)]
 
 
 def in_situ_scatter(fn: Any, buffer: Any) -> dict[str, Any] | None:
@@ -318,7 +321,7 @@ def in_situ_scatter(fn: Any, buffer: Any) -> dict[str, Any] | None:
             "problems": problems,
             "device": str(buffer.device),
             "dtype": str(buffer.dtype).replace("torch.", ""),
-            "ms": round((time.perf_counter() - t0) * 1e3, 3),
+            "ms": _ms(t0),
         }
     except Exception as exc:
         return {"ok": False, "problems": [f"check could not run: {exc!r}"]}

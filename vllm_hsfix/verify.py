@@ -45,7 +45,7 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         elif rec["code"] in SKIP_CODES:
             why = f"{patch.id}: {rec['code']}: {rec['reason']}"
         if why is not None:
-            results.append({"check": patch.id, "ok": True, "problems": [], "skipped": why})
+            results.append(checks.result(patch.id, [], skipped=why))
             continue
         try:
             module = importlib.import_module(patch.module)

@@ -181,7 +181,7 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
         if WRITER not in sub.__dict__:
             continue
         if state != "covered":
-            out.append({"check": label, "ok": False, "problems": [state]})
+            out.append(checks.result(label, [state]))
         else:
             out += checks.one(label, lambda sub=sub: check_writer(sub, same_tensors=False))
     return out

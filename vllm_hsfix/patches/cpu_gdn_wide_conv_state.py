@@ -105,7 +105,7 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     name = f"{FWD} / {UPDATE} run on a wide (speculative) conv state"
     if not torch.cpu._is_amx_tile_supported():
         why = "this CPU has no AMX: vLLM's GDN layer takes its torch path, not these kernels"
-        return [{"check": name, "ok": True, "problems": [], "skipped": why}]
+        return [checks.result(name, [], skipped=why)]
     return checks.one(name, lambda: check_wide_state(module))
 
 
