@@ -1,7 +1,8 @@
 """The one decision function: which patch to apply on the vLLM installed here.
 
-``decide`` is pure; its gates, in order: no vLLM; fixed release; below range; other
-platform; switched off; unreadable version; then the shape gate (only then probed).
+``decide`` is pure; its gates, in order: detection failed; no vLLM; fixed release; below
+range; other platform; switched off; unreadable version; then the shape gate (only then
+probed).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def decide(
     patch: PatchSpec, install: VllmInstall, cfg: Config, probe: Callable[[], Probe]
 ) -> Decision:
     """Run the gates for one patch. ``probe`` is called only when it matters."""
+    if install.source == "error":  # detection itself failed (the runtime's record of it)
+        return Decision(Code.ERROR, install.problem or "vLLM detection failed")
     if not install.present:
         return Decision(Code.NO_VLLM, "vLLM is not installed")
     parsed = install.parsed

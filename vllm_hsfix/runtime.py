@@ -105,9 +105,6 @@ def _plan_ahead() -> None:
     for rec in STATE.records.values():
         if rec.code not in (Code.WAITING, Code.ARMED):
             continue
-        if inst.source == "error":
-            rec.set(Code.ERROR, inst.problem or "vLLM detection failed")
-            continue
         decision = plan.without_probe(rec.patch, inst, STATE.config)  # type: ignore[arg-type]
         if decision is None:
             rec.set(Code.ARMED, f"vLLM {inst.version}: in range; shape checked on import")
@@ -154,12 +151,8 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
 def _decide(rec: Record, module: ModuleType, late: bool) -> None:
     patch = rec.patch
     try:
-        inst = install()
-        if inst.source == "error":
-            rec.set(Code.ERROR, inst.problem or "vLLM detection failed")
-            return
         impl = patch.implementation()
-        decision = plan.decide(patch, inst, STATE.config, lambda: impl.probe(module))  # type: ignore[arg-type]
+        decision = plan.decide(patch, install(), STATE.config, lambda: impl.probe(module))  # type: ignore[arg-type]
         if decision.probe is not None:
             rec.shape = decision.probe.shape
             rec.fingerprints = dict(decision.probe.fingerprints)
