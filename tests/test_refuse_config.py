@@ -18,7 +18,7 @@ import pytest
 from conftest import CACHE, RELEASE, clean_env, last_json, run_py
 from support.commands import cli
 
-from vllm_hsfix import hazards, refuse_config
+from vllm_hsfix import hazards
 
 # Which hazard a trigger config must raise, by release line; others stay silent.
 EXPECTED = {
@@ -55,7 +55,7 @@ def installed_hazard() -> str:
 
 def test_every_refuse_config_row_has_a_check_and_a_setting() -> None:
     rows = {h.id for h in hazards.HAZARDS if h.action == hazards.REFUSE_CONFIG}
-    assert rows == set(refuse_config.CHECKS) == {"drafter-skip", "prefix-cache-slicing"}
+    assert rows == set(hazards.CHECKS) == {"drafter-skip", "prefix-cache-slicing"}
     for hid in rows:
         assert NO_PREFIX in hazards.by_id(hid).setting, hid
 
@@ -105,7 +105,7 @@ def status_hazards(disabled: bool) -> tuple[dict[str, Any], str]:
     text = cli("status", env=env, timeout=120)
     assert text.returncode == out.returncode
     got = json.loads(out.stdout)["hazards"]
-    for hid in set(refuse_config.CHECKS) - {expected_hazard(RELEASE)}:
+    for hid in set(hazards.CHECKS) - {expected_hazard(RELEASE)}:
         assert got[hid]["state"] in ("not-affected", "fixed-upstream"), (hid, got[hid])
     return got, text.stdout
 
@@ -153,7 +153,7 @@ def test_status_names_no_check_where_the_release_has_none(disabled: bool) -> Non
     ],
 )
 def test_drafter_skip_lengths(max_len: int, block: int, n: int, lengths: list[int]) -> None:
-    assert refuse_config.drafter_skip_lengths(max_len, block, n) == lengths
+    assert hazards.drafter_skip_lengths(max_len, block, n) == lengths
 
 
 def fake_config(prefix: bool, max_len: int, block: int, n: int = 1) -> Any:
@@ -166,20 +166,20 @@ def fake_config(prefix: bool, max_len: int, block: int, n: int = 1) -> Any:
 
 def test_drafter_skip_names_the_settings() -> None:
     # kv_cache_config None: the global block size (what one group gives on any release).
-    found = refuse_config.drafter_skip(fake_config(True, 66, 16), None)
+    found = hazards.drafter_skip(fake_config(True, 66, 16), None)
     assert found is not None
     assert NO_PREFIX in found and "--max-model-len 65" in found, found
-    assert refuse_config.drafter_skip(fake_config(False, 66, 16), None) is None
-    assert refuse_config.drafter_skip(fake_config(True, 65, 16), None) is None
+    assert hazards.drafter_skip(fake_config(False, 66, 16), None) is None
+    assert hazards.drafter_skip(fake_config(True, 65, 16), None) is None
     # Block size 1: every max_model_len has the trigger; only prefix caching off helps.
-    found = refuse_config.drafter_skip(fake_config(True, 66, 1), None)
+    found = hazards.drafter_skip(fake_config(True, 66, 1), None)
     assert found is not None and NO_PREFIX in found and "--max-model-len" not in found, found
 
 
 def test_prefix_cache_slicing_is_prefix_caching() -> None:
-    found = refuse_config.prefix_cache_slicing(fake_config(True, 256, 16), None)
+    found = hazards.prefix_cache_slicing(fake_config(True, 256, 16), None)
     assert found is not None and NO_PREFIX in found, found
-    assert refuse_config.prefix_cache_slicing(fake_config(False, 256, 16), None) is None
+    assert hazards.prefix_cache_slicing(fake_config(False, 256, 16), None) is None
 
 
 # ---------------------------------------------------------------------------

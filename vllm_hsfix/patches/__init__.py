@@ -393,7 +393,7 @@ EXTRAS: tuple[ExtraSpec, ...] = (
             "check those settings when the scheduler builds its connector: one WARNING, or "
             "a refusal to start in strict mode"
         ),
-        impl="vllm_hsfix.refuse_config:install",
+        impl="vllm_hsfix.hazards:install",
     ),
 )
 
