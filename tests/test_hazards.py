@@ -2,8 +2,8 @@
 
 * the register is well formed and agrees with the patch table;
 * ``assess`` on releases chosen by hand (expected states written here, not computed);
-* the shape gate on the real connector files of every release on this machine, and on
-  one-line variants of 0.24.0's (each must be refused: the crash would stay or move);
+* the shape gate on one-line variants of 0.24.0's connector (each must be refused: the
+  crash would stay or move); every release's own files: test_shapes.py;
 * on the installed vLLM (0.24.0+): the live connector class driven through an abort
   before scheduling fails without the patch (KeyError) and with only its connector
   half (the declined request is still reported), and passes patched; the metadata's
@@ -24,23 +24,14 @@ from typing import Any
 import pytest
 from conftest import CONNECTOR_MODULE, INSTALL, NO_HOOKS, connector
 from packaging.version import Version
-from support.skeletons import RELEASES, connector_file
+from support.skeletons import connector_file
 
 from vllm_hsfix import checks, hazards
 from vllm_hsfix.patches import PATCH_IDS, atomic_writes, by_id
 from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
 from vllm_hsfix.patches._wrap import ours_in, wrap
 from vllm_hsfix.releases import key as release_key
-from vllm_hsfix.shapes import parse, probe_file
-
-# What each release's connector is, for this patch: read off the files by hand
-# (request_finished's pop and get_finished's report), independent of the probe.
-KNOWN = {
-    **dict.fromkeys(RELEASES[:7], "not-this-shape"),  # 0.17-0.23
-    **dict.fromkeys(RELEASES[7:14], abort_unscheduled.SHAPE),  # 0.24-0.30
-    **dict.fromkeys(RELEASES[14:], "fixed"),  # 0.31-0.33
-}
-
+from vllm_hsfix.shapes import parse
 
 # ---------------------------------------------------------------------------
 # The register
@@ -171,24 +162,7 @@ def test_assess_says_why() -> None:
 
 
 # ---------------------------------------------------------------------------
-# The shape gate on the releases' own files
-
-
-@pytest.mark.parametrize("release", RELEASES)
-def test_probe_on_each_release(release: str) -> None:
-    got = probe_file(str(connector_file(release)), abort_unscheduled.probe_tree)
-    want = KNOWN[release]
-    if want == "fixed":
-        assert got.fixed and got.shape is None, got
-    elif want == "not-this-shape":
-        assert not got.fixed and got.shape is None, got
-    else:
-        assert got.shape == want and not got.fixed, got
-    writer = probe_file(str(connector_file(release)), atomic_writes.probe_tree)
-    if release_key(release) < release_key("0.22.0"):  # no writer thread
-        assert writer.shape is None and not writer.fixed, writer
-    else:  # 0.22.0-0.33.0: save_file on the final path, then unlock
-        assert writer.shape == atomic_writes.SHAPE, writer
+# The shape gate on changed files
 
 
 VARIANTS = {
@@ -299,9 +273,6 @@ def test_the_mark_travels_with_the_metadata() -> None:
     back = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
     assert getattr(back, abort_unscheduled.NOT_HELD) == frozenset({"r1"})
 
-
-# ---------------------------------------------------------------------------
-# atomic-writes: the release's writer killed mid-write, its shape gate, its check
 
 KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_writer.py"
 
