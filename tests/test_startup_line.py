@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-import textwrap
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env, run
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env, run_py
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -30,7 +28,7 @@ RUNNER = (
 
 def run_child(code: str, **env: str) -> list[str]:
     """Run ``code`` unbuffered, stdout and stderr in one pipe; its output lines."""
-    out = run([sys.executable, "-u", "-c", textwrap.dedent(code)], clean_env(**env), merge=True)
+    out = run_py(code, clean_env(PYTHONUNBUFFERED="1", **env), merge=True)
     assert out.returncode == 0, out.stdout[-3000:]
     return out.stdout.splitlines()
 
