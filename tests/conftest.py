@@ -204,10 +204,14 @@ def run(
 
 
 def run_py(
-    code: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None
+    code: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: str | None = None,
+    merge: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (``run``)."""
-    return run([sys.executable, "-c", textwrap.dedent(code)], env, timeout, cwd)
+    """Run ``code`` in a fresh interpreter (``run``; ``merge``: one pipe for both)."""
+    return run([sys.executable, "-c", textwrap.dedent(code)], env, timeout, cwd, merge)
 
 
 def last_json(stdout: str, objects_only: bool = False) -> Any:

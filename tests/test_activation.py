@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_MODULE, clean_env, declared_all, last_json, run_py
+from conftest import CONNECTOR_MODULE, MODEL_MODULE, clean_env, declared_all, last_json, run_py
 
 from vllm_hsfix._version import __version__
 
@@ -15,8 +15,7 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 TARGETS = f"""
 import importlib
 MODEL = importlib.import_module("{MODEL_MODULE}")
-CONN = importlib.import_module(
-    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector")
+CONN = importlib.import_module("{CONNECTOR_MODULE}")
 RUNNER = importlib.import_module("vllm.v1.worker.cpu_model_runner")
 CLI = importlib.import_module("vllm.entrypoints.cli.main")
 """

@@ -22,6 +22,7 @@ from conftest import CACHE, clean_env
 from safetensors.torch import load_file
 from support import commands
 from support import speculators as spec
+from support.procs import marked
 
 from hsfix_demo import e2e, tiny_model
 
@@ -71,10 +72,10 @@ def engine(work: Path, model: Path, aux: list[int], *, off: str = "", overlay: s
     cmd = [sys.executable, str(e2e.CASE_SCRIPT), str(work / "args.json")]
     _, rc, killed = e2e.supervise(cmd, env, work / "run.log", 300)
     text = (work / "run.log").read_text(errors="replace")
-    line = next((ln for ln in text.splitlines() if ln.startswith("HSFIX_CASE_RESULT ")), None)
-    if killed or rc or line is None:
+    got = marked(text, "HSFIX_CASE_RESULT ")
+    if killed or rc or got is None:
         return e2e.one_line(str(work / "run.log"))
-    return [Path(p) for p in json.loads(line.split(" ", 1)[1])["paths"]]
+    return [Path(p) for p in got["paths"]]
 
 
 def rows(paths: list[Path]) -> list[torch.Tensor]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 from conftest import (
@@ -23,7 +20,6 @@ from conftest import (
     RELEASE,
     clean_env,
     last_json,
-    run,
     run_py,
 )
 from support import skeletons as sk
@@ -52,13 +48,6 @@ def stated() -> dict[str, str]:
     if RELEASE not in ("0.24.0", "0.25.0"):
         pytest.skip(f"no stated expectation for the CUDA wheel of {RELEASE}")
     return sk.stated(RELEASE)
-
-
-def child(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """A fresh interpreter, stdout and stderr in ONE pipe (so their order is the order
-    things happened), unbuffered."""
-    cmd = [sys.executable, "-c", textwrap.dedent(code)]
-    return run(cmd, clean_env(PYTHONUNBUFFERED="1"), timeout, merge=True)
 
 
 def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
@@ -133,7 +122,7 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
     says what will be patched and that the CPU block zeroing is not needed; after the
     imports the patches are live; vLLM's platform here is not its CPU platform."""
     want = stated()
-    out = child(
+    out = run_py(
         f"""
         import importlib, json, sys
         from vllm.plugins import load_general_plugins
@@ -153,7 +142,9 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
             "cpu_runner_imported": "vllm.v1.worker.cpu_model_runner" in sys.modules,
             "platform": type(current_platform).__name__,
         }}))
-        """
+        """,
+        clean_env(PYTHONUNBUFFERED="1"),  # one pipe, in the order things happened
+        merge=True,
     )
     assert out.returncode == 0, out.stdout[-3000:]
     text = out.stdout

@@ -2,8 +2,8 @@
 
 * the register is well formed and agrees with the patch table;
 * ``assess`` on releases chosen by hand (expected states written here, not computed);
-* the shape gate on the real connector files of every release on this machine, and on
-  one-line variants of 0.24.0's (each must be refused: the crash would stay or move);
+* the shape gate on one-line variants of 0.24.0's connector (each must be refused: the
+  crash would stay or move); every release's own files: test_shapes.py;
 * on the installed vLLM (0.24.0+): the live connector class driven through an abort
   before scheduling fails without the patch (KeyError) and with only its connector
   half (the declined request is still reported), and passes patched; the metadata's
@@ -24,23 +24,14 @@ from typing import Any
 import pytest
 from conftest import CONNECTOR_MODULE, INSTALL, NO_HOOKS, connector
 from packaging.version import Version
-from support.skeletons import RELEASES, connector_file
+from support.skeletons import connector_file
 
 from vllm_hsfix import checks, hazards
 from vllm_hsfix.patches import PATCH_IDS, atomic_writes, by_id
 from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
 from vllm_hsfix.patches._wrap import ours_in, wrap
 from vllm_hsfix.releases import key as release_key
-from vllm_hsfix.shapes import parse, probe_file
-
-# What each release's connector is, for this patch: read off the files by hand
-# (request_finished's pop and get_finished's report), independent of the probe.
-KNOWN = {
-    **dict.fromkeys(RELEASES[:7], "not-this-shape"),  # 0.17-0.23
-    **dict.fromkeys(RELEASES[7:14], abort_unscheduled.SHAPE),  # 0.24-0.30
-    **dict.fromkeys(RELEASES[14:], "fixed"),  # 0.31-0.33
-}
-
+from vllm_hsfix.shapes import parse
 
 # ---------------------------------------------------------------------------
 # The register
@@ -86,14 +77,10 @@ def test_a_patched_hazard_covers_exactly_its_patch_rows_releases() -> None:
         ("abort-before-scheduling", "0.30.0", True),
         ("abort-before-scheduling", "0.31.0", False),
         ("abort-before-scheduling", "0.24.1.dev3+gabc", True),
-        ("drafter-skip", "0.24.0", False),
+        # drafter-skip and prefix-cache-slicing at the ends of their ranges:
+        # test_refuse_config.py's test_rows_checked_per_release.
         ("drafter-skip", "0.25.1", True),
-        ("drafter-skip", "0.28.0", True),
-        ("drafter-skip", "0.29.0", False),
-        ("prefix-cache-slicing", "0.21.0", False),
         ("prefix-cache-slicing", "0.22.1", True),
-        ("prefix-cache-slicing", "0.23.0", True),
-        ("prefix-cache-slicing", "0.24.0", False),
         ("aux-final-layer-dropped", "0.17.0", False),
         ("aux-final-layer-dropped", "0.18.0", True),
         ("aux-final-layer-dropped", "0.24.0", True),
@@ -171,59 +158,69 @@ def test_assess_says_why() -> None:
 
 
 # ---------------------------------------------------------------------------
-# The shape gate on the releases' own files
+# The shape gate on changed files
 
 
-@pytest.mark.parametrize("release", RELEASES)
-def test_probe_on_each_release(release: str) -> None:
-    got = probe_file(str(connector_file(release)), abort_unscheduled.probe_tree)
-    want = KNOWN[release]
-    if want == "fixed":
-        assert got.fixed and got.shape is None, got
-    elif want == "not-this-shape":
-        assert not got.fixed and got.shape is None, got
-    else:
-        assert got.shape == want and not got.fixed, got
-    writer = probe_file(str(connector_file(release)), atomic_writes.probe_tree)
-    if release_key(release) < release_key("0.22.0"):  # no writer thread
-        assert writer.shape is None and not writer.fixed, writer
-    else:  # 0.22.0-0.33.0: save_file on the final path, then unlock
-        assert writer.shape == atomic_writes.SHAPE, writer
-
-
+# One-line edits of 0.24.0's connector: (the patch whose gate reads it, old, new, whether
+# the gate must call the result fixed upstream); never a shape it patches.
 VARIANTS = {
     # the connector half of the fix alone: the crash moves to the scheduler's assert
     "pop with a default only": (
+        abort_unscheduled,
         "filename = self._request_filenames.pop(req_id)",
         "filename = self._request_filenames.pop(req_id, None)",
+        False,
     ),
     # a metadata class that cannot carry the mark to the workers
     "metadata with slots": (
+        abort_unscheduled,
         "@dataclass\nclass ExampleHiddenStatesConnectorMetadata",
         "@dataclass(slots=True)\nclass ExampleHiddenStatesConnectorMetadata",
+        False,
     ),
     # a request that never holds its blocks
     "request_finished returns False": (
+        abort_unscheduled,
         'return True, {"hidden_states_path": filename}',
         'return False, {"hidden_states_path": filename}',
+        False,
     ),
     # the worker no longer reports requests without a copy (upstream's worker half)
     "get_finished reports copies only": (
+        abort_unscheduled,
         "if event is None or event.query():",
         "if event is not None and event.query():",
+        False,
+    ),
+    "writer renames into place": (
+        atomic_writes,
+        "save_file(tensors, filename)",
+        "save_file(tensors, filename + '.tmp')\n"
+        "            os.replace(filename + '.tmp', filename)",
+        True,
+    ),
+    "writer unlocks before the write": (
+        atomic_writes,
+        "            event.synchronize()\n            save_file(tensors, filename)\n"
+        "        finally:\n            if lock_fd is not None:\n"
+        "                os.close(lock_fd)  # releases LOCK_EX",
+        "            if lock_fd is not None:\n                os.close(lock_fd)\n"
+        "        finally:\n            event.synchronize()\n"
+        "            save_file(tensors, filename)",
+        False,
     ),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_changed_connector_is_refused(variant: str) -> None:
+def test_a_changed_connector_is_not_patched(variant: str) -> None:
+    impl, old, new, fixed = VARIANTS[variant]
     src = connector_file("0.24.0").read_text()
-    old, new = VARIANTS[variant]
     assert src.count(old) == 1, variant
     tree = parse(src.replace(old, new))
     assert tree is not None
-    got = abort_unscheduled.probe_tree(tree)
-    assert got.shape is None and not got.fixed, (variant, got)
+    got = impl.probe_tree(tree)
+    assert got.shape is None and got.fixed is fixed, (variant, got)
 
 
 # ---------------------------------------------------------------------------
@@ -300,9 +297,6 @@ def test_the_mark_travels_with_the_metadata() -> None:
     assert getattr(back, abort_unscheduled.NOT_HELD) == frozenset({"r1"})
 
 
-# ---------------------------------------------------------------------------
-# atomic-writes: the release's writer killed mid-write, its shape gate, its check
-
 KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_writer.py"
 
 
@@ -349,36 +343,6 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
         assert out["release-installed"]["content"] == "old", out
     else:
         assert out["release-installed"]["content"].startswith("unloadable"), out
-
-
-WRITER_VARIANTS = {
-    "renames into place": (
-        "save_file(tensors, filename)",
-        "save_file(tensors, filename + '.tmp')\n"
-        "            os.replace(filename + '.tmp', filename)",
-        "fixed",
-    ),
-    "unlocks before the write": (
-        "            event.synchronize()\n            save_file(tensors, filename)\n"
-        "        finally:\n            if lock_fd is not None:\n"
-        "                os.close(lock_fd)  # releases LOCK_EX",
-        "            if lock_fd is not None:\n                os.close(lock_fd)\n"
-        "        finally:\n            event.synchronize()\n"
-        "            save_file(tensors, filename)",
-        "unknown",
-    ),
-}
-
-
-@pytest.mark.parametrize("variant", sorted(WRITER_VARIANTS))
-def test_a_changed_writer_is_not_patched(variant: str) -> None:
-    src = connector_file("0.24.0").read_text()
-    old, new, want = WRITER_VARIANTS[variant]
-    assert src.count(old) == 1, variant
-    tree = parse(src.replace(old, new))
-    assert tree is not None
-    got = atomic_writes.probe_tree(tree)
-    assert got.shape is None and got.fixed is (want == "fixed"), (variant, got)
 
 
 @pytest.mark.needs_vllm

@@ -11,9 +11,14 @@ from vllm_hsfix.patches import PATCHES, PatchModule, by_id
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
 def test_every_row_keeps_the_contract(patch) -> None:  # type: ignore[no-untyped-def]
+    """The row's module (``patches/<id>.py``) implements the contract for its id, and
+    the row lists at least one name it wraps, each once (tests/test_patch_wraps.py
+    checks them against what apply() replaces on the live release)."""
+    assert patch.impl == "vllm_hsfix.patches." + patch.id.replace("-", "_")
     mod = patch.implementation()
     assert isinstance(mod, PatchModule)
     assert patch.id == mod.PATCH_ID
+    assert patch.wraps and len(set(patch.wraps)) == len(patch.wraps)
 
 
 def test_a_module_without_the_contract_is_refused() -> None:
@@ -26,16 +31,3 @@ def test_a_module_of_another_row_is_refused() -> None:
     row = by_id("atomic-writes")._replace(impl="vllm_hsfix.patches.scatter_clamp")
     with pytest.raises(TypeError, match="the row is 'atomic-writes'"):
         row.implementation()
-
-
-@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
-def test_a_patch_is_found_by_its_id(patch) -> None:  # type: ignore[no-untyped-def]
-    """``patches/<id>.py``: the module of a row is named by its patch id."""
-    assert patch.impl == "vllm_hsfix.patches." + patch.id.replace("-", "_")
-
-
-@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
-def test_every_row_names_what_it_wraps(patch) -> None:  # type: ignore[no-untyped-def]
-    """A row lists at least one name, each once (tests/test_patch_wraps.py checks them
-    against what apply() replaces on the live release)."""
-    assert patch.wraps and len(set(patch.wraps)) == len(patch.wraps)

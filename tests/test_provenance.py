@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, clean_env, last_json, run_py
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env, last_json, run_py
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
@@ -13,7 +13,7 @@ WRITE = f"""
 import importlib, json, sys, torch
 import vllm_hsfix
 from vllm_hsfix.patches._wrap import patch_id_of
-importlib.import_module("vllm.model_executor.models.extract_hidden_states")
+importlib.import_module({MODEL_MODULE!r})
 conn = importlib.import_module({CONNECTOR_MODULE!r})
 path = sys.argv[1] if len(sys.argv) > 1 else None
 """

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env
+from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env, run_py
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -30,15 +27,8 @@ RUNNER = (
 
 
 def run_child(code: str, **env: str) -> list[str]:
-    """Run ``code`` with stdout and stderr in one pipe, unbuffered; its output lines."""
-    out = subprocess.run(
-        [sys.executable, "-u", "-c", textwrap.dedent(code)],
-        env=clean_env(**env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
+    """Run ``code`` unbuffered, stdout and stderr in one pipe; its output lines."""
+    out = run_py(code, clean_env(PYTHONUNBUFFERED="1", **env), merge=True)
     assert out.returncode == 0, out.stdout[-3000:]
     return out.stdout.splitlines()
 

@@ -7,13 +7,13 @@ Marked ``extended`` (engine starts of 66-116 s each on 2 cores)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import clean_env, run_py
 from support import hsrows
+from support.procs import marked
 
 from hsfix_demo import e2e
 
@@ -63,15 +63,10 @@ def _run(tmp: Path, model: Path, program: str, max_num_seqs: int | None, **env: 
     return proc.stdout + proc.stderr + status
 
 
-def _result(out: str, tag: str) -> Any:
-    line = next((ln for ln in out.splitlines() if ln.startswith(tag + " ")), None)
-    return json.loads(line.split(" ", 1)[1]) if line else None
-
-
 def run_tp2(tmp: Path, model: Path, **env: str) -> tuple[list[str] | None, str]:
     """One TP=2 engine run; the files' paths (None when the run died) and its output."""
     out = _run(tmp, model, GENERATE, None, **env)
-    return (None if "(exit status" in out else _result(out, "HSFIX_TP_RESULT")), out
+    return (None if "(exit status" in out else marked(out, "HSFIX_TP_RESULT ")), out
 
 
 def check(paths: list[str], model: Any) -> dict[str, Any]:
@@ -148,7 +143,7 @@ def run_tp2_abort(tmp: Path, model: Path, **env: str) -> tuple[dict[str, Any] | 
     """The abort-before-scheduling case at TP=2, the engine core in this process (so the
     abort reaches the scheduler before any step), the two workers in their own."""
     out = _run(tmp, model, ABORT, 1, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
-    return _result(out, "HSFIX_TP_ABORT"), out
+    return marked(out, "HSFIX_TP_ABORT "), out
 
 
 @pytest.mark.applies("abort-before-scheduling")

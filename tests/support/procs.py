@@ -29,12 +29,18 @@ def run_child(
     return run_py(code, env=env, timeout=timeout)
 
 
+def marked(text: str, marker: str) -> Any:
+    """The JSON printed after ``marker`` (ending with a space) on a line of its own in
+    ``text``, or None when no line carries it."""
+    line = next((x for x in text.splitlines() if x.startswith(marker)), None)
+    return None if line is None else json.loads(line[len(marker) :])
+
+
 def marked_json(proc: subprocess.CompletedProcess[str], marker: str) -> Any:
-    """The JSON a child printed after ``marker`` on a line of its own (``marker`` ends
-    with a space); fails with the child's output if there is none."""
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(marker)), None)
-    assert line is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
-    return json.loads(line[len(marker) :])
+    """``marked`` in a child's stdout; fails with the child's output if there is none."""
+    got = marked(proc.stdout, marker)
+    assert got is not None, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
+    return got
 
 
 def alive_in_session(sid: int) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -16,12 +15,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from hsfix_demo.e2e import DEATH_MARKERS
 from support.extraction import kv_transfer_config, speculative_config
-
-DEATH = re.compile(
-    r"EngineDeadError|Engine core initialization failed|EngineCore encountered a fatal error"
-    r"|WorkerProc hit an exception|WorkerProc failed|died unexpectedly"
-)
 
 
 def free_port() -> int:
@@ -102,7 +97,7 @@ def running(
             if proc.poll() is not None:
                 raise AssertionError(f"vllm serve exited ({proc.returncode}):\n{tail(log)}")
             text = tail(log, 1 << 20)
-            if DEATH.search(text):
+            if DEATH_MARKERS.search(text):  # the words the demo's runner watches for
                 time.sleep(2)  # let the traceback finish
                 raise AssertionError(f"vllm serve died while starting:\n{tail(log)}")
             if healthy(base):

@@ -1,28 +1,8 @@
-"""TinyLlama as two of vLLM's tests ask the HF hub for it, in an offline HF cache.
-
-vLLM's ``test_extract_hidden_states_with_predictable_dummy_model``
-(``tests/v1/kv_connector/extract_hidden_states_integration/test_extraction.py``) calls
-``LlamaTokenizerFast.from_pretrained("TinyLlama/TinyLlama-1.1B-Chat-v1.0",
-cache_dir=~/.cache/huggingface)`` only to have *a* Llama fast tokenizer for its dummy model
-(vocab_size=1000, ``load_format="dummy"``): every id must stay below 1000. vLLM's
-``tests/v1/spec_decode/test_extract_hidden_states.py`` builds
-``ModelConfig(model="TinyLlama/TinyLlama-1.1B-Chat-v1.0")``: it reads the model's
-``config.json`` (through the hub cache, ``$HF_HOME/hub``). The HF hub is not reachable
-from CI, so ``scripts/upstream_tests.py`` runs those suites with a temporary ``HOME``,
-``HF_HOME=$HOME/.cache/huggingface`` and ``HF_HUB_OFFLINE=1``, after this script has
-written, into that temporary home only (never the user's real cache), in both places:
-
-    HOME/.cache/huggingface[/hub]/models--TinyLlama--TinyLlama-1.1B-Chat-v1.0/
-        refs/main                 -> <rev>
-        snapshots/<rev>/          config.json, tokenizer.json, tokenizer_config.json
-
-``config.json`` holds TinyLlama-1.1B-Chat-v1.0's real config values (``CONFIG``: the 22
-keys of the model's config.json as published on the hub; no weights are ever read).
-
-It is NOT TinyLlama's tokenizer: a real ``LlamaTokenizerFast`` (Llama's BPE with byte
-fallback, "▁" metaspace, <unk>/<s>/</s> at 0/1/2) trained here on a fixed sentence list,
-about 500 ids, so every id is < 1000 whatever the text. <rev> is the sha1 of the files
-written (40 hex digits, as a hub revision is), so the same tokenizer gets the same name.
+"""TinyLlama as two of vLLM's tests ask the HF hub for it, written into an offline HF
+cache under HF_HOME (a temporary home, never the user's cache): the model's real
+config.json and a stand-in ``LlamaTokenizerFast`` of 500 ids trained on fixed
+sentences, so every id stays below the dummy model's 1000. Why and where:
+docs/upstream-engine-tests.md.
 
 Runs in a release's venv (transformers, tokenizers): ``python offline_tinyllama.py HF_HOME``.
 """
