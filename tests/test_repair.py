@@ -49,11 +49,11 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
     (tmp_path / "corrupt.txt").write_text("/d/x\n/d/y\n")
     assert files.from_audit_output(str(tmp_path / "corrupt.txt"), False) == ["/d/x", "/d/y"]
     paths = [f"/p/{i}" for i in range(7)]
-    parts = [files.shard(paths, f"{k}/3") for k in range(3)]
+    parts = [command.shard(paths, command.parse_shard(f"{k}/3")) for k in range(3)]
     assert sorted(p for part in parts for p in part) == sorted(paths) and all(parts)
-    for bad in ("3/3", "x"):
-        with pytest.raises(ValueError, match="expected K/N"):
-            files.shard(paths, bad)
+    for bad in ("3/3", "x", "1/"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected K/N"):
+            command.parse_shard(bad)
 
 
 @pytest.mark.parametrize("change", [None, "token_ids", "dtype", "n_aux"])
@@ -107,6 +107,8 @@ def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
         (["{tmp}/missing", "--model", "{m}"], "no such file or directory"),
         (["{d}", "--model", "{m}", "--shard", "2/2"], "expected K/N"),
         (["{d}", "--model", "{m}", "--engine-arg", "dtype"], "expected KEY=VALUE"),
+        (["{d}", "--model", "{m}", "--batch-size", "0"], "must be an integer >= 1"),
+        (["{d}", "--model", "{m}", "--aux-layers", "1,x"], "expected integers"),
         (["{d}", "--model", "{m}"], "the aux layers are not known: pass --aux-layers"),
     ]:
         out = repair(*(a.format(d=tmp_path / "d", tmp=tmp_path, m=m) for a in argv))

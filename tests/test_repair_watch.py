@@ -64,6 +64,7 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
     acts on the two, ignores the cut line, and ends once the tree kills what is left."""
     code = (
         "import json, os, signal, subprocess, sys, time\n"
+        "os.setpgrp()\n"  # as the repair's vLLM process does
         "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         "print(json.dumps({'event': 'bad_arg', 'key': 'k', 'why': g.pid}), flush=True)\n"
         "print(json.dumps({'event': 'guard', 'problems': []}), flush=True)\n"

@@ -184,6 +184,7 @@ def main(argv: list[str]) -> int:
 
     with open(argv[0], encoding="utf-8") as f:
         job = json.load(f)
+    os.setpgrp()  # a group of its own: the repair ends every vLLM process with it at once
     send, parent = channel(), os.getppid()
     engine = start(job, send)
     if isinstance(engine, int):

@@ -119,20 +119,6 @@ def from_audit_output(path: str, include_suspect: bool) -> list[str]:
     return [p for p, v in last.items() if v in wanted]
 
 
-def shard(paths: list[str], spec: str | None) -> list[str]:
-    """``K/N``: every N-th target from the K-th (0-based) of the sorted list, so N
-    machines given the same input split it without talking to each other."""
-    if not spec:
-        return paths
-    try:
-        k, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        k, n = 0, 0
-    if n < 1 or not 0 <= k < n:
-        raise ValueError(f"--shard {spec}: expected K/N with 0 <= K < N")
-    return [p for i, p in enumerate(sorted(paths)) if i % n == k]
-
-
 def writer_done(path: str) -> bool:
     """The file exists and its writer no longer holds ``path.lock`` (if any)."""
     return os.path.exists(path) and not writer_holds_lock(path)

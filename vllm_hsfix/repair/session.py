@@ -9,9 +9,11 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from .files import Target
 from .journal import Journal, sha256
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
+EOF_GRACE_S = 5.0  # how long what a dead vLLM process left may keep its stdout open
 
 
 @dataclass
@@ -82,9 +85,10 @@ def regenerate(
         refused = [*follow.refused, f"vLLM's log: {log}"]
         return stop("the fix is not active where vLLM runs; nothing written:", 1, refused)
     if follow.bad_args:
-        user = dict(a.split("=", 1) for a in args.engine_arg if "=" in a)
+        user = dict(args.engine_arg)
         for key, why in follow.bad_args:
-            stop(f"--engine-arg {f'{key}={user[key]}' if key in user else key}: {why}", 2)
+            named = settings.said({key: user[key]}) if key in user else key
+            stop(f"--engine-arg {named}: {why}", 2)
         print(enginelog.explain(log).splitlines()[-1], file=sys.stderr)
         return 2
     if code != 0:
@@ -118,7 +122,7 @@ def _start(
     spec["data_parallel_size"] = args.data_parallel_size
     job = {
         "kwargs": llm_kwargs(spec, os.path.join(work, "hs")),
-        "user_args": settings.parse_engine_args(args.engine_arg),
+        "user_args": dict(args.engine_arg),
         "endpoint": args.endpoint,
         "served": args.model if args.endpoint else None,
         "status_dir": env["VLLM_HSFIX_STATUS_DIR"],
@@ -132,6 +136,24 @@ def _start(
     with open(log, "w", encoding="utf-8") as err:
         cmd = [sys.executable, "-u", "-m", "vllm_hsfix.repair.engine", path]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the vLLM process's group: it and every process vLLM started."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _reap(proc: subprocess.Popen[str], eof: threading.Event) -> None:
+    """Once the vLLM process is gone, what it left (holding its stdout open) goes too,
+    unless its output is read to the end within ``EOF_GRACE_S``."""
+    proc.wait()
+    if not eof.wait(EOF_GRACE_S):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def message(line: str) -> dict[str, Any]:
@@ -162,25 +184,21 @@ class Follow:
 
     def run(self, proc: subprocess.Popen[str]) -> int:
         """Until the process ends (its exit status) or the guard refuses (-1)."""
-        from .watch import ChildTree
-
-        tree = ChildTree(proc)  # what a killed vLLM process leaves must not block us
+        eof = threading.Event()
+        threading.Thread(target=_reap, args=(proc, eof), daemon=True).start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 if not self.on(message(line)):
                     return -1
-            tree.eof.set()
+            eof.set()
             return proc.wait()
         finally:
             self.drain(wait=True)  # every file in place is journaled
             self.pool.shutdown()
             if self.bar is not None:
                 self.bar.close()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            tree.kill()  # no vLLM process outlives the run
+            _kill_group(proc)  # no vLLM process outlives the run
 
     def on(self, msg: dict[str, Any]) -> bool:
         """Act on one message; False: stop reading (the guard refused)."""

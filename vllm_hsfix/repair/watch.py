@@ -1,10 +1,9 @@
-"""No vLLM process that dies leaves the repair waiting, and none outlives it.
+"""No vLLM process that dies leaves the repair's vLLM process waiting.
 
-vLLM 0.24.0's ``LLM.generate`` waits forever for a killed engine core: :class:`EngineWatch`,
-in the repair's vLLM process, names the process gone in an ``ERROR`` line of the log (the
-root cause :mod:`..enginelog` reports) and ends the run when vLLM has not. A killed vLLM
-process leaves its engine core holding its stdout: :class:`ChildTree`, in the repair,
-kills what is left. Processes are followed with psutil (a vLLM dependency).
+vLLM 0.24.0's ``LLM.generate`` waits forever for a killed engine core: :class:`EngineWatch`
+names the process gone in an ``ERROR`` line of the log (the root cause
+:mod:`..enginelog` reports) and ends the run when vLLM has not. Processes are followed
+with psutil (a vLLM dependency).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +20,6 @@ from typing import Any
 GRACE_S = 10.0  # how long vLLM gets to raise once one of its processes is gone
 POLL_S = 0.5
 EXIT_ENGINE_GONE = 5
-EOF_GRACE_S = 5.0  # how long what a dead vLLM process left may keep its stdout open
 # multiprocessing's helper processes: not vLLM's, and they end on their own.
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 # What most likely sent the signals a vLLM process dies of without a traceback.
@@ -160,31 +157,3 @@ class EngineWatch:
                 _log(f"vLLM did not end the run in {self.grace_s:g} s: vllm-hsfix ends it")
                 _kill(self.watched)
                 os._exit(EXIT_ENGINE_GONE)
-
-
-class ChildTree:
-    """The processes below the repair's vLLM process ``proc``, listed every second while
-    it runs; ``grace_s`` after it exited, those left are killed unless its output was
-    read to the end (:attr:`eof`); :meth:`kill` kills them at once."""
-
-    def __init__(self, proc: subprocess.Popen[str], grace_s: float = EOF_GRACE_S) -> None:
-        self.proc = proc
-        self.grace_s = grace_s
-        self.known: list[Any] = []
-        self.eof = threading.Event()
-        threading.Thread(target=self._run, name="vllm-hsfix-child-tree", daemon=True).start()
-
-    def _run(self) -> None:
-        import psutil
-
-        with contextlib.suppress(psutil.Error):
-            top = psutil.Process(self.proc.pid)
-            while self.proc.poll() is None:
-                self.known = top.children(recursive=True) or self.known
-                time.sleep(1.0)
-        if not self.eof.wait(self.grace_s):
-            self.kill()
-
-    def kill(self) -> list[int]:
-        """SIGKILL what is left of the run; the pids killed."""
-        return _kill(list(self.known))
