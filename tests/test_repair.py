@@ -14,7 +14,7 @@ from support.commands import repair
 from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, files, guard, journal, session
+from vllm_hsfix.repair import command, files, guard, session
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -89,10 +89,10 @@ def test_install_replaces_atomically_with_a_backup_or_refuses_a_misfit(
 def test_the_journal_says_done_only_for_an_unchanged_replaced_file(tmp_path: Path) -> None:
     f = hs_file(tmp_path / "x.safetensors", seed=1)
     state = tmp_path / "state.jsonl"
-    journal.Journal(str(state)).add(str(f), "replaced", digest(f), f.stat().st_size)
+    files.Journal(str(state)).add(str(f), "replaced", digest(f), f.stat().st_size)
     with state.open("a") as out:
         out.write('{"path": "/cut sh')  # a killed run's last line
-    again = journal.Journal(str(state))
+    again = files.Journal(str(state))
     assert again.is_done(str(f)) and again.count("replaced") == 1
     hs_file(f, seed=2)  # written again since
     assert not again.is_done(str(f))

@@ -14,8 +14,7 @@ from typing import Any
 
 from .. import detect
 from . import files, settings
-from .files import CORRUPT, OK, SUSPECT, Target
-from .journal import Journal
+from .files import CORRUPT, OK, SUSPECT, Journal, Target
 from .session import Counts, regenerate, stop
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"

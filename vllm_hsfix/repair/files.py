@@ -1,5 +1,6 @@
-"""The files of a repair: which, what each must keep, whether the new one is right, and
-putting it in place; the one module of ``repair`` that uses the audit's API.
+"""The files of a repair: which, what each must keep, whether the new one is right,
+putting it in place, and the journal of those done; the one module of ``repair`` that
+uses the audit's API.
 
 A regenerated file that does not keep the old one's form is refused; one whose every row
 agrees with the old file proves the old one right (kept byte for byte); else it is
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..audit import decode
+from ..audit import decode, store
 from ..audit import format as fmt
 from ..audit.pipeline import audit_paths
 from ..audit.prefix import TOLERANCE
@@ -39,13 +40,6 @@ def audit(
         paths, args.workers, progress, state=state, keep=False, on_record=on_record
     )
     return dict(report.verdicts)
-
-
-def bar(quiet: bool, total: int) -> Any:
-    """The regeneration's progress bar on stderr."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="repair", unit="file", file=sys.stderr, disable=quiet)
 
 
 @dataclass
@@ -159,13 +153,8 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
     directory = os.path.dirname(os.path.abspath(target.path))
     tmp = os.path.join(directory, f".{os.path.basename(target.path)}.repair-{os.getpid()}")
     try:
-        digest, size = hashlib.sha256(), 0
-        with open(new, "rb") as fin, open(tmp, "xb") as fout:
-            while chunk := fin.read(1 << 20):
-                digest.update(chunk)
-                size += fout.write(chunk)
-            fout.flush()
-            os.fsync(fout.fileno())
+        shutil.copyfile(new, tmp)
+        _fsync(tmp)
         if backup and os.path.exists(target.path):
             rel = os.path.relpath(os.path.abspath(target.path), root or directory)
             dest = os.path.join(backup, os.path.basename(rel) if rel.startswith("..") else rel)
@@ -176,12 +165,16 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fd = os.open(directory, os.O_RDONLY)
+    _fsync(directory)
+    return sha256(target.path), os.path.getsize(target.path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return digest.hexdigest(), size
 
 
 def distance(old_path: str, new_path: str) -> float | None:
@@ -250,3 +243,40 @@ def outcome(args: argparse.Namespace, t: Target, produced: str | None, root: str
         return "replaced", install(produced, t, args.backup, root)
     except Refused as exc:
         return "refused", str(exc)
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Journal:
+    """``--state``: one JSON Lines record per finished target, appended and fsynced once
+    its file is in place; a target whose file still has its digest and size is done."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.done: dict[str, dict[str, Any]] = {
+            rec["path"]: rec for rec in store.read(path) if isinstance(rec.get("path"), str)
+        }
+
+    def is_done(self, path: str) -> bool:
+        """Replaced (or found right) by an earlier run, and unchanged since."""
+        rec = self.done.get(path)
+        if not rec or rec.get("status") not in ("replaced", "right"):
+            return False
+        try:
+            return os.path.getsize(path) == rec["size"] and sha256(path) == rec["sha256"]
+        except OSError:
+            return False
+
+    def count(self, status: str) -> int:
+        return sum(1 for rec in self.done.values() if rec.get("status") == status)
+
+    def add(self, path: str, status: str, digest: str, size: int) -> None:
+        rec = {"path": path, "status": status, "sha256": digest, "size": size}
+        self.done[path] = rec
+        store.append(self.path, rec, sync=True)

@@ -22,8 +22,7 @@ from typing import Any
 from .. import detect, enginelog
 from . import files, guard, settings
 from .engine import llm_kwargs
-from .files import Target
-from .journal import Journal, sha256
+from .files import Journal, Target, sha256
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
 EOF_GRACE_S = 5.0  # how long what a dead vLLM process left may keep its stdout open
@@ -109,17 +108,14 @@ def _start(
     """The repair's vLLM process, its stderr the log."""
     env = dict(os.environ, VLLM_HSFIX_STATUS_DIR=os.path.join(work, "status"))
     env.setdefault("VLLM_HSFIX_PROVENANCE", "1")  # regenerated files say what made them
-    sized = settings.KV_ENV in os.environ or settings.KV_ARGS & set(engine["engine_args"])
-    if not args.endpoint and not sized and detect.detect().cpu_build:
+    if not args.endpoint and detect.detect().cpu_build:
         seqs = min(args.batch_size, len(targets))
-        dtype = engine["engine_args"].get("dtype")
-        gib, line = settings.kv_cache_space(
-            args.model, dtype, len(engine["aux"]), seqs, engine["max_len"]
-        )
-        env[settings.KV_ENV] = str(gib)
-        print(f"repair: {line}", file=sys.stderr)
-    spec = {**engine, "model": args.model, "tensor_parallel_size": args.tensor_parallel_size}
-    spec["data_parallel_size"] = args.data_parallel_size
+        sized = settings.kv_cache_space(args.model, engine, seqs)
+        if sized is not None:
+            env[settings.KV_ENV] = str(sized[0])
+            print(f"repair: {sized[1]}", file=sys.stderr)
+    sizes = {"tensor_parallel_size": args.tensor_parallel_size}
+    spec = {**engine, **sizes, "model": args.model, "data_parallel_size": args.data_parallel_size}
     job = {
         "kwargs": llm_kwargs(spec, os.path.join(work, "hs")),
         "user_args": dict(args.engine_arg),
@@ -209,9 +205,12 @@ class Follow:
             self.refused = msg["problems"]
             return False
         elif event == "guard":
+            from tqdm import tqdm
+
             print(f"repair: engine ready in {time.monotonic() - self.t0:.0f} s", file=sys.stderr)
             self.ready = time.monotonic()
-            self.bar = files.bar(self.args.no_progress, len(self.targets))
+            self.bar = tqdm(total=len(self.targets), desc="repair", unit="file",
+                            file=sys.stderr, disable=self.args.no_progress)  # fmt: skip
         elif event == "file":
             t = self.targets[msg["index"]]
             job = (self.args, t, msg["path"], self.root)

@@ -135,19 +135,20 @@ def kv_bytes_needed(
     return 2 * seqs * (per_token * (max_len + 1) + linear * state)
 
 
-def kv_cache_space(
-    model: str | None, dtype: str | None, n_aux: int, seqs: int, max_len: int
-) -> tuple[int, str]:
-    """(GiB for ``VLLM_CPU_KVCACHE_SPACE``, one line saying so); at most half the
-    memory available (then fewer prompts run at once)."""
-    need = kv_bytes_needed(model, dtype, n_aux, seqs, max_len)
-    gib = max(1, math.ceil(need / GIB))
+def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tuple[int, str] | None:
+    """(GiB for ``VLLM_CPU_KVCACHE_SPACE``, one line saying so), at most half the memory
+    available (then fewer prompts run at once); None when the user sized the cache."""
     import psutil
 
+    args, max_len, n_aux = engine["engine_args"], engine["max_len"], len(engine["aux"])
+    if KV_ENV in os.environ or KV_ARGS & set(args):
+        return None
+    need = kv_bytes_needed(model, args.get("dtype"), n_aux, seqs, max_len)
+    gib = max(1, math.ceil(need / GIB))
     free = psutil.virtual_memory().available
     note = ""
     if gib * GIB > free // 2:
-        one = kv_bytes_needed(model, dtype, n_aux, 1, max_len)
+        one = kv_bytes_needed(model, args.get("dtype"), n_aux, 1, max_len)
         gib = max(1, math.ceil(one / GIB), (free // 2) // GIB)
         note = f", capped at half the {free / GIB:.0f} GiB free (fewer prompts at once)"
     line = (

@@ -49,15 +49,12 @@ def _alive(p: Any) -> bool:
         return False
 
 
-def _kill(procs: list[Any]) -> list[int]:
-    """SIGKILL those of ``procs`` still alive; their pids."""
-    killed = []
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL those of ``procs`` still alive."""
     for p in procs:
-        if _alive(p):
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if _alive(p):
                 p.kill()
-                killed.append(p.pid)
-    return killed
 
 
 def vllm_processes(root: int) -> list[Any]:
@@ -149,11 +146,10 @@ class EngineWatch:
             return self.told
 
     def _run(self) -> None:
-        since = None
         while not self.stopped.wait(POLL_S):
-            if since is None and self.tell():
-                since = time.monotonic()
-            if since is not None and time.monotonic() - since >= self.grace_s:
-                _log(f"vLLM did not end the run in {self.grace_s:g} s: vllm-hsfix ends it")
-                _kill(self.watched)
-                os._exit(EXIT_ENGINE_GONE)
+            if self.tell():
+                if not self.stopped.wait(self.grace_s):
+                    _log(f"vLLM did not end the run in {self.grace_s:g} s: vllm-hsfix ends it")
+                    _kill(self.watched)
+                    os._exit(EXIT_ENGINE_GONE)
+                return
