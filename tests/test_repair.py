@@ -43,7 +43,7 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
         {"type": "summary"},
     ]
     jl = tmp_path / "a.jsonl"
-    jl.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    jl.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"type": "file", "pa')
     assert sorted(files.from_audit_output(str(jl), False)) == ["/d/a", "/d/b"]
     assert sorted(files.from_audit_output(str(jl), True)) == ["/d/a", "/d/b", "/d/c"]
     (tmp_path / "corrupt.txt").write_text("/d/x\n/d/y\n")

@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import detect
 from . import files, settings
-from .files import CORRUPT, OK, SUSPECT, Journal, Target
+from .files import OK, SUSPECT, Journal, Target
 from .session import Counts, regenerate, stop
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
@@ -148,9 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_audit:
         paths = files.from_audit_output(args.from_audit, args.include_suspect)
     else:
-        wanted = {CORRUPT, SUSPECT} if args.include_suspect else {CORRUPT}
         verdicts = files.audit(args.paths, args, audit_state)
-        paths = [p for p, v in verdicts.items() if v in wanted]
+        paths = [p for p, v in verdicts.items() if v in files.wanted(args.include_suspect)]
     paths = shard(paths, args.shard)
     journal = Journal(args.state)
     counts = Counts()

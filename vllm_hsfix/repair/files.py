@@ -105,12 +105,14 @@ def from_audit_output(path: str, include_suspect: bool) -> list[str]:
         lines = [ln.strip() for ln in f if ln.strip()]
     if not lines or not lines[0].startswith("{"):
         return lines
-    last: dict[str, str] = {}
-    for rec in map(json.loads, lines):
-        if rec.get("type") in ("file", "update"):
-            last[rec["path"]] = rec["verdict"]
-    wanted = {CORRUPT, SUSPECT} if include_suspect else {CORRUPT}
-    return [p for p, v in last.items() if v in wanted]
+    kinds = ("file", "update")  # a line cut short by a kill is skipped
+    last = {r["path"]: r["verdict"] for r in store.read(path) if r.get("type") in kinds}
+    return [p for p, v in last.items() if v in wanted(include_suspect)]
+
+
+def wanted(include_suspect: bool) -> set[str]:
+    """The verdicts repair regenerates."""
+    return {CORRUPT, SUSPECT} if include_suspect else {CORRUPT}
 
 
 def writer_done(path: str) -> bool:
