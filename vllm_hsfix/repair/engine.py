@@ -173,7 +173,7 @@ def start(job: dict[str, Any], send: Callable[..., None]) -> LocalEngine | Endpo
         if found := rejected(exc, user):
             send(event="bad_arg", key=found[0], why=found[1])
         raise
-    problems = in_engine(job["status_dir"], job["needed"])
+    problems = in_engine(os.environ["VLLM_HSFIX_STATUS_DIR"], job["needed"])
     send(event="guard", problems=problems)
     return 3 if problems else engine
 

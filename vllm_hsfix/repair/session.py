@@ -1,6 +1,7 @@
 """One run of the repair's vLLM process (:mod:`.engine`) over a group of targets: its
 start, the messages it sends, each regenerated file checked and kept, refused or put in
-place (:mod:`.files`) and journaled (:mod:`.journal`), and why the run failed."""
+place and journaled (:mod:`.files`), its process group killed at the end, and why the
+run failed."""
 
 from __future__ import annotations
 
@@ -121,7 +122,6 @@ def _start(
         "user_args": dict(args.engine_arg),
         "endpoint": args.endpoint,
         "served": args.model if args.endpoint else None,
-        "status_dir": env["VLLM_HSFIX_STATUS_DIR"],
         "needed": needed,
         "prompts": [t.token_ids for t in targets],
         "batch_size": args.batch_size,
