@@ -39,7 +39,7 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
     assert proc.returncode == watch.EXIT_ENGINE_GONE, proc.stderr[-3000:]
     assert took < 30, f"the watch took {took:.0f} s"
     assert watched == (sorted([core, worker]) if titled else [core])
-    name = "VLLM::EngineCore" if titled else "python"
+    name = "VLLM::EngineCore" if titled else sys.executable  # untitled: the forked cmdline
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR ")]
     assert len(lines) == 2, proc.stderr[-3000:]
     assert f"vLLM's process {name} (pid {core}) died (killed by SIGKILL: " in lines[0]

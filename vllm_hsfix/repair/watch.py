@@ -69,20 +69,12 @@ def vllm_processes(root: int) -> list[Any]:
     return [p for p in chosen if not any(h in _cmdline(p) for h in HELPERS)]
 
 
-def exit_status(pid: int, proc: Any = None) -> str:
-    """How child ``pid`` ended: from its ``multiprocessing`` object where there is one
-    (vLLM reaps its engine cores at once), else peeked without reaping; "" if unknown."""
-    if proc is not None and proc.exitcode is not None:
-        code = proc.exitcode
-    else:
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except (OSError, AttributeError):
-            return ""
-        if info is None:
-            return ""
-        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-        code = -info.si_status if killed else info.si_status
+def exit_status(proc: Any) -> str:
+    """How a child ended, from its ``multiprocessing`` object (vLLM starts its engine
+    cores so, and reaps them at once); "" for another process."""
+    code = None if proc is None else proc.exitcode
+    if code is None:
+        return ""
     return f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
 
 
@@ -140,7 +132,7 @@ class EngineWatch:
         with self.lock:
             gone = next((p.pid for p in self.watched if not _alive(p)), None)
             if not self.told and gone is not None:
-                how = exit_status(gone, self.objects.get(gone))
+                how = exit_status(self.objects.get(gone))
                 _log(cause(self.names[gone], gone, how))
                 self.told = True
             return self.told
