@@ -70,6 +70,9 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
         t0 = time.monotonic()
         assert follow.run(proc) == -signal.SIGKILL and 5 < time.monotonic() - t0 < 30
     [(key, grandchild)] = follow.bad_args
+    deadline = time.monotonic() + 5  # SIGKILLed: it may take a moment to exit, under load
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert key == "k" and gone(grandchild)
     assert follow.bar is not None and follow.ready > t0
     assert session.message('{"event": "fi') == {} and session.message("[1]") == {}
