@@ -68,6 +68,7 @@ def shard(paths: list[str], spec: tuple[int, int] | None) -> list[str]:
 
 
 def _positive(text: str) -> int:
+    """A whole number of at least 1 (``--batch-size``)."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
     return int(text)
