@@ -1,10 +1,8 @@
 """The repair's vLLM process: ``python -m vllm_hsfix.repair.engine JOB.json``.
 
 A process of its own, so that ``VLLM_HSFIX_STATUS_DIR`` is set before vllm-hsfix activates
-and the guard runs where vLLM runs. It drives vLLM's offline ``LLM`` with
-``extract_hidden_states`` and the hidden-states connector writing into a scratch
-directory, or a running ``vllm serve`` (``--endpoint``), and reports on stdout in JSON
-Lines (the channel and exit codes: ``repair --help``).
+and the guard runs where vLLM runs. It drives vLLM's offline ``LLM`` (or a running ``vllm
+serve``: ``--endpoint``) and reports in JSON Lines on stdout (``repair --help``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from .. import detect, enginelog
 from . import files, guard, settings
 from .engine import llm_kwargs
 from .files import Journal, Target, sha256
+from .watch import signal_name
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
 EOF_GRACE_S = 5.0  # how long what a dead vLLM process left may keep its stdout open
@@ -49,8 +50,6 @@ def stop(problem: str, code: int, details: list[str] = ()) -> int:  # type: igno
 def failure(code: int, log: str) -> str:
     """Why the vLLM process ended with ``code``. A signal that killed it is the root
     cause, not what its engine core logged as it went down after it."""
-    from .watch import signal_name
-
     if code >= 0:
         return f"the vLLM run failed (exit {code}); {enginelog.explain(log)}"
     return (
