@@ -14,7 +14,7 @@ from support.commands import repair
 from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, files, guard, journal, session
+from vllm_hsfix.repair import command, files, guard, session
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -43,17 +43,17 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
         {"type": "summary"},
     ]
     jl = tmp_path / "a.jsonl"
-    jl.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    jl.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"type": "file", "pa')
     assert sorted(files.from_audit_output(str(jl), False)) == ["/d/a", "/d/b"]
     assert sorted(files.from_audit_output(str(jl), True)) == ["/d/a", "/d/b", "/d/c"]
     (tmp_path / "corrupt.txt").write_text("/d/x\n/d/y\n")
     assert files.from_audit_output(str(tmp_path / "corrupt.txt"), False) == ["/d/x", "/d/y"]
     paths = [f"/p/{i}" for i in range(7)]
-    parts = [files.shard(paths, f"{k}/3") for k in range(3)]
+    parts = [command.shard(paths, command.parse_shard(f"{k}/3")) for k in range(3)]
     assert sorted(p for part in parts for p in part) == sorted(paths) and all(parts)
-    for bad in ("3/3", "x"):
-        with pytest.raises(ValueError, match="expected K/N"):
-            files.shard(paths, bad)
+    for bad in ("3/3", "x", "1/"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected K/N"):
+            command.parse_shard(bad)
 
 
 @pytest.mark.parametrize("change", [None, "token_ids", "dtype", "n_aux"])
@@ -89,10 +89,10 @@ def test_install_replaces_atomically_with_a_backup_or_refuses_a_misfit(
 def test_the_journal_says_done_only_for_an_unchanged_replaced_file(tmp_path: Path) -> None:
     f = hs_file(tmp_path / "x.safetensors", seed=1)
     state = tmp_path / "state.jsonl"
-    journal.Journal(str(state)).add(str(f), "replaced", digest(f), f.stat().st_size)
+    files.Journal(str(state)).add(str(f), "replaced", digest(f), f.stat().st_size)
     with state.open("a") as out:
         out.write('{"path": "/cut sh')  # a killed run's last line
-    again = journal.Journal(str(state))
+    again = files.Journal(str(state))
     assert again.is_done(str(f)) and again.count("replaced") == 1
     hs_file(f, seed=2)  # written again since
     assert not again.is_done(str(f))
@@ -107,6 +107,8 @@ def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
         (["{tmp}/missing", "--model", "{m}"], "no such file or directory"),
         (["{d}", "--model", "{m}", "--shard", "2/2"], "expected K/N"),
         (["{d}", "--model", "{m}", "--engine-arg", "dtype"], "expected KEY=VALUE"),
+        (["{d}", "--model", "{m}", "--batch-size", "0"], "must be an integer >= 1"),
+        (["{d}", "--model", "{m}", "--aux-layers", "1,x"], "expected integers"),
         (["{d}", "--model", "{m}"], "the aux layers are not known: pass --aux-layers"),
     ]:
         out = repair(*(a.format(d=tmp_path / "d", tmp=tmp_path, m=m) for a in argv))

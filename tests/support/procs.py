@@ -58,3 +58,12 @@ def alive_in_session(sid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[3]) == sid:
             alive.append(int(d.name))
     return alive
+
+
+def gone(pid: int) -> bool:
+    """Process ``pid`` has exited (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")

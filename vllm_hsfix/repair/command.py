@@ -14,8 +14,7 @@ from typing import Any
 
 from .. import detect
 from . import files, settings
-from .files import CORRUPT, OK, SUSPECT, Target
-from .journal import Journal
+from .files import OK, SUSPECT, Journal, Target
 from .session import Counts, regenerate, stop
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
@@ -44,27 +43,60 @@ died under it; a line cut short by a kill is ignored.
 """
 
 
+def parse_aux_layers(text: str) -> tuple[int, ...]:
+    """``1,2,3`` -> (1, 2, 3)."""
+    try:
+        return tuple(int(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, e.g. 1,2,3, got {text}") from None
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``K/N`` -> (K, N) with 0 <= K < N."""
+    k, _, n = spec.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, got {spec}")
+    return int(k), int(n)
+
+
+def shard(paths: list[str], spec: tuple[int, int] | None) -> list[str]:
+    """(K, N): every N-th path of the sorted list from the K-th, so N machines given the
+    same input split it without talking to each other."""
+    if spec is None:
+        return paths
+    return [p for i, p in enumerate(sorted(paths)) if i % spec[1] == spec[0]]
+
+
+def _positive(text: str) -> int:
+    """A whole number of at least 1 (``--batch-size``)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return int(text)
+
+
 OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--model", {"help": "the verifier the dataset was made with (a local dir)"}),
-    ("--aux-layers", {"help": "eagle_aux_hidden_state_layer_ids, e.g. 1,2,3 (else from the "
-                      "files' provenance metadata)"}),
+    ("--aux-layers", {"type": parse_aux_layers, "help": "eagle_aux_hidden_state_layer_ids, "
+                      "e.g. 1,2,3 (else from the files' provenance metadata)"}),
     ("--from-audit", {"metavar": "FILE", "help": "an audit's --jsonl or --list output"}),
     ("--include-suspect", {"action": "store_true", "help": "regenerate suspect files too"}),
     ("--backup", {"metavar": "DIR", "help": "keep each old file here before replacing it"}),
     ("--state", {"metavar": "FILE", "default": DEFAULT_STATE,
                  "help": f"journal of replaced files, for resuming (default ./{DEFAULT_STATE})"}),
     ("--dry-run", {"action": "store_true", "help": "list what would be regenerated"}),
-    ("--batch-size", {"type": int, "default": 256, "help": "prompts per engine batch"}),
+    ("--batch-size", {"type": _positive, "default": 256, "help": "prompts per engine batch"}),
     ("--max-model-len", {"type": int}),
     ("--tensor-parallel-size", {"type": int, "default": 1}),
     ("--data-parallel-size", {"type": int, "default": 1}),
-    ("--engine-arg", {"action": "append", "default": [], "metavar": "KEY=VALUE",
+    ("--engine-arg", {"type": settings.parse_engine_arg, "action": "append", "default": [],
+                      "metavar": "KEY=VALUE",
                       "help": "more vllm.LLM keyword arguments, e.g. dtype=bfloat16 or "
                       "enforce_eager=true (VALUE is JSON when it parses, else a string; "
                       "repeatable; overrides the settings read from the files' provenance "
                       "or derived from the checkpoint)"}),
     ("--endpoint", {"metavar": "URL", "help": "use this running vllm serve instead"}),
-    ("--shard", {"metavar": "K/N", "help": "only every N-th target from the K-th"}),
+    ("--shard", {"type": parse_shard, "metavar": "K/N",
+                 "help": "only every N-th target from the K-th"}),
     ("--workers", {"type": int, "help": "audit worker processes"}),
     ("--no-progress", {"action": "store_true"}),
 ]  # fmt: skip
@@ -89,32 +121,20 @@ def _usage(args: argparse.Namespace) -> str | None:
     missing = [p for p in args.paths if not os.path.exists(p)]
     if missing:
         return f"no such file or directory: {missing[0]}"
-    if args.batch_size < 1:
-        return f"--batch-size must be >= 1, got {args.batch_size}"
     needs_model = not args.dry_run and not args.endpoint
     if needs_model and not (args.model and os.path.isfile(os.path.join(args.model, "config.json"))):
         return f"--model {args.model}: no config.json there (missing model)"
-    try:
-        files.shard([], args.shard)
-        settings.parse_engine_args(args.engine_arg)
-    except ValueError as exc:
-        return str(exc)
     return None
 
 
 def _aux(args: argparse.Namespace, targets: list[Target]) -> tuple[int, ...] | str:
-    if args.aux_layers:
-        try:
-            return tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
-        except ValueError:
-            return f"--aux-layers {args.aux_layers}: expected integers, e.g. 1,2,3"
+    """The aux layers: ``--aux-layers``, else the one set the files' provenance names."""
     stamped = {t.aux_layers for t in targets if t.aux_layers}
-    if len(stamped) == 1:
-        return stamped.pop()  # type: ignore[return-value]
+    if args.aux_layers or not targets or len(stamped) == 1:
+        return args.aux_layers or (stamped.pop() if stamped else ())  # type: ignore[return-value]
     if stamped:
-        return (
-            f"the files' provenance names different aux layers {sorted(stamped)}: pass --aux-layers"
-        )
+        named = sorted(stamped)
+        return f"the files' provenance names different aux layers {named}: pass --aux-layers"
     return (
         "the aux layers are not known: pass --aux-layers (the files carry no "
         "vllm_hsfix.aux_layers provenance metadata)"
@@ -129,14 +149,13 @@ def run(args: argparse.Namespace) -> int:
     if args.from_audit:
         paths = files.from_audit_output(args.from_audit, args.include_suspect)
     else:
-        wanted = {CORRUPT, SUSPECT} if args.include_suspect else {CORRUPT}
         verdicts = files.audit(args.paths, args, audit_state)
-        paths = [p for p, v in verdicts.items() if v in wanted]
-    paths = files.shard(paths, args.shard)
+        paths = [p for p, v in verdicts.items() if v in files.wanted(args.include_suspect)]
+    paths = shard(paths, args.shard)
     journal = Journal(args.state)
     counts = Counts()
     targets = _targets(paths, journal, counts)
-    aux = _aux(args, targets) if targets else ()
+    aux = _aux(args, targets)
     if isinstance(aux, str):
         return stop(aux, 2)
     engine, said = _engine(args, targets, aux, counts)
@@ -180,7 +199,7 @@ def _engine(
     """The engine's settings and where they came from; a target that cannot run under
     them is skipped."""
     max_len = args.max_model_len or max(16, max((t.tokens for t in targets), default=0) + 2)
-    engine_args: dict[str, Any] = settings.parse_engine_args(args.engine_arg)
+    engine_args: dict[str, Any] = dict(args.engine_arg)
     said = None
     if targets and not args.endpoint:
         cpu_build = bool(detect.detect().cpu_build)

@@ -1,10 +1,8 @@
 """The repair's vLLM process: ``python -m vllm_hsfix.repair.engine JOB.json``.
 
 A process of its own, so that ``VLLM_HSFIX_STATUS_DIR`` is set before vllm-hsfix activates
-and the guard runs where vLLM runs. It drives vLLM's offline ``LLM`` with
-``extract_hidden_states`` and the hidden-states connector writing into a scratch
-directory, or a running ``vllm serve`` (``--endpoint``), and reports on stdout in JSON
-Lines (the channel and exit codes: ``repair --help``).
+and the guard runs where vLLM runs. It drives vLLM's offline ``LLM`` (or a running ``vllm
+serve``: ``--endpoint``) and reports in JSON Lines on stdout (``repair --help``).
 """
 
 from __future__ import annotations
@@ -58,8 +56,13 @@ def llm_kwargs(spec: dict[str, Any], scratch: str) -> dict[str, Any]:
     }
 
 
-def _written(path: str | None) -> str | None:
-    return path if path is not None and writer_done(path) else None
+def written(paths: list[str | None], step: Callable[[], object]) -> list[str | None]:
+    """Each file once its writer is done (``step`` between looks; the connector finishes
+    a write in a later engine step); None for no file, or none after ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while any(p and not writer_done(p) for p in paths) and time.monotonic() < deadline:
+        step()
+    return [p if p and writer_done(p) else None for p in paths]
 
 
 class LocalEngine:
@@ -75,11 +78,8 @@ class LocalEngine:
             [{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False
         )
         paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
-        deadline = time.monotonic() + WAIT_S
-        while any(p and not _written(p) for p in paths) and time.monotonic() < deadline:
-            # The connector finishes a write in a later engine step: give it one.
-            self.llm.generate([{"prompt_token_ids": [1, 2, 3]}], self.params, use_tqdm=False)
-        return [_written(p) for p in paths]
+        one = [{"prompt_token_ids": [1, 2, 3]}]
+        return written(paths, lambda: self.llm.generate(one, self.params, use_tqdm=False))
 
 
 class EndpointEngine:
@@ -98,10 +98,7 @@ class EndpointEngine:
         )
         with urllib.request.urlopen(req, timeout=WAIT_S) as r:
             path = (json.load(r).get("kv_transfer_params") or {}).get("hidden_states_path")
-        deadline = time.monotonic() + WAIT_S
-        while path and not writer_done(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return _written(path)
+        return written([path], lambda: time.sleep(0.05))[0]
 
     def generate(self, prompts: Sequence[list[int]]) -> list[str | None]:
         # Many requests in flight: the server batches them as it would any clients'.
@@ -174,7 +171,7 @@ def start(job: dict[str, Any], send: Callable[..., None]) -> LocalEngine | Endpo
         if found := rejected(exc, user):
             send(event="bad_arg", key=found[0], why=found[1])
         raise
-    problems = in_engine(job["status_dir"], job["needed"])
+    problems = in_engine(os.environ["VLLM_HSFIX_STATUS_DIR"], job["needed"])
     send(event="guard", problems=problems)
     return 3 if problems else engine
 
@@ -184,6 +181,7 @@ def main(argv: list[str]) -> int:
 
     with open(argv[0], encoding="utf-8") as f:
         job = json.load(f)
+    os.setpgrp()  # a group of its own: the repair ends every vLLM process with it at once
     send, parent = channel(), os.getppid()
     engine = start(job, send)
     if isinstance(engine, int):

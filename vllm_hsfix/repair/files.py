@@ -1,5 +1,6 @@
-"""The files of a repair: which, what each must keep, whether the new one is right, and
-putting it in place; the one module of ``repair`` that uses the audit's API.
+"""The files of a repair: which, what each must keep, whether the new one is right,
+putting it in place, and the journal of those done; the one module of ``repair`` that
+uses the audit's API.
 
 A regenerated file that does not keep the old one's form is refused; one whose every row
 agrees with the old file proves the old one right (kept byte for byte); else it is
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..audit import decode
+from ..audit import decode, store
 from ..audit import format as fmt
 from ..audit.pipeline import audit_paths
 from ..audit.prefix import TOLERANCE
@@ -39,13 +40,6 @@ def audit(
         paths, args.workers, progress, state=state, keep=False, on_record=on_record
     )
     return dict(report.verdicts)
-
-
-def bar(quiet: bool, total: int) -> Any:
-    """The regeneration's progress bar on stderr."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="repair", unit="file", file=sys.stderr, disable=quiet)
 
 
 @dataclass
@@ -111,26 +105,14 @@ def from_audit_output(path: str, include_suspect: bool) -> list[str]:
         lines = [ln.strip() for ln in f if ln.strip()]
     if not lines or not lines[0].startswith("{"):
         return lines
-    last: dict[str, str] = {}
-    for rec in map(json.loads, lines):
-        if rec.get("type") in ("file", "update"):
-            last[rec["path"]] = rec["verdict"]
-    wanted = {CORRUPT, SUSPECT} if include_suspect else {CORRUPT}
-    return [p for p, v in last.items() if v in wanted]
+    kinds = ("file", "update")  # a line cut short by a kill is skipped
+    last = {r["path"]: r["verdict"] for r in store.read(path) if r.get("type") in kinds}
+    return [p for p, v in last.items() if v in wanted(include_suspect)]
 
 
-def shard(paths: list[str], spec: str | None) -> list[str]:
-    """``K/N``: every N-th target from the K-th (0-based) of the sorted list, so N
-    machines given the same input split it without talking to each other."""
-    if not spec:
-        return paths
-    try:
-        k, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        k, n = 0, 0
-    if n < 1 or not 0 <= k < n:
-        raise ValueError(f"--shard {spec}: expected K/N with 0 <= K < N")
-    return [p for i, p in enumerate(sorted(paths)) if i % n == k]
+def wanted(include_suspect: bool) -> set[str]:
+    """The verdicts repair regenerates."""
+    return {CORRUPT, SUSPECT} if include_suspect else {CORRUPT}
 
 
 def writer_done(path: str) -> bool:
@@ -173,13 +155,8 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
     directory = os.path.dirname(os.path.abspath(target.path))
     tmp = os.path.join(directory, f".{os.path.basename(target.path)}.repair-{os.getpid()}")
     try:
-        digest, size = hashlib.sha256(), 0
-        with open(new, "rb") as fin, open(tmp, "xb") as fout:
-            while chunk := fin.read(1 << 20):
-                digest.update(chunk)
-                size += fout.write(chunk)
-            fout.flush()
-            os.fsync(fout.fileno())
+        shutil.copyfile(new, tmp)
+        _fsync(tmp)
         if backup and os.path.exists(target.path):
             rel = os.path.relpath(os.path.abspath(target.path), root or directory)
             dest = os.path.join(backup, os.path.basename(rel) if rel.startswith("..") else rel)
@@ -190,12 +167,16 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fd = os.open(directory, os.O_RDONLY)
+    _fsync(directory)
+    return sha256(target.path), os.path.getsize(target.path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return digest.hexdigest(), size
 
 
 def distance(old_path: str, new_path: str) -> float | None:
@@ -264,3 +245,40 @@ def outcome(args: argparse.Namespace, t: Target, produced: str | None, root: str
         return "replaced", install(produced, t, args.backup, root)
     except Refused as exc:
         return "refused", str(exc)
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Journal:
+    """``--state``: one JSON Lines record per finished target, appended and fsynced once
+    its file is in place; a target whose file still has its digest and size is done."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.done: dict[str, dict[str, Any]] = {
+            rec["path"]: rec for rec in store.read(path) if isinstance(rec.get("path"), str)
+        }
+
+    def is_done(self, path: str) -> bool:
+        """Replaced (or found right) by an earlier run, and unchanged since."""
+        rec = self.done.get(path)
+        if not rec or rec.get("status") not in ("replaced", "right"):
+            return False
+        try:
+            return os.path.getsize(path) == rec["size"] and sha256(path) == rec["sha256"]
+        except OSError:
+            return False
+
+    def count(self, status: str) -> int:
+        return sum(1 for rec in self.done.values() if rec.get("status") == status)
+
+    def add(self, path: str, status: str, digest: str, size: int) -> None:
+        rec = {"path": path, "status": status, "sha256": digest, "size": size}
+        self.done[path] = rec
+        store.append(self.path, rec, sync=True)

@@ -18,15 +18,11 @@ BAD_STATUSES = frozenset({REFUSED, FAILED, REVERTED})
 FRONT_END = "vllm.entrypoints.cli."  # vLLM's command line: never imported by the engine
 
 
-def preflight(env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
-    """(problems, patches that must be applied in the engine)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_hsfix", "status", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+def preflight() -> tuple[list[str], list[str]]:
+    """(problems, patches that must be applied in the engine), from ``vllm-hsfix status``
+    of this environment."""
+    cmd = [sys.executable, "-m", "vllm_hsfix", "status", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     try:
         report: dict[str, Any] = json.loads(out.stdout)
     except ValueError:

@@ -1,6 +1,7 @@
 """One run of the repair's vLLM process (:mod:`.engine`) over a group of targets: its
 start, the messages it sends, each regenerated file checked and kept, refused or put in
-place (:mod:`.files`) and journaled (:mod:`.journal`), and why the run failed."""
+place and journaled (:mod:`.files`), its process group killed at the end, and why the
+run failed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,10 +23,11 @@ from typing import Any
 from .. import detect, enginelog
 from . import files, guard, settings
 from .engine import llm_kwargs
-from .files import Target
-from .journal import Journal, sha256
+from .files import Journal, Target, sha256
+from .watch import signal_name
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
+EOF_GRACE_S = 5.0  # how long what a dead vLLM process left may keep its stdout open
 
 
 @dataclass
@@ -46,8 +50,6 @@ def stop(problem: str, code: int, details: list[str] = ()) -> int:  # type: igno
 def failure(code: int, log: str) -> str:
     """Why the vLLM process ended with ``code``. A signal that killed it is the root
     cause, not what its engine core logged as it went down after it."""
-    from .watch import signal_name
-
     if code >= 0:
         return f"the vLLM run failed (exit {code}); {enginelog.explain(log)}"
     return (
@@ -82,9 +84,10 @@ def regenerate(
         refused = [*follow.refused, f"vLLM's log: {log}"]
         return stop("the fix is not active where vLLM runs; nothing written:", 1, refused)
     if follow.bad_args:
-        user = dict(a.split("=", 1) for a in args.engine_arg if "=" in a)
+        user = dict(args.engine_arg)
         for key, why in follow.bad_args:
-            stop(f"--engine-arg {f'{key}={user[key]}' if key in user else key}: {why}", 2)
+            named = settings.said({key: user[key]}) if key in user else key
+            stop(f"--engine-arg {named}: {why}", 2)
         print(enginelog.explain(log).splitlines()[-1], file=sys.stderr)
         return 2
     if code != 0:
@@ -105,23 +108,19 @@ def _start(
     """The repair's vLLM process, its stderr the log."""
     env = dict(os.environ, VLLM_HSFIX_STATUS_DIR=os.path.join(work, "status"))
     env.setdefault("VLLM_HSFIX_PROVENANCE", "1")  # regenerated files say what made them
-    sized = settings.KV_ENV in os.environ or settings.KV_ARGS & set(engine["engine_args"])
-    if not args.endpoint and not sized and detect.detect().cpu_build:
+    if not args.endpoint and detect.detect().cpu_build:
         seqs = min(args.batch_size, len(targets))
-        dtype = engine["engine_args"].get("dtype")
-        gib, line = settings.kv_cache_space(
-            args.model, dtype, len(engine["aux"]), seqs, engine["max_len"]
-        )
-        env[settings.KV_ENV] = str(gib)
-        print(f"repair: {line}", file=sys.stderr)
-    spec = {**engine, "model": args.model, "tensor_parallel_size": args.tensor_parallel_size}
-    spec["data_parallel_size"] = args.data_parallel_size
+        sized = settings.kv_cache_space(args.model, engine, seqs)
+        if sized is not None:
+            env[settings.KV_ENV] = str(sized[0])
+            print(f"repair: {sized[1]}", file=sys.stderr)
+    sizes = {"tensor_parallel_size": args.tensor_parallel_size}
+    spec = {**engine, **sizes, "model": args.model, "data_parallel_size": args.data_parallel_size}
     job = {
         "kwargs": llm_kwargs(spec, os.path.join(work, "hs")),
-        "user_args": settings.parse_engine_args(args.engine_arg),
+        "user_args": dict(args.engine_arg),
         "endpoint": args.endpoint,
         "served": args.model if args.endpoint else None,
-        "status_dir": env["VLLM_HSFIX_STATUS_DIR"],
         "needed": needed,
         "prompts": [t.token_ids for t in targets],
         "batch_size": args.batch_size,
@@ -132,6 +131,24 @@ def _start(
     with open(log, "w", encoding="utf-8") as err:
         cmd = [sys.executable, "-u", "-m", "vllm_hsfix.repair.engine", path]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the vLLM process's group: it and every process vLLM started."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _reap(proc: subprocess.Popen[str], eof: threading.Event) -> None:
+    """Once the vLLM process is gone, what it left (holding its stdout open) goes too,
+    unless its output is read to the end within ``EOF_GRACE_S``."""
+    proc.wait()
+    if not eof.wait(EOF_GRACE_S):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def message(line: str) -> dict[str, Any]:
@@ -162,25 +179,21 @@ class Follow:
 
     def run(self, proc: subprocess.Popen[str]) -> int:
         """Until the process ends (its exit status) or the guard refuses (-1)."""
-        from .watch import ChildTree
-
-        tree = ChildTree(proc)  # what a killed vLLM process leaves must not block us
+        eof = threading.Event()
+        threading.Thread(target=_reap, args=(proc, eof), daemon=True).start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 if not self.on(message(line)):
                     return -1
-            tree.eof.set()
+            eof.set()
             return proc.wait()
         finally:
             self.drain(wait=True)  # every file in place is journaled
             self.pool.shutdown()
             if self.bar is not None:
                 self.bar.close()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            tree.kill()  # no vLLM process outlives the run
+            _kill_group(proc)  # no vLLM process outlives the run
 
     def on(self, msg: dict[str, Any]) -> bool:
         """Act on one message; False: stop reading (the guard refused)."""
@@ -191,9 +204,12 @@ class Follow:
             self.refused = msg["problems"]
             return False
         elif event == "guard":
+            from tqdm import tqdm
+
             print(f"repair: engine ready in {time.monotonic() - self.t0:.0f} s", file=sys.stderr)
             self.ready = time.monotonic()
-            self.bar = files.bar(self.args.no_progress, len(self.targets))
+            self.bar = tqdm(total=len(self.targets), desc="repair", unit="file",
+                            file=sys.stderr, disable=self.args.no_progress)  # fmt: skip
         elif event == "file":
             t = self.targets[msg["index"]]
             job = (self.args, t, msg["path"], self.root)

@@ -7,6 +7,7 @@ else from the checkpoint and the files; ``--engine-arg`` overrides either. When
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -24,22 +25,19 @@ KV_ARGS = frozenset({"kv_cache_memory_bytes", "gpu_memory_utilization"})  # the 
 GIB = 1 << 30
 
 
-def parse_engine_args(items: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` items -> keyword arguments; ValueError names the bad item."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not eq or not key.isidentifier():
-            raise ValueError(
-                f"--engine-arg {item}: expected KEY=VALUE, e.g. dtype=bfloat16 or "
-                "enforce_eager=true (VALUE is JSON when it parses, else a string)"
-            )
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = {"True": True, "False": False, "None": None}.get(value, value)
-    return out
+def parse_engine_arg(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value): VALUE is JSON when it parses, else a string."""
+    key, eq, value = item.partition("=")
+    key = key.strip().replace("-", "_")
+    if not eq or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{item}: expected KEY=VALUE, e.g. dtype=bfloat16 or enforce_eager=true "
+            "(VALUE is JSON when it parses, else a string)"
+        )
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, {"True": True, "False": False, "None": None}.get(value, value)
 
 
 def _text_config(model: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -73,7 +71,8 @@ def _derived(model: str | None, targets: list[Target], cpu_build: bool) -> dict[
     return out
 
 
-def _said(values: dict[str, Any]) -> str:
+def said(values: dict[str, Any]) -> str:
+    """``KEY=VALUE, ...`` as a user types them."""
     return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in values.items())
 
 
@@ -92,7 +91,7 @@ def engine_settings(
         stamped = json.loads(stamps.most_common(1)[0][0])
         settings = {k: stamped[k] for k in ENGINE_KEYS if stamped.get(k) is not None}
         max_len = int(settings.pop("max_model_len", 0) or 0)
-        line = f"engine settings from the files' provenance: {_said(settings) or 'none recorded'}"
+        line = f"engine settings from the files' provenance: {said(settings) or 'none recorded'}"
         if max_len >= needed_len:
             line += f", max_model_len={max_len}"
         max_len = max(max_len, needed_len)
@@ -100,13 +99,13 @@ def engine_settings(
         derived = _derived(model, targets, cpu_build)
         settings = {k: v for k, (v, _) in derived.items()}
         max_len = needed_len
-        said = "; ".join(f"{_said({k: v})} ({why})" for k, (v, why) in derived.items())
-        line = f"the files carry no engine provenance; assumed {said or 'vLLM defaults'}"
+        told = "; ".join(f"{said({k: v})} ({why})" for k, (v, why) in derived.items())
+        line = f"the files carry no engine provenance; assumed {told or 'vLLM defaults'}"
     over = {k: v for k, v in user.items() if k in settings or k in ENGINE_KEYS}
     max_len = int(user.get("max_model_len") or user_len or max_len)
     settings.update({k: v for k, v in user.items() if k != "max_model_len"})
     if over:
-        return settings, max_len, line + "; --engine-arg sets " + _said(over)
+        return settings, max_len, line + "; --engine-arg sets " + said(over)
     return settings, max_len, line + " (--engine-arg KEY=VALUE overrides)"
 
 
@@ -136,19 +135,20 @@ def kv_bytes_needed(
     return 2 * seqs * (per_token * (max_len + 1) + linear * state)
 
 
-def kv_cache_space(
-    model: str | None, dtype: str | None, n_aux: int, seqs: int, max_len: int
-) -> tuple[int, str]:
-    """(GiB for ``VLLM_CPU_KVCACHE_SPACE``, one line saying so); at most half the
-    memory available (then fewer prompts run at once)."""
-    need = kv_bytes_needed(model, dtype, n_aux, seqs, max_len)
-    gib = max(1, math.ceil(need / GIB))
+def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tuple[int, str] | None:
+    """(GiB for ``VLLM_CPU_KVCACHE_SPACE``, one line saying so), at most half the memory
+    available (then fewer prompts run at once); None when the user sized the cache."""
     import psutil
 
+    args, max_len, n_aux = engine["engine_args"], engine["max_len"], len(engine["aux"])
+    if KV_ENV in os.environ or KV_ARGS & set(args):
+        return None
+    need = kv_bytes_needed(model, args.get("dtype"), n_aux, seqs, max_len)
+    gib = max(1, math.ceil(need / GIB))
     free = psutil.virtual_memory().available
     note = ""
     if gib * GIB > free // 2:
-        one = kv_bytes_needed(model, dtype, n_aux, 1, max_len)
+        one = kv_bytes_needed(model, args.get("dtype"), n_aux, 1, max_len)
         gib = max(1, math.ceil(one / GIB), (free // 2) // GIB)
         note = f", capped at half the {free / GIB:.0f} GiB free (fewer prompts at once)"
     line = (

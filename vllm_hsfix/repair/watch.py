@@ -1,10 +1,9 @@
-"""No vLLM process that dies leaves the repair waiting, and none outlives it.
+"""No vLLM process that dies leaves the repair's vLLM process waiting.
 
-vLLM 0.24.0's ``LLM.generate`` waits forever for a killed engine core: :class:`EngineWatch`,
-in the repair's vLLM process, names the process gone in an ``ERROR`` line of the log (the
-root cause :mod:`..enginelog` reports) and ends the run when vLLM has not. A killed vLLM
-process leaves its engine core holding its stdout: :class:`ChildTree`, in the repair,
-kills what is left. Processes are followed with psutil (a vLLM dependency).
+vLLM 0.24.0's ``LLM.generate`` waits forever for a killed engine core: :class:`EngineWatch`
+names the process gone in an ``ERROR`` line of the log (the root cause
+:mod:`..enginelog` reports) and ends the run when vLLM has not. Processes are followed
+with psutil (a vLLM dependency).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +20,6 @@ from typing import Any
 GRACE_S = 10.0  # how long vLLM gets to raise once one of its processes is gone
 POLL_S = 0.5
 EXIT_ENGINE_GONE = 5
-EOF_GRACE_S = 5.0  # how long what a dead vLLM process left may keep its stdout open
 # multiprocessing's helper processes: not vLLM's, and they end on their own.
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 # What most likely sent the signals a vLLM process dies of without a traceback.
@@ -52,15 +49,12 @@ def _alive(p: Any) -> bool:
         return False
 
 
-def _kill(procs: list[Any]) -> list[int]:
-    """SIGKILL those of ``procs`` still alive; their pids."""
-    killed = []
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL those of ``procs`` still alive."""
     for p in procs:
-        if _alive(p):
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if _alive(p):
                 p.kill()
-                killed.append(p.pid)
-    return killed
 
 
 def vllm_processes(root: int) -> list[Any]:
@@ -75,20 +69,12 @@ def vllm_processes(root: int) -> list[Any]:
     return [p for p in chosen if not any(h in _cmdline(p) for h in HELPERS)]
 
 
-def exit_status(pid: int, proc: Any = None) -> str:
-    """How child ``pid`` ended: from its ``multiprocessing`` object where there is one
-    (vLLM reaps its engine cores at once), else peeked without reaping; "" if unknown."""
-    if proc is not None and proc.exitcode is not None:
-        code = proc.exitcode
-    else:
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except (OSError, AttributeError):
-            return ""
-        if info is None:
-            return ""
-        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-        code = -info.si_status if killed else info.si_status
+def exit_status(proc: Any) -> str:
+    """How a child ended, from its ``multiprocessing`` object (vLLM starts its engine
+    cores so, and reaps them at once); "" for another process."""
+    code = None if proc is None else proc.exitcode
+    if code is None:
+        return ""
     return f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
 
 
@@ -146,45 +132,16 @@ class EngineWatch:
         with self.lock:
             gone = next((p.pid for p in self.watched if not _alive(p)), None)
             if not self.told and gone is not None:
-                how = exit_status(gone, self.objects.get(gone))
+                how = exit_status(self.objects.get(gone))
                 _log(cause(self.names[gone], gone, how))
                 self.told = True
             return self.told
 
     def _run(self) -> None:
-        since = None
         while not self.stopped.wait(POLL_S):
-            if since is None and self.tell():
-                since = time.monotonic()
-            if since is not None and time.monotonic() - since >= self.grace_s:
-                _log(f"vLLM did not end the run in {self.grace_s:g} s: vllm-hsfix ends it")
-                _kill(self.watched)
-                os._exit(EXIT_ENGINE_GONE)
-
-
-class ChildTree:
-    """The processes below the repair's vLLM process ``proc``, listed every second while
-    it runs; ``grace_s`` after it exited, those left are killed unless its output was
-    read to the end (:attr:`eof`); :meth:`kill` kills them at once."""
-
-    def __init__(self, proc: subprocess.Popen[str], grace_s: float = EOF_GRACE_S) -> None:
-        self.proc = proc
-        self.grace_s = grace_s
-        self.known: list[Any] = []
-        self.eof = threading.Event()
-        threading.Thread(target=self._run, name="vllm-hsfix-child-tree", daemon=True).start()
-
-    def _run(self) -> None:
-        import psutil
-
-        with contextlib.suppress(psutil.Error):
-            top = psutil.Process(self.proc.pid)
-            while self.proc.poll() is None:
-                self.known = top.children(recursive=True) or self.known
-                time.sleep(1.0)
-        if not self.eof.wait(self.grace_s):
-            self.kill()
-
-    def kill(self) -> list[int]:
-        """SIGKILL what is left of the run; the pids killed."""
-        return _kill(list(self.known))
+            if self.tell():
+                if not self.stopped.wait(self.grace_s):
+                    _log(f"vLLM did not end the run in {self.grace_s:g} s: vllm-hsfix ends it")
+                    _kill(self.watched)
+                    os._exit(EXIT_ENGINE_GONE)
+                return

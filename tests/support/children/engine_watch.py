@@ -10,48 +10,51 @@ can end it (exit 5)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from vllm_hsfix.repair.watch import EngineWatch
 
 WORKER = "import time\ntime.sleep(600)\n"
-# The engine core: starts its worker (not holding the test's pipes), prints its pid,
-# sleeps. (A process titled through argv[0] has no sys.executable: it is passed in.)
-CORE = (
-    "import subprocess, time\n"
-    "w = subprocess.Popen({argv!r}, executable={exe!r}, stdout=-3, stderr=-3)\n"
-    "print(w.pid, flush=True)\n"
-    "time.sleep(600)\n"
-)
+
+
+def core(titled: bool, conn: Any) -> None:
+    """The engine core, a multiprocessing child as vLLM starts it (titled as vLLM titles
+    it): starts its worker (not holding the test's pipes), sends its pid, sleeps."""
+    if titled:
+        import setproctitle
+
+        setproctitle.setproctitle("VLLM::EngineCore")
+    argv = ["VLLM::Worker" if titled else "python", "-c", WORKER]
+    w = subprocess.Popen(argv, executable=sys.executable, stdout=-3, stderr=-3)
+    conn.send(w.pid)
+    time.sleep(600)
 
 
 def main(args: dict) -> None:
     titled = args["titled"]
-    worker_argv = ["VLLM::Worker" if titled else "python", "-c", WORKER]
-    code = CORE.format(argv=worker_argv, exe=sys.executable)
-    core = subprocess.Popen(
-        ["VLLM::EngineCore" if titled else "python", "-c", code],
-        executable=sys.executable,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert core.stdout is not None
-    worker = int(core.stdout.readline())
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    engine_core = ctx.Process(target=core, args=(titled, theirs))
+    engine_core.start()
+    worker = ours.recv()
     if titled:  # ends on its own while the engine runs: must raise no alarm
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     watch = EngineWatch(grace_s=args["grace_s"])
     watch.start()
     print(
-        "HSFIX_WATCH " + json.dumps([sorted(p.pid for p in watch.watched), core.pid, worker]),
+        "HSFIX_WATCH "
+        + json.dumps([sorted(p.pid for p in watch.watched), engine_core.pid, worker]),
         flush=True,
     )
     time.sleep(1.0)  # the helper has ended meanwhile
-    os.kill(core.pid, signal.SIGKILL)
+    os.kill(engine_core.pid, signal.SIGKILL)
     threading.Event().wait()  # as vLLM's generate after its engine core is gone
 
 
