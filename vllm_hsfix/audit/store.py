@@ -99,39 +99,38 @@ _HEADER = {"kind": "vllm-hsfix audit state", "version": __version__, "checks": C
 TRANSIENT = frozenset({"unreadable"})
 
 
-def _arr(a: Any) -> dict[str, Any]:
-    return {"dtype": str(a.dtype), "shape": list(a.shape), "b64": base64.b64encode(a).decode()}
-
-
-def _unarr(d: dict[str, Any]) -> Any:
-    import numpy as np
-
-    raw = base64.b64decode(d["b64"])
-    return np.frombuffer(raw, dtype=d["dtype"]).reshape(d["shape"]).copy()
+_ARRAYS = ("sketches", "norms", "sound")  # PrefixData's numpy fields
 
 
 def _prefix_out(p: PrefixData | None) -> dict[str, Any] | None:
+    """A prefix contribution as JSON: its arrays as dtype, shape and base64 bytes."""
     if p is None:
         return None
-    return {
-        "token_ids": list(p.token_ids),
-        "sketches": _arr(p.sketches),
-        "norms": _arr(p.norms),
-        "sound": _arr(p.sound),
-        "shape_key": list(p.shape_key),
-    }
+    out: dict[str, Any] = {"token_ids": list(p.token_ids), "shape_key": list(p.shape_key)}
+    for name in _ARRAYS:
+        a = getattr(p, name)
+        out[name] = {
+            "dtype": str(a.dtype),
+            "shape": list(a.shape),
+            "b64": base64.b64encode(a).decode(),
+        }
+    return out
 
 
 def _prefix_in(d: dict[str, Any] | None) -> PrefixData | None:
+    """The inverse of :func:`_prefix_out`."""
+    import numpy as np
+
     if d is None:
         return None
-    return PrefixData(
-        token_ids=tuple(d["token_ids"]),
-        sketches=_unarr(d["sketches"]),
-        norms=_unarr(d["norms"]),
-        sound=_unarr(d["sound"]),
-        shape_key=(int(d["shape_key"][0]), int(d["shape_key"][1])),
-    )
+    arrays = {
+        name: np.frombuffer(base64.b64decode(d[name]["b64"]), dtype=d[name]["dtype"])
+        .reshape(d[name]["shape"])
+        .copy()
+        for name in _ARRAYS
+    }
+    n_aux, hidden = d["shape_key"]
+    return PrefixData(tuple(d["token_ids"]), shape_key=(int(n_aux), int(hidden)), **arrays)
 
 
 class State:
