@@ -1,8 +1,8 @@
-"""The compiled fp8 kernel of the audit (``vllm_hsfix.audit.kernel``, numba: vLLM
-requires it, so every vLLM image has it): its squared norms are torch's, and with it
-every finding, statistic and prefix sketch of the audit is the same as without it, on
-clean and damaged hs-connectors fp8 files. Its speed is measured by
-``benchmarks/bench_audit.py``, never asserted here.
+"""The compiled kernel of the audit (``vllm_hsfix.audit.kernel``, numba: vLLM requires
+it, so every vLLM image has it): its squared norms are torch's, and with it every
+finding, statistic and prefix sketch of the audit is the same as without it, on clean
+and damaged files of every format it takes (BF16, F32, hs-connectors' fp8). Its speed
+is measured by ``benchmarks/bench_audit.py``, never asserted here.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support import hsrows
+from support.hsfiles import hs_file
 
 from vllm_hsfix.audit import decode, scan
 from vllm_hsfix.audit.decode import fp8_e4m3fn_table
@@ -26,47 +27,98 @@ pytest.importorskip("numba")
 from vllm_hsfix.audit import kernel
 
 
-def _run(raw: np.ndarray, scales: Any, sumsq: np.ndarray, keys: np.ndarray) -> bool:
+def _run(raw: np.ndarray, name: str, scales: Any, sumsq: np.ndarray, keys: np.ndarray) -> bool:
     cols, mult = decode.key_columns(raw.shape[1])
-    return kernel.fp8(fp8_e4m3fn_table(), raw, scales, cols, mult, sumsq, keys)
+    if name == "F8_E4M3":
+        return kernel.fp8(fp8_e4m3fn_table(), raw, scales, cols, mult, sumsq, keys)
+    return getattr(kernel, name.lower())(raw, cols, mult, sumsq, keys)
 
 
+def _values(path: Path) -> torch.Tensor:
+    """The file's rows as the consumer reads them, float64 (torch, not the audit)."""
+    t = load_file(str(path))
+    hs = t["hidden_states"]
+    if hs.dtype == torch.float8_e4m3fn:
+        return hsrows.dequantized(path).double()
+    return hs.double()
+
+
+def _stored(path: Path) -> tuple[np.ndarray, str, Any]:
+    """The stored rows [tokens x n_aux, hidden] as the scan hands them to the kernel."""
+    t = load_file(str(path))
+    hs = t["hidden_states"]
+    n = hs.shape[0] * hs.shape[1]
+    if hs.dtype == torch.bfloat16:
+        return hs.view(torch.int16).numpy().view(np.uint16).reshape(n, -1), "BF16", None
+    if hs.dtype == torch.float32:
+        return hs.numpy().reshape(n, -1), "F32", None
+    scales = t["hidden_states_scales"].reshape(-1).float().numpy()
+    return hs.view(torch.uint8).numpy().reshape(n, -1), "F8_E4M3", np.repeat(scales, hs.shape[1])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32", "fp8"])
 @pytest.mark.parametrize("hidden", [7, 256, 4096])
-def test_the_kernels_squared_norms_are_torchs(hidden: int, tmp_path: Path) -> None:
+def test_the_kernels_squared_norms_are_torchs(dtype: str, hidden: int, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(hidden)
     rows = torch.randn(30, 4, hidden, generator=g) * torch.logspace(-3, 3, 30)[:, None, None]
-    path = hsrows.write_fp8(tmp_path / "r.safetensors", rows, list(range(30)))
-    t = load_file(str(path))
-    raw = t["hidden_states"].view(torch.uint8).numpy().reshape(120, -1)
-    scales = np.repeat(t["hidden_states_scales"].reshape(-1).float().numpy(), 4)
-    values = hsrows.dequantized(path).double()  # as the consumer reads them (torch)
+    path = tmp_path / "r.safetensors"
+    if dtype == "fp8":
+        hsrows.write_fp8(path, rows, list(range(30)))
+    else:
+        cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+        save_file({"hidden_states": rows.to(cast), "token_ids": torch.arange(30)}, str(path))
+    raw, name, scales = _stored(path)
     cols, mult = decode.key_columns(hidden)
     sumsq, keys = np.zeros(len(raw)), np.zeros(len(raw), np.uint64)
-    assert _run(raw, scales, sumsq, keys) is False
-    want = (values**2).sum(dim=-1).reshape(-1).numpy()
+    assert _run(raw, name, scales, sumsq, keys) is False
+    want = (_values(path) ** 2).sum(dim=-1).reshape(-1).numpy()
     np.testing.assert_allclose(sumsq, want, rtol=2e-5)
-    # The row keys sample the bits of the de-quantized values the consumer reads.
-    bits = values.float().reshape(len(raw), -1).numpy().view(np.uint32)
+    # The row keys sample the bits of the values the consumer reads (fp8: de-quantized).
+    bits = _values(path).float().reshape(len(raw), -1).numpy().view(np.uint32)
+    if name == "BF16":
+        bits = bits >> 16
     sample = bits[:, cols].astype(np.uint64) * mult
     np.testing.assert_array_equal(keys, sample.sum(axis=1, dtype=np.uint64))
 
 
 def _damaged(root: Path) -> list[Path]:
-    """Clean and damaged fp8 files."""
+    """Clean and damaged files of every format the kernel takes."""
     g = torch.Generator().manual_seed(5)
-    out = []
-    for name, byte in (("fp8", None), ("fp8_nan", 0x7F), ("fp8_zero", 0)):
-        rows = torch.randn(48, 3, 256, generator=g)
-        path = hsrows.write_fp8(root / f"{name}.safetensors", rows, list(range(48)))
-        if byte is not None:  # a float8_e4m3fn NaN in one row; one row all zero
-            t = load_file(str(path))
-            hs = t["hidden_states"].view(torch.uint8)
-            if byte:
-                hs[11, 2, 4] = byte
-            else:
-                hs[45, 0] = 0
-            save_file(t, str(path))
-        out.append(path)
+
+    def rows(scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(48, 3, 256, generator=g) * scale
+
+    out = [hs_file(root / f"bf16_{i}.safetensors", tokens=48, seed=i) for i in range(3)]
+    out.append(
+        hs_file(root / "zero.safetensors", tokens=48, seed=7, edit=lambda h, i: h[30, 2].zero_())
+    )
+    out.append(hs_file(root / "nan.safetensors", tokens=48, seed=8,
+                       edit=lambda h, i: h[40, 1, 5:9].fill_(float("nan"))))  # fmt: skip
+    out.append(hs_file(root / "inf.safetensors", tokens=48, seed=9,
+                       edit=lambda h, i: h[2, 0, 3].fill_(float("inf"))))  # fmt: skip
+
+    def dup(h: torch.Tensor, i: torch.Tensor) -> None:
+        h[33, 1] = h[20, 1]
+
+    out.append(hs_file(root / "dup.safetensors", tokens=48, seed=10, edit=dup))
+    big = rows(3e19)  # squares past float32: the sum overflows, the values do not
+    save_file({"hidden_states": big, "token_ids": torch.arange(48)}, str(root / "big.safetensors"))
+    out.append(root / "big.safetensors")
+    save_file(
+        {"hidden_states": rows(), "token_ids": torch.arange(48)}, str(root / "f32.safetensors")
+    )
+    out.append(root / "f32.safetensors")
+    out.append(hsrows.write_fp8(root / "fp8.safetensors", rows(), list(range(48))))
+    fp8_nan = hsrows.write_fp8(root / "fp8_nan.safetensors", rows(), list(range(48)))
+    t = load_file(str(fp8_nan))
+    t["hidden_states"].view(torch.uint8)[11, 2, 4] = 0x7F  # float8_e4m3fn NaN
+    save_file(t, str(fp8_nan))
+    out.append(fp8_nan)
+    fp8_zero = hsrows.write_fp8(root / "fp8_zero.safetensors", rows(), list(range(48)))
+    t = load_file(str(fp8_zero))
+    t["hidden_states"].view(torch.uint8)[45, 0] = 0
+    save_file(t, str(fp8_zero))
+    out.append(fp8_zero)
     return out
 
 
@@ -96,14 +148,15 @@ def test_every_finding_is_the_same_with_the_kernel(
     monkeypatch.setattr(decode, "_kernel", None)
     assert decode.enable(decode.MIN_BYTES)
     used = []
-    real = kernel.fp8
+    for name in ("bf16", "f32", "fp8"):
+        real = getattr(kernel, name)
 
-    def counting(*args: Any) -> bool:
-        odd = real(*args)
-        used.append(not odd)
-        return odd
+        def counting(*args: Any, _real: Any = real, _name: str = name) -> bool:
+            odd = _real(*args)
+            used.append((_name, not odd))
+            return odd
 
-    monkeypatch.setattr(kernel, "fp8", counting)
+        monkeypatch.setattr(kernel, name, counting)
     with_kernel = _judged(paths)
     assert with_kernel[0] == without[0]
     assert with_kernel[1] == pytest.approx(without[1], rel=1e-6)
@@ -113,11 +166,15 @@ def test_every_finding_is_the_same_with_the_kernel(
             assert a.token_ids == b.token_ids
             for name in ("sketches", "norms", "sound"):
                 np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=path.name)
-    # It ran (and the damaged files' windows went the numpy way).
-    assert True in used and False in used
+    # It ran on every format (and the damaged files' windows went the numpy way).
+    assert {d for d, ok in used if ok} == {"bf16", "f32", "fp8"}
     verdicts = {Path(d["path"]).name: d["verdict"] for d in without[0]}
     assert verdicts == {
-        "fp8.safetensors": "ok", "fp8_nan.safetensors": "corrupt", "fp8_zero.safetensors": "corrupt"
+        "bf16_0.safetensors": "ok", "bf16_1.safetensors": "ok", "bf16_2.safetensors": "ok",
+        "zero.safetensors": "corrupt", "nan.safetensors": "corrupt", "inf.safetensors": "corrupt",
+        "dup.safetensors": "suspect", "big.safetensors": "ok", "f32.safetensors": "ok",
+        "fp8.safetensors": "ok", "fp8_nan.safetensors": "corrupt",
+        "fp8_zero.safetensors": "corrupt",
     }  # fmt: skip
 
 
@@ -148,9 +205,9 @@ def test_the_fp8_kernel_squares_every_byte_value() -> None:
     scale = np.array([1.0, 2.0**-20, 3.5], dtype=np.float32)
     want = (values**2).sum(dim=1).numpy() * scale.astype(np.float64) ** 2
     sumsq, keys = np.zeros(3), np.zeros(3, np.uint64)
-    assert _run(raw, scale, sumsq, keys) is False
+    assert _run(raw, "F8_E4M3", scale, sumsq, keys) is False
     np.testing.assert_allclose(sumsq, want, rtol=1e-6)
     nan_row = raw.copy()
     nan_row[1, 100] = 0xFF
-    assert _run(nan_row, scale, sumsq, keys) is True
+    assert _run(nan_row, "F8_E4M3", scale, sumsq, keys) is True
     assert np.isnan(sumsq[1]) and not np.isnan(sumsq[0])

@@ -1,7 +1,7 @@
 """Rows as values: every format's ``hidden_states`` turned into float32 (fp8: its
 float8_e4m3fn values times its token's scale, through a 256-entry table), and a window of
 stored rows into the per-row numbers the checks need (squared norm, key, zero and
-NaN/Inf flags), by numpy blocks (large fp8 audits: the compiled :mod:`.kernel`)."""
+NaN/Inf flags), by the compiled kernel (:mod:`.kernel`) or numpy blocks."""
 
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ class Rows:
         """The working block this format needs (None: F32/F64 read in place, fp8 fresh)."""
         import numpy as np
 
-        if self.dtype == "BF16":  # the low halves stay zero (:meth:`block`)
-            return np.zeros((rows, self.hidden), dtype=np.uint32)
+        if self.dtype == "BF16":
+            return np.empty((rows, self.hidden), dtype=np.uint32)
         if self.dtype == "F16":
             return np.empty((rows, self.hidden), dtype=np.float32)
         return None
@@ -107,10 +107,10 @@ class Rows:
             return work, work.view(np.uint32)
         ints = raw.view(HIDDEN_INT[self.dtype])
         if self.dtype == "BF16":
-            # bf16 is the top half of a float32: its bits go to the high (little-endian:
-            # second) uint16 of each zeroed float32.
+            # bf16 is the top half of a float32: widen, shift left 16, reinterpret.
             w = buf[:n]
-            w.view(np.uint16)[:, 1::2] = ints
+            w[...] = ints
+            np.left_shift(w, 16, out=w)
             return w.view(np.float32), ints
         if self.dtype == "F16":
             work = buf[:n]
@@ -167,27 +167,18 @@ def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[
     return rows.values(raw).reshape(n_tokens, n_aux, hidden), ids, rep.format or ""
 
 
-# fp8 audits of fewer bytes use numpy: the kernel's load is repaid only past this size.
+# Audits of fewer bytes use numpy: the kernel's load is repaid only past this size.
 # ``KERNEL_ENV=0``: never.
 MIN_BYTES = 1024 * 1024 * 1024
 KERNEL_ENV = "VLLM_HSFIX_AUDIT_KERNEL"
-_wanted = False  # set by :func:`enable`
-_kernel: Any = None  # the loaded :mod:`.kernel` once loaded; False: it failed to load
+_kernel: Any = None  # the loaded :mod:`.kernel` once :func:`enable` succeeded; False: failed
 
 
 def enable(total_bytes: int) -> bool:
-    """Let this process's scans of fp8 rows use the compiled kernel when an audit of
-    ``total_bytes`` repays its load and it is not switched off; loaded at the first fp8
-    window (a dataset without fp8 files never pays for it). Whether it is wanted."""
-    global _wanted
-    _wanted = total_bytes >= MIN_BYTES and os.environ.get(KERNEL_ENV) != "0"
-    return _wanted
-
-
-def _fp8_kernel() -> Any:
-    """The kernel module when wanted and loadable here (numba installed), else False."""
+    """Use the compiled kernel in this process's scans when an audit of ``total_bytes``
+    repays its load and it loads here (numba installed, not switched off); whether on."""
     global _kernel
-    if _kernel is None and _wanted:
+    if _kernel is None and total_bytes >= MIN_BYTES and os.environ.get(KERNEL_ENV) != "0":
         try:
             from . import kernel
 
@@ -195,7 +186,7 @@ def _fp8_kernel() -> Any:
             _kernel = kernel
         except Exception:  # no numba, or it fails here: the numpy path, never an error
             _kernel = False
-    return _kernel if _wanted else False
+    return bool(_kernel)
 
 
 # float32 working block: conversion and the row sums stay in the CPU caches.
@@ -295,7 +286,7 @@ def fill(
     values then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
-    if rows.fp8 and _fp8_kernel() and _kernel_rows(nums, raw, rows, row0, cols, mult):
+    if _kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
     n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
@@ -323,12 +314,20 @@ def _kernel_rows(
     cols: NDArray[Any],
     mult: NDArray[Any],
 ) -> bool:
-    """An fp8 window's squared norms, keys and head rows from the compiled kernel; False
-    when a row needs :func:`_block_rows`'s closer look."""
+    """The window's squared norms, keys and head rows from the compiled kernel; False
+    when it does not take this dtype or a row needs :func:`_block_rows`'s closer look."""
     n = raw.shape[0]
     sumsq, keys = nums.sumsq[row0 : row0 + n], nums.keys[row0 : row0 + n]
-    scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
-    if _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys):
+    if rows.dtype == "BF16":
+        odd = _kernel.bf16(raw.view(HIDDEN_INT["BF16"]), cols, mult, sumsq, keys)
+    elif rows.dtype == "F32":
+        odd = _kernel.f32(raw, cols, mult, sumsq, keys)
+    elif rows.fp8:
+        scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
+        odd = _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys)
+    else:
+        return False
+    if odd:
         return False
     take = min(len(nums.head) - row0, n)
     if take > 0:  # the head rows' values, as the numpy path computes them

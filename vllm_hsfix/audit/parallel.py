@@ -70,7 +70,7 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
-    on the compiled fp8 kernel (:func:`.decode.enable`)."""
+    on the compiled kernel (:func:`.decode.enable`)."""
     if total_bytes:
         decode.enable(total_bytes)
     with single_blas_thread():  # whole products for the prefix sketches
@@ -111,9 +111,10 @@ def run_pool(
     one per fresh process, so the crash is pinned on its file. Raises :class:`Stalled`
     when nothing comes back for ``stall_s`` seconds (0: no bound)."""
     ctx = _context()
-    import numpy  # loaded once here, so forked workers inherit it
+    import numpy  # loaded once here, so forked workers inherit it (and the kernel)
 
     total = int(numpy.asarray(sizes).sum())
+    decode.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
