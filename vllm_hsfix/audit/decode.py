@@ -118,6 +118,18 @@ class Rows:
             return work, ints
         return raw, ints
 
+    def into(self, raw: Any, out: Any) -> None:
+        """The float32 values of stored BF16/F16/F32 rows ``raw`` written straight into
+        ``out`` (no working block: the kernel's head rows)."""
+        import numpy as np
+
+        if self.dtype == "BF16":
+            bits = out.view(np.uint32)
+            bits[...] = raw.view(np.uint16)
+            bits <<= 16
+        else:
+            out[...] = raw
+
     def canonical(self, stored: bytes, token: int) -> bytes:
         """The bytes of one stored row's values (row of token position ``token``)."""
         if not self.fp8:
@@ -329,9 +341,13 @@ def _kernel_rows(
         return False
     if odd:
         return False
-    take = min(len(nums.head) - row0, n)
-    if take > 0:  # the head rows' values, as the numpy path computes them
-        _keep_head(nums, row0, rows.block(raw[:take], row0, rows.buffer(take))[0])
+    if row0 < len(nums.head):
+        take = min(len(nums.head) - row0, n)
+        head = nums.head[row0 : row0 + take]
+        if rows.fp8:
+            _kernel.fp8_values(rows.table, raw[:take], rows.row_scales[row0 : row0 + take], head)
+        else:
+            rows.into(raw[:take], head)
     return True
 
 
