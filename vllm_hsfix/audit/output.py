@@ -72,12 +72,9 @@ class Digest:
 
     def _example(self, key: tuple[str, str], path: str, detail: str) -> None:
         heap = self.examples.setdefault(key, [])
-        if self.show is None:
-            heap.append((path, detail))
-            return
-        # Amortised: let the list grow to about twice `show`, then keep the smallest.
         heap.append((path, detail))
-        if len(heap) > 2 * self.show + 16:
+        # Amortised: let the list grow to about twice `show`, then keep the smallest.
+        if self.show is not None and len(heap) > 2 * self.show + 16:
             heap[:] = heapq.nsmallest(self.show, heap)
 
     @classmethod

@@ -78,7 +78,7 @@ def _first_of_each_file(paths: list[str]) -> list[str]:
 def check_file(path: str | os.PathLike[str]) -> FileReport:
     """The per-file checks on one file, without dataset context (``pending`` while the
     writer holds its lock)."""
-    from .scan import audit_file, locked
+    from .scan import audit_file
 
     p = os.fspath(path)
     return locked(p) or audit_file(p)

@@ -265,9 +265,7 @@ def prepare(rep: FileReport, path: str) -> Prepared | None:
             }
     tensors, layout = check_layout(header, size - data_start)
     if layout is not None:
-        if layout.code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
-            layout.detail += " (a .lock file sits beside it: the writer may still be running)"
-        rep.add(layout.code, layout.severity, layout.detail)
+        rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
     hs_ok, ti_ok = check_keys(rep, tensors)
     if layout is not None and layout.code == "truncated":
         return None  # the data the header points at is not all there: reading it hits EOF
@@ -371,15 +369,19 @@ def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
     try:
         return fn(*args)
     except BadFile as exc:
-        detail = exc.detail
-        if exc.code == "truncated" and os.path.exists(rep.path + LOCK_SUFFIX):
-            detail += " (a .lock file sits beside it: the writer may still be running)"
-        rep.add(exc.code, exc.severity, detail)
+        rep.add(exc.code, exc.severity, _lock_note(exc.code, exc.detail, rep.path))
     except OSError as exc:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
         rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
     return None
+
+
+def _lock_note(code: str, detail: str, path: str) -> str:
+    """A truncated file's detail says so when a ``.lock`` sits beside it."""
+    if code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
+        detail += " (a .lock file sits beside it: the writer may still be running)"
+    return detail
 
 
 def conclude(rep: FileReport, t0: float) -> FileReport:
