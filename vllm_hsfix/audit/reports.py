@@ -17,9 +17,7 @@ UNSUPPORTED = "unsupported"
 VERDICTS = (OK, SUSPECT, CORRUPT, PENDING, UNSUPPORTED)
 # Which verdict wins when a file gets findings of several severities.
 _RANK = {OK: 0, PENDING: 1, SUSPECT: 2, UNSUPPORTED: 3, CORRUPT: 4}
-# Report schema: 3 added the ``unsupported`` verdict (its count and list) and each
-# file's ``format``; 2 split ``regenerate`` (corrupt only) from ``suspect`` and added
-# ``pending``; schema 1 listed corrupt and suspect files together under ``regenerate``.
+# The ``--json`` report's schema (what each version changed: CHANGELOG.md).
 SCHEMA = 3
 
 
