@@ -311,19 +311,13 @@ def test_the_store_appends_reads_whole_records_and_rewrites_atomically(tmp_path:
 
     path = tmp_path / "j.jsonl"
     assert store.read(path) == []
-    out = store.Appender(path)
-    out.append({"a": 1})
-    out.append(store.dumps({"b": [1, 2]}))
-    out.close()
+    store.append(path, {"a": 1})
+    store.append(path, {"b": [1, 2]}, sync=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write('[1, 2]\n{"c": ')  # a line that is no object, then a torn one
     assert store.read(path) == [{"a": 1}, {"b": [1, 2]}]
     store.rewrite(path, [{"z": None}])
     assert path.read_text() == '{"z":null}\n' and os.listdir(tmp_path) == ["j.jsonl"]
-    fresh = store.Appender(path, fresh=True)
-    fresh.append({"y": 2})
-    fresh.close()
-    assert store.read(path) == [{"y": 2}]
 
 
 # ----------------------------------------------------------------- API and usage

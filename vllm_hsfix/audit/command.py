@@ -184,19 +184,6 @@ def _output_usage(args: argparse.Namespace) -> str | None:
     return None
 
 
-NEEDS = "numpy"
-INSTALL_HINT = "pip install 'vllm-hsfix[audit]'"
-
-
-def missing_dependency() -> str | None:
-    """The one-line message when what ``audit`` needs is not installed, else None."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        return f"vllm-hsfix audit needs {NEEDS}, which is not installed here: {INSTALL_HINT}"
-    return None
-
-
 def _fanout(sinks: list[Callable[[dict[str, Any]], None]]) -> Callable[[dict[str, Any]], None]:
     def emit(record: dict[str, Any]) -> None:
         for sink in sinks:
@@ -207,11 +194,12 @@ def _fanout(sinks: list[Callable[[dict[str, Any]], None]]) -> Callable[[dict[str
 
 def _usage(args: argparse.Namespace) -> str | None:
     """What makes the command unable to start (exit 2), before any work."""
-    problem = (
-        missing_dependency()
-        or _output_usage(args)
-        or (_reference_usage(args) if args.reference else None)
-    )
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        hint = "pip install 'vllm-hsfix[audit]'"
+        return f"vllm-hsfix audit needs numpy, which is not installed here: {hint}"
+    problem = _output_usage(args) or (_reference_usage(args) if args.reference else None)
     if not problem and args.ray is not None:
         from .parallel import ray_missing
 

@@ -1,5 +1,5 @@
 """The dataset pass: cross-file checks no single file can answer (the ``[n_aux, hidden]``
-majority, per-layer norm outliers, shared prefixes), over the :class:`.ledger.Ledger`."""
+majority, per-layer norm outliers), over the :class:`Ledger` (shared prefixes: :mod:`.prefix`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import math
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from . import prefix
-from .reports import CORRUPT, SUSPECT, UNSUPPORTED, VERDICTS, FileReport, Problem, worse
+from .reports import SUSPECT, UNSUPPORTED, VERDICTS, FileReport, Problem, worse
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -163,21 +162,3 @@ def _norm_outliers(
             f"median {med:.4g} (robust z {float(z[k]):.1f} > {OUTLIER_MADS:g})"
         )
         add_finding(findings, ledger, int(members[k]), Problem("norm_outlier", SUSPECT, detail))
-
-
-def prefix_pass(
-    ledger: Ledger,
-    judged: NDArray[Any],
-    findings: Findings,
-    store: prefix.Store,
-    positions: Any,
-    tick: prefix.Tick | None = None,
-) -> dict[str, Any]:
-    """Cross-file shared-prefix consistency (:mod:`.prefix`) over the files' sketches in
-    ``store`` (``positions``: a stored file's position in ``judged``, -1 for none);
-    findings are corrupt. ``tick(n)`` reports progress in files."""
-    result = prefix.check(store, positions, len(judged), tick)
-    for k, finding in sorted(result.findings.items()):
-        problem = Problem("prefix_mismatch", CORRUPT, prefix.describe(finding))
-        add_finding(findings, ledger, int(judged[k]), problem)
-    return result.summary(len(judged))

@@ -72,12 +72,9 @@ class Digest:
 
     def _example(self, key: tuple[str, str], path: str, detail: str) -> None:
         heap = self.examples.setdefault(key, [])
-        if self.show is None:
-            heap.append((path, detail))
-            return
-        # Amortised: let the list grow to about twice `show`, then keep the smallest.
         heap.append((path, detail))
-        if len(heap) > 2 * self.show + 16:
+        # Amortised: let the list grow to about twice `show`, then keep the smallest.
+        if self.show is not None and len(heap) > 2 * self.show + 16:
             heap[:] = heapq.nsmallest(self.show, heap)
 
     @classmethod
@@ -191,22 +188,18 @@ CSV_FIELDS = [
 
 def write_csv(report: AuditReport, dest: str | os.PathLike[str] | IO[str]) -> None:
     """One row per file, for spreadsheets and ``pandas.read_csv``."""
-
-    def rows(out: IO[str]) -> None:
-        w = csv.DictWriter(out, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for f in report.files:
-            d = {k: getattr(f, k) for k in CSV_FIELDS if hasattr(f, k)}
-            d["codes"] = " ".join(f.codes())
-            d["reason"] = f.reason()
-            d["provenance"] = " ".join(f"{k}={v}" for k, v in sorted(f.provenance.items()))
-            w.writerow(d)
-
     if isinstance(dest, (str, os.PathLike)):
         with open(dest, "w", newline="", encoding="utf-8") as out:
-            rows(out)
-    else:
-        rows(dest)
+            write_csv(report, out)
+        return
+    w = csv.DictWriter(dest, fieldnames=CSV_FIELDS)
+    w.writeheader()
+    for f in report.files:
+        d = {k: getattr(f, k) for k in CSV_FIELDS if hasattr(f, k)}
+        d["codes"] = " ".join(f.codes())
+        d["reason"] = f.reason()
+        d["provenance"] = " ".join(f"{k}={v}" for k, v in sorted(f.provenance.items()))
+        w.writerow(d)
 
 
 class JsonlWriter:

@@ -226,27 +226,19 @@ def ray_missing() -> str | None:
     return None
 
 
-def _package_dir() -> str:
-    """The ``vllm_hsfix`` directory this module belongs to (shipped to the workers)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def ray_connect(address: str | None) -> Any:
     """Join the cluster at ``address`` (``None``: ``RAY_ADDRESS`` or a local one),
     shipping this package."""
     import ray
 
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # vllm_hsfix
     ray.init(
         address=address or None,
-        runtime_env={"py_modules": [_package_dir()]},
+        runtime_env={"py_modules": [package_dir]},
         logging_level="ERROR",
         log_to_driver=False,
     )
     return ray
-
-
-def cluster_cpus(ray: Any) -> int:
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def run_ray(
@@ -259,7 +251,7 @@ def run_ray(
     """Scan ``files`` as Ray tasks (a task whose worker dies is retried, then split into
     one task per file); ``on_result(index, report)`` per file. Returns the cluster's
     CPUs. Raises :class:`.parallel.Stalled` when no task finishes for ``stall_s`` s."""
-    cpus = cluster_cpus(ray)
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     total = int(sum(sizes))  # the workers decide on the compiled kernel from it
     task = ray.remote(num_cpus=1, max_retries=RAY_RETRIES)(run_batch)
     pending = {task.remote([files[i] for i in b], total): b for b in batches(sizes, cpus)}

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import parallel, prefix, reports
-from .dataset import Findings, Ledger, dataset_pass, prefix_pass
+from .dataset import Findings, Ledger, add_finding, dataset_pass
 from .format import LOCK_SUFFIX, SUFFIX
 from .parallel import STALL_S, default_workers, run_pool
 from .progress import SILENT, Factory
-from .reports import CORRUPT, PENDING, AuditReport, FileReport
+from .reports import CORRUPT, PENDING, AuditReport, FileReport, Problem
 from .scan import locked
 from .store import State
 
@@ -78,7 +78,7 @@ def _first_of_each_file(paths: list[str]) -> list[str]:
 def check_file(path: str | os.PathLike[str]) -> FileReport:
     """The per-file checks on one file, without dataset context (``pending`` while the
     writer holds its lock)."""
-    from .scan import audit_file, locked
+    from .scan import audit_file
 
     p = os.fspath(path)
     return locked(p) or audit_file(p)
@@ -224,10 +224,12 @@ class _Run:
         positions = np.full(len(self.files), -1, dtype=np.int64)
         positions[judged] = np.arange(len(judged))
         with self.prefixes:  # its temporary files go now
-            dataset["prefix"] = prefix_pass(
-                self.ledger, judged, findings, self.prefixes, positions, bar.update
-            )
+            result = prefix.check(self.prefixes, positions, len(judged), bar.update)
         bar.close()
+        for k, finding in sorted(result.findings.items()):
+            problem = Problem("prefix_mismatch", CORRUPT, prefix.describe(finding))
+            add_finding(findings, self.ledger, int(judged[k]), problem)
+        dataset["prefix"] = result.summary(len(judged))
         if reference is not None:
             _reference_pass(self.files, self.ledger, judged, findings, reference, dataset, progress)
         return dataset, findings
@@ -274,8 +276,6 @@ def _reference_pass(
 ) -> None:
     """``--reference``: recompute a sample; mismatching files become corrupt."""
     from . import reference
-    from .dataset import add_finding
-    from .reports import Problem
 
     readable = judged[ledger.n_tokens[judged] > 0].tolist()
     if not readable:

@@ -4,6 +4,7 @@ line, a plain line every ``interval`` seconds and one at the end."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -25,14 +26,15 @@ def _amount(n: int, second: str, seconds: float | None = None) -> str:
 
 
 class LogLines:
-    """A line every ``interval`` seconds (and one at the end) for logs: no ``\\r``."""
+    """A line every ``interval`` seconds (and one at the end) for logs: no ``\\r``;
+    with no ``stream``, nothing (``--no-progress``, library calls)."""
 
     def __init__(
         self,
         label: str,
         total: int,
-        stream: IO[str],
-        interval: float,
+        stream: IO[str] | None,
+        interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         second: str = "bytes",
         prefix: str = "audit ",
@@ -41,7 +43,6 @@ class LogLines:
         self.clock, self.second = clock, second
         self.done = self.nbytes = 0
         self.t0 = self._last = clock()
-        self._closed = False
 
     def update(self, n: int = 1, nbytes: int = 0) -> None:
         self.done += n
@@ -52,6 +53,8 @@ class LogLines:
             self._write(now)
 
     def _write(self, now: float) -> None:
+        if self.stream is None:
+            return
         s = now - self.t0
         rate = max(s, 1e-9)
         self.stream.write(
@@ -62,9 +65,8 @@ class LogLines:
         self.stream.flush()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._write(self.clock())
+        self._write(self.clock())
+        self.stream = None  # once
 
 
 class _Bar:
@@ -87,17 +89,9 @@ class _Bar:
         self.bar.close()
 
 
-class _Silent:
-    def update(self, n: int = 1, nbytes: int = 0) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def SILENT(label: str, total: int, total_bytes: int = 0) -> Any:
     """The factory that draws nothing (``--no-progress``, library calls)."""
-    return _Silent()
+    return LogLines(label, total, None, math.inf)
 
 
 def for_stream(

@@ -107,15 +107,13 @@ def decoder_layers(model: Any) -> Any:
 
 
 def conventions(num_layers: int, aux_layers: Sequence[int]) -> dict[int, str]:
-    """What each aux layer id is compared with, in words (vLLM's numbering)."""
+    """What each aux layer id (0..num_layers) is compared with, in words (vLLM's numbering)."""
     out = {}
     for k in aux_layers:
         if k == num_layers:
             out[k] = "last decoder layer output before the final norm (vLLM's convention)"
-        elif 0 <= k < num_layers:
-            out[k] = f"input of decoder layer {k} (transformers' hidden_states[{k}])"
         else:
-            out[k] = f"no such layer (the model has {num_layers} decoder layers)"
+            out[k] = f"input of decoder layer {k} (transformers' hidden_states[{k}])"
     return out
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -17,9 +17,7 @@ UNSUPPORTED = "unsupported"
 VERDICTS = (OK, SUSPECT, CORRUPT, PENDING, UNSUPPORTED)
 # Which verdict wins when a file gets findings of several severities.
 _RANK = {OK: 0, PENDING: 1, SUSPECT: 2, UNSUPPORTED: 3, CORRUPT: 4}
-# Report schema: 3 added the ``unsupported`` verdict (its count and list) and each
-# file's ``format``; 2 split ``regenerate`` (corrupt only) from ``suspect`` and added
-# ``pending``; schema 1 listed corrupt and suspect files together under ``regenerate``.
+# The ``--json`` report's schema (what each version changed: CHANGELOG.md).
 SCHEMA = 3
 
 
@@ -111,22 +109,6 @@ class FileReport:
         out["provenance"] = dict(self.provenance)
         return out
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as plain tuples (the worker pool sends thousands a second): a third
-        of the driver's unpickling time of the dataclasses' own state dicts."""
-        d = vars(self)
-        pre = self.prefix
-        return (
-            _rebuild,
-            (
-                tuple(d[k] for k in _SCALARS),
-                [tuple(vars(st).values()) for st in self.layers],
-                [tuple(vars(p).values()) for p in self.problems],
-                self.provenance,
-                None if pre is None else tuple(vars(pre).values()),
-            ),
-        )
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FileReport:
         """The inverse of :meth:`to_dict` (``--state`` reads reports back)."""
@@ -134,26 +116,6 @@ class FileReport:
         layers = [LayerStats(**x) for x in d.pop("layers", [])]
         problems = [Problem(**x) for x in d.pop("problems", [])]
         return cls(**d, layers=layers, problems=problems)
-
-
-_SCALARS = tuple(f.name for f in fields(FileReport) if f.name not in _NOT_IN_DICT)
-
-
-def _rebuild(
-    scalars: tuple[Any, ...],
-    layers: list[tuple[Any, ...]],
-    problems: list[tuple[Any, ...]],
-    provenance: dict[str, str],
-    prefix: tuple[Any, ...] | None,
-) -> FileReport:
-    """The inverse of :meth:`FileReport.__reduce__`."""
-    from .prefix import PrefixData
-
-    rep = FileReport(**dict(zip(_SCALARS, scalars, strict=True)), provenance=provenance)
-    rep.layers = [LayerStats(*x) for x in layers]
-    rep.problems = [Problem(*x) for x in problems]
-    rep.prefix = None if prefix is None else PrefixData(*prefix)
-    return rep
 
 
 @dataclass

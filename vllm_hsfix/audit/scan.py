@@ -59,43 +59,34 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _scan_hidden(
-    rep: FileReport,
-    path: str,
-    offset: int,
-    rows: Rows,
-    shape: tuple[int, int, int],
-    token_ids: NDArray[Any] | None,
-    whole: Whole | None = None,
-) -> None:
-    """Stream ``hidden_states`` window by window and fill the row findings of ``rep``."""
+def scan_rows(rep: FileReport, prep: Prepared) -> None:
+    """The row checks of one prepared file: ``hidden_states`` streamed window by window
+    (or taken from the whole file read at once) into the row findings of ``rep``."""
     import numpy as np
 
-    n_tokens, n_aux, hidden = shape
+    n_tokens, n_aux, hidden = prep.shape
     n_rows = n_tokens * n_aux
-    row_bytes = rows.row_bytes
-    with_prefix = token_ids is not None and len(token_ids) == n_tokens
+    rows, ids = prep.rows, prep.token_ids
+    with_prefix = ids is not None and len(ids) == n_tokens
     scan = decode.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols, mult = decode.key_columns(hidden)
-    if whole is not None:
-        base, blob = whole
-        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, offset - base)
+    if prep.whole is not None:
+        base, blob = prep.whole
+        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, prep.offset - base)
         decode.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
     else:
         # Whole tokens per window, so a window never splits a token's rows.
-        tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * row_bytes)))
-        buffer = _window_buffer(tokens_per_window * n_aux * row_bytes)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(offset)
+        tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
+        buffer = _window_buffer(tokens_per_window * n_aux * rows.row_bytes)
+        with open(prep.path, "rb", buffering=0) as f:
+            f.seek(prep.offset)
             for t0 in range(0, n_tokens, tokens_per_window):
-                t1 = min(n_tokens, t0 + tokens_per_window)
-                n = (t1 - t0) * n_aux
-                part = buffer[: n * row_bytes]
+                n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
+                part = buffer[: n * rows.row_bytes]
                 _read_exact(f, memoryview(part))
                 raw = part.view(rows.raw_dtype).reshape(n, hidden)
                 decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
-
-    _row_findings(rep, scan, path, offset, rows, shape, token_ids)
+    _row_findings(rep, scan, prep.path, prep.offset, rows, prep.shape, ids)
 
 
 def _row_findings(
@@ -173,56 +164,44 @@ def _layer_stats(
     norms: NDArray[Any], zero: NDArray[Any], bad: NDArray[Any], dups: list[int]
 ) -> list[LayerStats]:
     """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs); when
-    every row is sound (nearly every file), each one call over all layers."""
-    import numpy as np
-
-    n_aux = norms.shape[1]
+    every row is sound (nearly every file), one call over all layers."""
     skip = zero | bad
-    if n_aux and len(norms) and not skip.any():
-        # One sort gives np.median's median, the minimum and the maximum; the mean and
-        # the standard deviation are ndarray.mean's and .std's reductions.
-        n = len(norms)
-        srt = np.sort(norms, axis=0)
-        med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
-        mean = np.add.reduce(norms, axis=0, keepdims=True) / n
-        dev = norms - mean
-        dev *= dev
-        return sound_layer_stats(
-            n,
-            med.tolist(),
-            mean[0].tolist(),
-            np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
-            srt[0].tolist(),
-            srt[-1].tolist(),
-            (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
-            dups,
-        )
+    if len(norms) and not skip.any():
+        return _sound_stats(norms, dups)
     out = []
-    for a in range(n_aux):
-        v = norms[:, a][~skip[:, a]]
-        st = LayerStats(
-            aux=a,
-            count=len(v),
-            mean_norm=None,
-            std_norm=None,
-            median_norm=None,
-            min_norm=None,
-            max_norm=None,
-            zero_rows=int(zero[:, a].sum()),
-            nonfinite_rows=int(bad[:, a].sum()),
-            duplicate_rows=dups[a],
-        )
+    for a in range(norms.shape[1]):
+        v = norms[~skip[:, a], a : a + 1]
         if len(v):
-            med = float(np.median(v))
-            st.mean_norm, st.std_norm = _finite(v.mean()), _finite(v.std())
-            st.median_norm, st.min_norm, st.max_norm = (
-                _finite(med),
-                _finite(v.min()),
-                _finite(v.max()),
-            )
-            st.near_zero_rows = int((v < NEAR_ZERO_FRACTION * med).sum())
+            st = _sound_stats(v, dups[a : a + 1])[0]
+        else:
+            st = LayerStats(a, 0, None, None, None, None, None, duplicate_rows=dups[a])
+        st.aux = a
+        st.zero_rows, st.nonfinite_rows = int(zero[:, a].sum()), int(bad[:, a].sum())
         out.append(st)
     return out
+
+
+def _sound_stats(norms: NDArray[Any], dups: list[int]) -> list[LayerStats]:
+    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound: one sort gives
+    np.median's median, the minimum and the maximum."""
+    import numpy as np
+
+    n = len(norms)
+    srt = np.sort(norms, axis=0)
+    med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+    mean = np.add.reduce(norms, axis=0, keepdims=True) / n
+    dev = norms - mean
+    dev *= dev
+    return sound_layer_stats(
+        n,
+        med.tolist(),
+        mean[0].tolist(),
+        np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
+        srt[0].tolist(),
+        srt[-1].tolist(),
+        (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
+        dups,
+    )
 
 
 def sound_layer_stats(
@@ -265,17 +244,6 @@ class Prepared(NamedTuple):
     whole: Whole | None  # the file's data when it was read whole
 
 
-def scan_rows(rep: FileReport, prep: Prepared) -> None:
-    """The row checks of one prepared file."""
-    _scan_hidden(rep, prep.path, prep.offset, prep.rows, prep.shape, prep.token_ids, prep.whole)
-
-
-def _audit_into(rep: FileReport, path: str) -> None:
-    prep = prepare(rep, path)
-    if prep is not None:
-        scan_rows(rep, prep)
-
-
 def prepare(rep: FileReport, path: str) -> Prepared | None:
     """Read ``path``'s header (and, when small, the whole file) and judge its layout and
     keys into ``rep``; the rows to scan next, or None when there are none to scan."""
@@ -297,9 +265,7 @@ def prepare(rep: FileReport, path: str) -> Prepared | None:
             }
     tensors, layout = check_layout(header, size - data_start)
     if layout is not None:
-        if layout.code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
-            layout.detail += " (a .lock file sits beside it: the writer may still be running)"
-        rep.add(layout.code, layout.severity, layout.detail)
+        rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
     hs_ok, ti_ok = check_keys(rep, tensors)
     if layout is not None and layout.code == "truncated":
         return None  # the data the header points at is not all there: reading it hits EOF
@@ -392,7 +358,9 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
     t0 = time.perf_counter()
     p = os.fspath(path)
     rep = FileReport(path=p)
-    guarded(rep, _audit_into, rep, p)
+    prep = guarded(rep, prepare, rep, p)
+    if prep is not None:
+        guarded(rep, scan_rows, rep, prep)
     return conclude(rep, t0)
 
 
@@ -401,15 +369,19 @@ def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
     try:
         return fn(*args)
     except BadFile as exc:
-        detail = exc.detail
-        if exc.code == "truncated" and os.path.exists(rep.path + LOCK_SUFFIX):
-            detail += " (a .lock file sits beside it: the writer may still be running)"
-        rep.add(exc.code, exc.severity, detail)
+        rep.add(exc.code, exc.severity, _lock_note(exc.code, exc.detail, rep.path))
     except OSError as exc:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
         rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
     return None
+
+
+def _lock_note(code: str, detail: str, path: str) -> str:
+    """A truncated file's detail says so when a ``.lock`` sits beside it."""
+    if code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
+        detail += " (a .lock file sits beside it: the writer may still be running)"
+    return detail
 
 
 def conclude(rep: FileReport, t0: float) -> FileReport:

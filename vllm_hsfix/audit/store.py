@@ -9,7 +9,7 @@ import base64
 import json
 import os
 from collections.abc import Iterable
-from typing import IO, Any
+from typing import Any
 
 from .._version import __version__
 from .prefix import PrefixData
@@ -70,27 +70,6 @@ def append(path: str | os.PathLike[str], record: Record, sync: bool = False) -> 
             os.fsync(f.fileno())
 
 
-class Appender:
-    """Appends records to ``path`` one line at a time, flushed as written (``fresh``:
-    start the file over instead of appending to what is there)."""
-
-    def __init__(self, path: str | os.PathLike[str], fresh: bool = False) -> None:
-        self.path = os.fspath(path)
-        self.fresh = fresh
-        self._out: IO[str] | None = None
-
-    def append(self, record: Record | str) -> None:
-        if self._out is None:
-            self._out = open(self.path, "w" if self.fresh else "a", encoding="utf-8")  # noqa: SIM115
-        self._out.write((record if isinstance(record, str) else dumps(record)) + "\n")
-        self._out.flush()
-
-    def close(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
-
-
 # Bump when a per-file check changes what it reports: old states are then rescanned.
 # 2: fp8 files de-quantized (were corrupt), unknown formats ``unsupported``.
 CHECKS_REVISION = 2
@@ -99,39 +78,38 @@ _HEADER = {"kind": "vllm-hsfix audit state", "version": __version__, "checks": C
 TRANSIENT = frozenset({"unreadable"})
 
 
-def _arr(a: Any) -> dict[str, Any]:
-    return {"dtype": str(a.dtype), "shape": list(a.shape), "b64": base64.b64encode(a).decode()}
-
-
-def _unarr(d: dict[str, Any]) -> Any:
-    import numpy as np
-
-    raw = base64.b64decode(d["b64"])
-    return np.frombuffer(raw, dtype=d["dtype"]).reshape(d["shape"]).copy()
+_ARRAYS = ("sketches", "norms", "sound")  # PrefixData's numpy fields
 
 
 def _prefix_out(p: PrefixData | None) -> dict[str, Any] | None:
+    """A prefix contribution as JSON: its arrays as dtype, shape and base64 bytes."""
     if p is None:
         return None
-    return {
-        "token_ids": list(p.token_ids),
-        "sketches": _arr(p.sketches),
-        "norms": _arr(p.norms),
-        "sound": _arr(p.sound),
-        "shape_key": list(p.shape_key),
-    }
+    out: dict[str, Any] = {"token_ids": list(p.token_ids), "shape_key": list(p.shape_key)}
+    for name in _ARRAYS:
+        a = getattr(p, name)
+        out[name] = {
+            "dtype": str(a.dtype),
+            "shape": list(a.shape),
+            "b64": base64.b64encode(a).decode(),
+        }
+    return out
 
 
 def _prefix_in(d: dict[str, Any] | None) -> PrefixData | None:
+    """The inverse of :func:`_prefix_out`."""
+    import numpy as np
+
     if d is None:
         return None
-    return PrefixData(
-        token_ids=tuple(d["token_ids"]),
-        sketches=_unarr(d["sketches"]),
-        norms=_unarr(d["norms"]),
-        sound=_unarr(d["sound"]),
-        shape_key=(int(d["shape_key"][0]), int(d["shape_key"][1])),
-    )
+    arrays = {
+        name: np.frombuffer(base64.b64decode(d[name]["b64"]), dtype=d[name]["dtype"])
+        .reshape(d[name]["shape"])
+        .copy()
+        for name in _ARRAYS
+    }
+    n_aux, hidden = d["shape_key"]
+    return PrefixData(tuple(d["token_ids"]), shape_key=(int(n_aux), int(hidden)), **arrays)
 
 
 class State:
@@ -150,9 +128,14 @@ class State:
             )
             records = []
         self._old = {r["path"]: r for r in records[1:] if isinstance(r.get("path"), str)}
-        self._out = Appender(path, fresh=not self._old)
+        # Appended a line at a time, flushed as written: a killed audit keeps its work.
+        self._out = open(path, "a" if self._old else "w", encoding="utf-8")  # noqa: SIM115
         if not self._old:
-            self._out.append(_HEADER)
+            self._write(dumps(_HEADER))
+
+    def _write(self, line: str) -> None:
+        self._out.write(line + "\n")
+        self._out.flush()
 
     def lookup(self, path: str, size: int, mtime_ns: int) -> FileReport | None:
         """The stored per-file report (with its prefix sketch), if the file is unchanged."""
@@ -183,7 +166,7 @@ class State:
             }
         )
         self._new[rep.path] = line
-        self._out.append(line)
+        self._write(line)
 
     def save(self) -> None:
         """Rewrite the state with this run's files only (deleted files drop out)."""
