@@ -129,9 +129,11 @@ def _usage(args: argparse.Namespace) -> str | None:
 
 def _aux(args: argparse.Namespace, targets: list[Target]) -> tuple[int, ...] | str:
     """The aux layers: ``--aux-layers``, else the one set the files' provenance names."""
+    if args.aux_layers or not targets:
+        return args.aux_layers or ()
     stamped = {t.aux_layers for t in targets if t.aux_layers}
-    if args.aux_layers or not targets or len(stamped) == 1:
-        return args.aux_layers or (stamped.pop() if stamped else ())  # type: ignore[return-value]
+    if len(stamped) == 1:
+        return stamped.pop()  # type: ignore[return-value]
     if stamped:
         named = sorted(stamped)
         return f"the files' provenance names different aux layers {named}: pass --aux-layers"

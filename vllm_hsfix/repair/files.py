@@ -155,8 +155,13 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
     directory = os.path.dirname(os.path.abspath(target.path))
     tmp = os.path.join(directory, f".{os.path.basename(target.path)}.repair-{os.getpid()}")
     try:
-        shutil.copyfile(new, tmp)
-        _fsync(tmp)
+        digest, size = hashlib.sha256(), 0
+        with open(new, "rb") as fin, open(tmp, "xb") as fout:  # one pass: copy and digest
+            while chunk := fin.read(1 << 20):
+                digest.update(chunk)
+                size += fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
         if backup and os.path.exists(target.path):
             rel = os.path.relpath(os.path.abspath(target.path), root or directory)
             dest = os.path.join(backup, os.path.basename(rel) if rel.startswith("..") else rel)
@@ -168,7 +173,7 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
             os.unlink(tmp)
         raise
     _fsync(directory)
-    return sha256(target.path), os.path.getsize(target.path)
+    return digest.hexdigest(), size
 
 
 def _fsync(path: str) -> None:
