@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hsfix.audit import reference as audit_reference
-from vllm_hsfix.enginelog import one_line
 from vllm_hsfix.patches import PATCHES, by_id
+from vllm_hsfix.repair.enginelog import one_line
 
 from . import cpu_standins, tiny_model
 from .machine import cpu_info

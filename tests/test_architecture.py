@@ -26,7 +26,7 @@ PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
 # subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_lazy", "config", "releases", "codes"},
-    {"detect", "shapes", "patches", "patches.hooks", "enginelog"},
+    {"detect", "shapes", "patches", "patches.hooks"},
     {
         "patches._wrap",
         "patches._connector_io",

@@ -18,8 +18,7 @@ from conftest import CACHE, clean_env
 from support.commands import repair
 from support.digest import digest, header
 
-from vllm_hsfix import enginelog
-from vllm_hsfix.repair import files, settings
+from vllm_hsfix.repair import enginelog, files, settings
 
 AUX = (1, 2, 3)
 TYPED = ("--aux-layers", "1,2,3", "--no-progress")  # what the user adds to DATA --model M

@@ -16,8 +16,7 @@ from conftest import clean_env
 from support.load import busy_cores
 from support.procs import gone, marked_json, run_child
 
-from vllm_hsfix import enginelog
-from vllm_hsfix.repair import files, session, watch
+from vllm_hsfix.repair import enginelog, files, session, watch
 
 
 @pytest.mark.parametrize("titled", [True, False], ids=["vllm-titles", "no-setproctitle"])

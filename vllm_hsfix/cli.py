@@ -208,14 +208,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from . import enginelog, verify
+    from . import verify
 
     # vLLM logs to stdout; while it loads, stdout is stderr so --json output stays parseable.
     try:
         with contextlib.redirect_stdout(sys.stderr):
             code, report = verify.run(args.device)
     except Exception as exc:  # the report must come out whatever happens
-        where = enginelog.origin(exc)
+        where = verify.origin(exc)
         code, report = 1, {"ok": False, "error": f"verify crashed: {exc!r} (raised at {where})"}
     if args.json:
         print(json.dumps(report, indent=2, default=str))

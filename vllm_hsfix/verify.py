@@ -5,14 +5,21 @@
 from __future__ import annotations
 
 import importlib
+import traceback
 from typing import Any
 
-from . import checks, enginelog, hazards, runtime
+from . import checks, hazards, runtime
 from .codes import FAILED, REFUSED, Code
 from .patches import PATCHES
 
 # Decisions under which a patch's target is not checked here.
 SKIP_CODES = {Code.NOT_NEEDED, Code.DISABLED, Code.NO_VLLM}
+
+
+def origin(exc: BaseException) -> str:
+    """Where an exception was raised: ``file.py:LINE in function`` of its last frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
 
 
 def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
@@ -52,7 +59,7 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
         except Exception as exc:
             report["error"] = (
                 f"cannot import vLLM's target {patch.module}: {exc!r} (raised at "
-                f"{enginelog.origin(exc)})"
+                f"{origin(exc)})"
             )
             return 2, report
         rec = runtime.status()["patches"][patch.id]  # decided on that import

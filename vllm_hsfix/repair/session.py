@@ -20,8 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import detect, enginelog
-from . import files, guard, settings
+from .. import detect
+from . import enginelog, files, guard, settings
 from .engine import llm_kwargs
 from .files import Journal, Target, sha256
 from .watch import signal_name

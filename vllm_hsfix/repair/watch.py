@@ -2,7 +2,7 @@
 
 vLLM 0.24.0's ``LLM.generate`` waits forever for a killed engine core: :class:`EngineWatch`
 names the process gone in an ``ERROR`` line of the log (the root cause
-:mod:`..enginelog` reports) and ends the run when vLLM has not. Processes are followed
+:mod:`.enginelog` reports) and ends the run when vLLM has not. Processes are followed
 with psutil (a vLLM dependency).
 """
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import re
-import traceback
 from dataclasses import dataclass
 
 # "(EngineCore_DP0 pid=123) " / "(Worker pid=456) " / "(Worker_TP0 pid=7) "
@@ -118,12 +117,6 @@ def one_line(path: str) -> str:
     if cause is None:
         return f"no exception in vLLM's log; full log: {path}"
     return f"{cause.error.splitlines()[0]} [in {cause.process}]; full log: {path}"
-
-
-def origin(exc: BaseException) -> str:
-    """Where an exception was raised: ``file.py:LINE in function`` of its last frame."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
 
 
 def explain(path: str, tail: int = 1500) -> str:
