@@ -58,8 +58,7 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
             module = importlib.import_module(patch.module)
         except Exception as exc:
             report["error"] = (
-                f"cannot import vLLM's target {patch.module}: {exc!r} (raised at "
-                f"{origin(exc)})"
+                f"cannot import vLLM's target {patch.module}: {exc!r} (raised at {origin(exc)})"
             )
             return 2, report
         rec = runtime.status()["patches"][patch.id]  # decided on that import
