@@ -85,7 +85,7 @@ def stated(patch_id: str, release: str, cpu_build: bool) -> str:
         return "upstream-fix-present"
     if release_key(release) < release_key(first) or (cpu_only and not cpu_build):
         return "not-needed"
-    return "apply"
+    return "would-apply"
 
 
 def target_names() -> list[str]:

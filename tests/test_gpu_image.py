@@ -74,7 +74,7 @@ def test_status_on_the_cuda_wheel() -> None:
     assert "cpu" not in (INSTALL.version or ""), INSTALL
     assert report["vllm"].get("cpu_build") is False, report["vllm"]
     codes = {pid: p["code"] for pid, p in report["patches"].items()}
-    assert codes == {k: ("would-apply" if v == "apply" else v) for k, v in want.items()}
+    assert codes == want
     if want["cpu-zero-blocks"] == "not-needed":
         assert "GPU workers zero" in report["patches"]["cpu-zero-blocks"]["reason"]
     tb = report["tested_build"]
@@ -82,11 +82,11 @@ def test_status_on_the_cuda_wheel() -> None:
     # The pinned data for this build says the same as the statement above.
     entry = tested.build(RELEASE, "vllm")
     assert entry is not None and entry["expected"] == want
-    assert tb["expected"] == {k: ("would-apply" if v == "apply" else v) for k, v in want.items()}
+    assert tb["expected"] == want
     text = cli("status")
     assert text.returncode == 0, text.stdout
-    if "apply" in want.values():
-        applied = ", ".join(p for p, c in want.items() if c == "apply")
+    if "would-apply" in want.values():
+        applied = ", ".join(p for p, c in want.items() if c == "would-apply")
         line = f"will patch every vLLM process when it starts: {applied}"
         assert line in text.stdout, text.stdout
     else:
@@ -99,7 +99,7 @@ def test_status_on_the_cuda_wheel() -> None:
 )
 def test_status_require_on_the_cuda_wheel(require: str) -> None:
     want = stated()
-    affected = "apply" in want.values()
+    affected = "would-apply" in want.values()
     holds = {"applied": affected, "tested": True, "fixed": not affected}
     out = cli("status", "--json", "--require", require)
     report = json.loads(out.stdout)
@@ -156,7 +156,7 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
     line = lines[0]
     assert f"vllm={INSTALL.version} (vllm)" in line, line
     groups = {g.split(" ", 1)[0]: g for g in line.split(": ", 1)[1].split("; ")}
-    applied = [p for p, c in want.items() if c == "apply"]
+    applied = [p for p, c in want.items() if c == "would-apply"]
     if applied:
         # At start the targets are not imported yet: the line lists them as patched on
         # import ("on import scatter-clamp, hidden-group-block-size"; "applied" would
@@ -165,14 +165,14 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
         assert group is not None, line
         assert all(p in group for p in applied), line
     skipped = groups.get("skipped", "")
-    assert all(f"{p} [{c}]" in skipped for p, c in want.items() if c != "apply"), line
+    assert all(f"{p} [{c}]" in skipped for p, c in want.items() if c != "would-apply"), line
     got = last_json(after, objects_only=True)
     assert got["by"][0] == "plugin", got
     assert got["vllm"]["distribution"] == "vllm" and got["vllm"]["cpu_build"] is False, got
     for pid, code in want.items():  # before the imports: armed, or final
-        assert got["early"][pid] == ("armed" if code == "apply" else code), got
+        assert got["early"][pid] == ("armed" if code == "would-apply" else code), got
     assert got["cpu_runner_imported"] is False, got
-    assert got["codes"] == {k: ("applied" if v == "apply" else v) for k, v in want.items()}
+    assert got["codes"] == {k: ("applied" if v == "would-apply" else v) for k, v in want.items()}
     assert got["platform"] == "UnspecifiedPlatform", got
 
 
@@ -188,4 +188,4 @@ def test_verify_runs_through_the_cuda_wheels_live_code() -> None:
     assert any(n.startswith("connector group / block size") for n in names), names
     statuses = {k: v["status"] for k, v in report["patches"].items()}
     for pid, code in want.items():
-        assert statuses[pid] == ("applied" if code == "apply" else "skipped"), statuses
+        assert statuses[pid] == ("applied" if code == "would-apply" else "skipped"), statuses

@@ -69,7 +69,7 @@ def test_activation_decides_what_the_table_says_and_calls_it_tested() -> None:
         """
     )
     codes, tested_build = last_json(out.stdout)
-    want = {k: ("applied" if v == "apply" else v) for k, v in pinned()["expected"].items()}
+    want = {k: ("applied" if v == "would-apply" else v) for k, v in pinned()["expected"].items()}
     assert codes == want
     assert tested_build["tested"] is True, tested_build
     assert tested_build["build"] == f"{INSTALL.distribution} {RELEASE}", tested_build

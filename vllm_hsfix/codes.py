@@ -41,11 +41,6 @@ class Code(str, Enum):
         """The coarse status this code belongs to."""
         return _STATUS[self]
 
-    @classmethod
-    def read(cls, word: str) -> Code:
-        """The code of a word; ``apply`` (``tested.json``'s pinned decisions) is APPLY."""
-        return cls.APPLY if word == "apply" else cls(word)
-
 
 _STATUS = {
     Code.APPLY: ON_IMPORT,

@@ -7,7 +7,6 @@ probed).
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -31,40 +30,17 @@ class Decision(NamedTuple):
     probe: Probe | None = None
 
 
-_ORDER = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
-
-
-def _bound_holds(version: Version, op: str, bound: Version) -> bool:
-    """A lower bound compares the X.Y.Z release (``0.24.0rc1`` is 0.24.0's line), an upper
-    one the public version (``0.25.0rc1`` is below 0.25.0, unlike PEP 440's ``<``)."""
-    if op[0] == ">":
-        return _ORDER[op](Version(".".join(str(p) for p in version.release)), bound)
-    return _ORDER[op](Version(version.public), bound)
+def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
+    """Whether ``version`` carries upstream's fix for ``patch``: its public version
+    (``0.25.0rc1`` is below 0.25.0, unlike PEP 440's ``<``) at ``fixed_in`` or above."""
+    return Version(version.public) >= Version(patch.fixed_in)
 
 
 def in_row_range(version: Version, patch: PatchSpec) -> bool:
-    """Whether ``version`` is in the row's releases, ``first`` up to ``fixed_in``."""
-    return _bound_holds(version, ">=", Version(patch.first)) and _bound_holds(
-        version, "<", Version(patch.fixed_in)
-    )
-
-
-def in_release_range(version: Version, releases: str) -> bool:
-    """Whether ``version`` falls in ``releases`` (specifiers parsed by ``packaging``;
-    ordered bounds read as :func:`_bound_holds` does)."""
-    from packaging.specifiers import SpecifierSet
-
-    return all(
-        _bound_holds(version, spec.operator, Version(spec.version))
-        if spec.operator in _ORDER
-        else spec.contains(Version(version.public), prereleases=True)
-        for spec in SpecifierSet(releases)
-    )
-
-
-def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
-    """Whether ``version`` carries upstream's fix for ``patch`` (its ``fixed_in``)."""
-    return Version(version.public) >= Version(patch.fixed_in)
+    """Whether ``version`` is in the row's releases: its X.Y.Z release (``0.24.0rc1`` is
+    0.24.0's line) from ``first`` on, and below ``fixed_in``."""
+    first = Version(patch.first)
+    return Version(version.base_version) >= first and not is_fixed_release(patch, version)
 
 
 class _NeedsProbe(Exception):

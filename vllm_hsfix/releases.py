@@ -18,8 +18,3 @@ def key(release: str) -> tuple[int, int, int]:
         raise ValueError(f"not a release: {release!r}")
     major, minor, patch = (*nums, 0, 0)[:3]
     return major, minor, patch
-
-
-def in_range(release: str, first: str, fixed_in: str) -> bool:
-    """``first <= release < fixed_in``, by release line."""
-    return key(first) <= key(release) < key(fixed_in)

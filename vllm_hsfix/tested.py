@@ -12,7 +12,6 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from . import releases
-from .codes import Code
 
 if TYPE_CHECKING:
     from .detect import VllmInstall
@@ -103,11 +102,6 @@ def _mismatches(entry: dict[str, Any], given: dict[tuple[str, str], str]) -> lis
     return out
 
 
-def _words(expected: dict[str, str]) -> dict[str, str]:
-    """The pinned decisions as ``status`` words them (``apply`` -> ``would-apply``)."""
-    return {pid: Code.read(code).value for pid, code in expected.items()}
-
-
 def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict[str, Any]:
     """Whether this build is a tested one (``tested``, ``reason``; ``expected`` and
     ``build`` when it is), from the fingerprints of the targets looked at."""
@@ -132,7 +126,7 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
         return {
             "tested": True,
             "reason": reason,
-            "expected": _words(entry.get("expected", {})),
+            "expected": dict(entry.get("expected", {})),
             "build": f"{dist} {release}",
         }
     if not same_release:

@@ -75,16 +75,11 @@ def status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
 # only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
 # from 0.25.0 on. A new patch is stated there once.
 def stated(release: str) -> dict[str, str]:
-    """Each row's stated code for the CUDA wheel of ``release`` ("apply", or the code)."""
+    """Each row's stated code for the CUDA wheel of ``release``, as ``status`` words it."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import fingerprints
 
     return {pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED}
-
-
-def stated_cuda(release: str) -> dict[str, str]:
-    """``stated`` as ``vllm-hsfix status`` spells it (not imported: "would-apply")."""
-    return {pid: "would-apply" if c == "apply" else c for pid, c in stated(release).items()}
 
 
 def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
