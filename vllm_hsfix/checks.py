@@ -15,8 +15,6 @@ from packaging.version import Version
 
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
 CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-# The release whose connector first reads with its block size on the worker.
-CONNECTOR_READS_FROM = "0.24.0"
 
 
 @dataclass(frozen=True)
@@ -277,13 +275,10 @@ def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int)
     return conn
 
 
-def connector_checks(version: str | None) -> list[dict[str, Any]]:
+def connector_checks() -> list[dict[str, Any]]:
     """The live connector class resolves a hybrid layout to the hidden group's own
-    block size (skipped before 0.24, which never read with it)."""
+    block size (``verify`` runs it from 0.24 on, the releases that read with it)."""
     name = "connector group / block size (hybrid: 528, 528, hidden 22)"
-    if version is None or Version(Version(version).public) < Version(CONNECTOR_READS_FROM):
-        why = f"vLLM {version}: the connector does not read with its block size before 0.24"
-        return [result(name, [], skipped=why)]
     cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
     config, want = hybrid_layout()
     problems: list[str] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+from email.parser import HeaderParser
 from importlib import metadata
 from typing import NamedTuple
 
@@ -77,23 +78,11 @@ def _candidates() -> list[metadata.Distribution]:
 
 
 def name_version(dist: metadata.Distribution) -> tuple[str, str]:
-    """``Name`` and ``Version`` of ``dist`` from the head of its metadata file:
-    ``dist.metadata`` parses the whole file (vLLM's holds its README) in every vLLM
-    process. A missing or folded header falls back to ``dist.metadata``."""
+    """``Name`` and ``Version`` of ``dist``, from its metadata file's header only
+    (``dist.metadata`` would parse vLLM's whole README, in every vLLM process)."""
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
-    lines = text.split("\n\n", 1)[0].splitlines()
-    found: dict[str, str] = {}
-    for i, line in enumerate(lines):
-        key, sep, value = line.partition(":")
-        key = key.lower()
-        if sep and key in ("name", "version") and key not in found:
-            if i + 1 < len(lines) and lines[i + 1][:1] in (" ", "\t"):
-                break  # a folded header: the parser's business
-            found[key] = value.strip()
-    if len(found) == 2:
-        return found["name"], found["version"]
-    meta = dist.metadata
-    return meta["Name"], meta["Version"]
+    header = HeaderParser().parsestr(text.split("\n\n", 1)[0])
+    return header["Name"], header["Version"]
 
 
 def _version_of(name: str) -> str:

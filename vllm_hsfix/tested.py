@@ -63,15 +63,6 @@ def bodies(patch_id: str, name: str) -> set[str]:
     return found - {"absent"}
 
 
-def kind(inst: VllmInstall) -> str:
-    """Which kind of tested build ``inst`` is compared with first: vLLM's CPU build or
-    the CUDA wheel, by the platform vLLM picks there (``detect``'s ``cpu_build``)."""
-    cpu = getattr(inst, "cpu_build", None)
-    if cpu is None:
-        return CPU_BUILD if inst.distribution == CPU_BUILD else CUDA_BUILD
-    return CPU_BUILD if cpu else CUDA_BUILD
-
-
 def _preference(inst: VllmInstall, want: str) -> Any:
     """Sort key: the same release first, then the same kind of build, then the nearest
     tested release at or below the installed one, then the nearest above it."""
@@ -107,7 +98,8 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
     ``build`` when it is), from the fingerprints of the targets looked at."""
     if not inst.present or inst.release is None:
         return {"tested": False, "reason": "no vLLM release identified"}
-    prefer = _preference(inst, kind(inst))
+    # vLLM's CPU build or the CUDA wheel is compared with first, by the platform vLLM picks.
+    prefer = _preference(inst, CPU_BUILD if inst.cpu_build else CUDA_BUILD)
     given = {(pid, name): fp for pid, fps in fingerprints.items() for name, fp in fps.items()}
     same_release = [b for b in builds() if b[0] == inst.release]
     # Nothing looked at (e.g. a fixed release): the release alone decides.

@@ -399,7 +399,6 @@ EXTRAS: tuple[ExtraSpec, ...] = (
 
 
 PATCH_IDS: tuple[str, ...] = tuple(p.id for p in PATCHES)
-EXTRA_IDS: tuple[str, ...] = tuple(e.id for e in EXTRAS)
 MODULES: tuple[str, ...] = tuple(
     dict.fromkeys([p.module for p in PATCHES] + [e.module for e in EXTRAS])
 )

@@ -110,23 +110,6 @@ def _live(module: object, name: str) -> object:
     return obj.__dict__.get(member) if isinstance(obj, type) else getattr(obj, member, None)
 
 
-def probe_live(
-    module: object, probe_tree: Callable[[ast.Module], Probe], live: tuple[str, ...]
-) -> Probe:
-    """``probe_tree`` on a live module's source, refused where a live object named in
-    ``live`` is not that source's own definition (someone else's hot-fix)."""
-    tree = module_tree(module)
-    if tree is None:
-        return Probe(None, detail="the module's source cannot be read (no .py file?)")
-    result = probe_tree(tree)
-    owner_file = getattr(module, "__file__", None)
-    for name in live:
-        problem = foreign_replacement_of(name, _live(module, name), owner_file)
-        if problem:
-            return Probe(None, detail=problem, fingerprints=result.fingerprints)
-    return result
-
-
 def probes(
     patch_id: str,
     fps: Callable[[ast.Module], dict[str, str]],
@@ -141,7 +124,19 @@ def probes(
         return gate(patch_id, fps(tree), lambda: shape_check(tree))
 
     def probe(module: object) -> Probe:
-        return probe_live(module, probe_tree, live(module) if callable(live) else live)
+        """The same on a live module's source, refused where a live object named in
+        ``live`` is not that source's own definition (someone else's hot-fix)."""
+        tree = module_tree(module)
+        if tree is None:
+            return Probe(None, detail="the module's source cannot be read (no .py file?)")
+        result = probe_tree(tree)
+        for name in live(module) if callable(live) else live:
+            problem = foreign_replacement_of(
+                name, _live(module, name), getattr(module, "__file__", None)
+            )
+            if problem:
+                return Probe(None, detail=problem, fingerprints=result.fingerprints)
+        return result
 
     return probe_tree, probe
 

@@ -43,13 +43,6 @@ class _HsfixBound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
         return wrapt.BoundFunctionWrapper.__call__(self, *args, **kwargs)
 
 
-class _Switch:
-    __slots__ = ("on",)
-
-    def __init__(self) -> None:
-        self.on = True
-
-
 class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
     """Our wrapper, identified by exact type (wrapt proxies forward ``isinstance``).
     ``added``: switched off, a call raises ``AttributeError``, as the release would."""
@@ -59,10 +52,8 @@ class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
     def __init__(
         self, wrapped: Any, wrapper: WrapperFn, patch_id: str, added: str | None = None
     ) -> None:
-        switch = _Switch()
-
         def call(fn: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-            if not switch.on:
+            if not self._self_hsfix_on:
                 if added is not None:
                     raise AttributeError(
                         f"{added}: added by vllm-hsfix ({patch_id}), which was reverted"
@@ -72,7 +63,7 @@ class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
 
         super().__init__(wrapped, call)
         self._self_hsfix_patch = patch_id
-        self._self_hsfix_switch = switch
+        self._self_hsfix_on = True
 
     @property
     def hsfix_patch(self) -> str:
@@ -80,10 +71,10 @@ class HsfixWrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
 
     @property
     def hsfix_active(self) -> bool:
-        return bool(self._self_hsfix_switch.on)
+        return bool(self._self_hsfix_on)
 
     def hsfix_set_active(self, on: bool) -> None:
-        self._self_hsfix_switch.on = on
+        self._self_hsfix_on = on
 
 
 def ours_in(obj: object, patch_id: str | None = None) -> Any:
