@@ -242,33 +242,25 @@ def hybrid_layout() -> tuple[Any, dict[str, int]]:
     return config, {"group": 2, "block_size": 22, "global_block_size": 528}
 
 
-def _connector_vllm_config(global_block_size: int, storage: str) -> Any:
-    """The parts of a ``VllmConfig`` the connector's constructor reads."""
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="ExampleHiddenStatesConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": storage},
-    )
-    draft = SimpleNamespace(hf_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 2]))
-    return SimpleNamespace(
-        kv_transfer_config=transfer,
-        cache_config=SimpleNamespace(block_size=global_block_size),
-        speculative_config=SimpleNamespace(draft_model_config=draft),
-    )
-
-
 def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int) -> Any:
-    """An instance of ``cls`` built through its live ``__init__`` (worker role)."""
+    """An instance of ``cls`` built through its live ``__init__`` (worker role), from the
+    parts of a ``VllmConfig`` the constructor reads."""
+    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    draft = SimpleNamespace(hf_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 2]))
     with tempfile.TemporaryDirectory(prefix="vllm-hsfix-check-") as storage:
-        conn = cls(
-            vllm_config=_connector_vllm_config(global_block_size, storage),
-            role=KVConnectorRole.WORKER,
-            kv_cache_config=kv_cache_config,
+        transfer = KVTransferConfig(
+            kv_connector="ExampleHiddenStatesConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": storage},
         )
+        config = SimpleNamespace(
+            kv_transfer_config=transfer,
+            cache_config=SimpleNamespace(block_size=global_block_size),
+            speculative_config=SimpleNamespace(draft_model_config=draft),
+        )
+        conn = cls(vllm_config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config)
     executor = getattr(conn, "_executor", None)
     if executor is not None:
         executor.shutdown(wait=False)

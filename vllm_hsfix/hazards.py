@@ -366,7 +366,4 @@ def install(module: object, ctx: ExtraContext) -> Replacement | None:
     cls = getattr(module, ATTRIBUTE, None)
     if not rows or not isinstance(cls, type):
         return None
-    unknown = [h.id for h in rows if h.id not in CHECKS]
-    if unknown:
-        raise KeyError(f"refuse-config rows without a check: {unknown}")
     return wrap(cls, "__init__", _installed(rows, version, on_trigger, on_error), EXTRA_ID)
