@@ -241,4 +241,4 @@ probe_tree, probe = probes(
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live class, built on a hybrid layout, reads with block size 22, not 528."""
-    return checks.connector_checks()
+    return checks.connector_checks(ctx.version)
