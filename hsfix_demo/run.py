@@ -123,7 +123,8 @@ def _runs_here(name: str, models: Path) -> tuple[bool, str]:
 
 def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
     from vllm_hsfix import detect
-    from vllm_hsfix.plan import in_release_range
+    from vllm_hsfix.patches import by_id
+    from vllm_hsfix.plan import in_row_range
 
     inst = detect.detect()
     if not inst.present or inst.parsed is None:
@@ -133,7 +134,7 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    fixed = not in_release_range(inst.parsed, ">=0.17.0,<0.25.0")
+    fixed = not in_row_range(inst.parsed, by_id("scatter-clamp"))  # 0.17.0 up to 0.25.0
     root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
     models = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
     cpu = machine.cpu_info()
