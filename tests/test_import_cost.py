@@ -1,62 +1,12 @@
-"""What ``import vllm_hsfix`` loads, and when activation happens (the bootstrap imports
-the package in every Python process of an image). Speed: ``benchmarks/bench_startup.py``.
-"""
+"""When activation happens: the post-import hooks the package arms at import (the
+bootstrap imports it in every Python process of an image). What ``import vllm_hsfix``
+loads, and what it costs: ``benchmarks/bench_startup.py``."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-from conftest import ROOT, clean_env, last_json, run_py
-
-# Everything ``import vllm_hsfix`` may add: not ``typing`` (it pulls ``re``,
-# ``collections``...), not ``__future__``. Each entry is paid by every Python process.
-ALLOWED = {
-    "vllm_hsfix",
-    "vllm_hsfix._version",
-    "vllm_hsfix.errors",
-    "vllm_hsfix.activation",
-    "vllm_hsfix._lazy",
-}
-# What every interpreter has loaded before any user code.
-PRELOADED = "import _thread, os, sys"
-
-FRESH = f"""
-import json
-{PRELOADED}
-sys.path.insert(0, {str(ROOT)!r})
-before = set(sys.modules)
-import vllm_hsfix
-print(json.dumps(sorted(set(sys.modules) - before)))
-"""
-
-
-def added_by_import(*flags: str) -> list[str]:
-    """Modules ``import vllm_hsfix`` adds in a fresh interpreter started with ``flags``."""
-    out = subprocess.run(
-        [sys.executable, *flags, "-c", FRESH],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    added: list[str] = json.loads(out.stdout.strip().splitlines()[-1])
-    return added
-
-
-@pytest.mark.parametrize("flags", [("-S",), ()], ids=["no-site", "site"])
-def test_import_adds_only_the_packages_start_up_modules(flags: tuple[str, ...]) -> None:
-    """``-S``: no ``site``, so no development install's ``.pth`` (an editable install's
-    finder imports ``re``, ``pathlib``...) hides a module the package pulls in; there the
-    list is exact. With ``site``: the interpreter as the test environment starts it."""
-    added = set(added_by_import(*flags))
-    assert added <= ALLOWED, f"import vllm_hsfix also loads {sorted(added - ALLOWED)}"
-    assert added == ALLOWED or flags == ()
+from conftest import last_json, run_py
 
 
 def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -> None:
