@@ -389,3 +389,46 @@ print(json.dumps([code, report.get("error"), report["patches"]["cpu-zero-blocks"
     code, error, status = last_json(out.stdout)
     assert (code, status) == (1, "refused"), out.stderr[-2000:]
     assert "cpu-zero-blocks" in error
+
+
+def test_unapply_puts_back_every_replaced_attribute_and_apply_wraps_once() -> None:
+    """Every attribute an applied patch replaced is the release's own object again after
+    ``unapply()``, an added one is gone (the base class answers again), each record says
+    reverted; ``apply()`` three times wraps each once, around that same original."""
+    import contextlib
+    import importlib
+
+    import vllm_hsfix
+    from vllm_hsfix.patches import PATCHES
+    from vllm_hsfix.patches._wrap import ABSENT, ours_in, raw_attribute
+    from vllm_hsfix.state import STATE
+
+    for p in PATCHES:  # a row's module that this release lacks: that row is not applied
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(p.module)
+    for _ in range(3):
+        vllm_hsfix.apply()
+    reps = {p: list(rec.replacements) for p, rec in STATE.records.items() if rec.replacements}
+    assert reps, "no patch applied on this release"
+    try:
+        for pid, done in reps.items():
+            for rep in done:
+                ours = ours_in(raw_attribute(rep.owner, rep.name), pid)
+                assert ours is not None, (pid, rep.name)
+                if rep.original is not ABSENT:  # an added method wraps our own body
+                    assert ours.__wrapped__ is rep.original, (pid, rep.name)
+                    assert ours_in(rep.original, pid) is None, (pid, rep.name)  # once
+        vllm_hsfix.unapply()
+        for pid, done in reps.items():
+            assert STATE.records[pid].status == "reverted", pid
+            for rep in done:
+                if rep.original is ABSENT:
+                    assert rep.name not in vars(rep.owner), (pid, rep.name)
+                else:
+                    assert raw_attribute(rep.owner, rep.name) is rep.original, (pid, rep.name)
+        vllm_hsfix.apply()
+        for pid, done in reps.items():
+            for rep in done:
+                assert ours_in(raw_attribute(rep.owner, rep.name), pid) is not None, pid
+    finally:
+        vllm_hsfix.unapply()
