@@ -113,19 +113,6 @@ def test_replacement_no_host_sync(shape: str, strided: bool) -> None:
 
 
 @cuda_only
-def test_the_sync_check_catches_a_data_dependent_branch() -> None:
-    """The sync check itself can fail: a host branch on device data is reported."""
-    slots = torch.tensor([1, -1], device="cuda")
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError):
-            bool((slots < 0).any())
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-@cuda_only
 @pytest.mark.parametrize(("shape", "strided"), REPLACEMENT_LAYOUTS)
 def test_replacement_cuda_graph_replays_new_inputs(shape: str, strided: bool) -> None:
     fn = replacement(shape)
@@ -147,12 +134,6 @@ def test_replacement_cuda_graph_replays_new_inputs(shape: str, strided: bool) ->
 
 
 # --- the releases' own basic_cache, original and patched -----------------------------
-
-
-@pytest.mark.parametrize("version", list(RELEASE_SHAPES))
-def test_release_shape_is_recognised(version: str) -> None:
-    release = load_release(version)
-    assert release.shape == RELEASE_SHAPES[version]
 
 
 @pytest.mark.parametrize(("version", "strided"), RELEASE_LAYOUTS)
