@@ -39,6 +39,8 @@ from vllm_hsfix.shapes import parse
 
 def test_register_rows_are_complete() -> None:
     assert len(set(hazards.HAZARD_IDS)) == len(hazards.HAZARDS)
+    refuse = {h.id for h in hazards.HAZARDS if h.action == hazards.REFUSE_CONFIG}
+    assert set(hazards.CHECKS) == refuse == {"drafter-skip", "prefix-cache-slicing"}
     for h in hazards.HAZARDS:
         assert h.action in hazards.ACTIONS, h.id
         assert h.loses in (hazards.PROCESS, hazards.DATA), h.id
@@ -46,8 +48,8 @@ def test_register_rows_are_complete() -> None:
         assert f"### `{h.id}`" in EVIDENCE, f"{h.id}: no evidence in docs/hazards.md"
         if h.action == hazards.PATCH:
             assert h.patch in PATCH_IDS, h.id
-        if h.action == hazards.REFUSE_CONFIG:
-            assert h.setting, h.id
+        if h.action == hazards.REFUSE_CONFIG:  # a start-up check, and the setting to use
+            assert "--no-enable-prefix-caching" in h.setting, h.id
         if h.action == hazards.DOCUMENTED:
             assert h.workaround and h.why_action, f"{h.id}: say what to do, and why only that"
 

@@ -53,13 +53,6 @@ def installed_hazard() -> str:
 # The register and the checks
 
 
-def test_every_refuse_config_row_has_a_check_and_a_setting() -> None:
-    rows = {h.id for h in hazards.HAZARDS if h.action == hazards.REFUSE_CONFIG}
-    assert rows == set(hazards.CHECKS) == {"drafter-skip", "prefix-cache-slicing"}
-    for hid in rows:
-        assert NO_PREFIX in hazards.by_id(hid).setting, hid
-
-
 @pytest.mark.parametrize(
     ("release", "ids"),
     [
