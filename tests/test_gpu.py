@@ -1,16 +1,11 @@
 """The scatter fix on a CUDA device, and the bug it fixes in the releases' own code.
 
-Marked ``gpu`` (skipped without CUDA; needs torch, not vLLM). Both replacements of
-``scatter_clamp`` (flat-view, 2d-index) on contiguous and strided caches: bytes, no
-host sync, CUDA-graph capture and replay; and the real ``basic_cache`` of 0.17.0,
-0.22.0 and 0.24.0 (copied by ``scripts/gpu_release_code.py``) in a padded batch:
-padding rows (slot -1) overwrite a live request's last slot, the patched one never.
-``scripts/gpu_check.sh`` runs it on a lent GPU machine. Switches:
+Marked ``gpu`` (skipped without CUDA); ``scripts/gpu_check.sh`` runs it on a lent GPU
+machine (docs/testing.md, "GPU check"). Switches:
 
 - ``VLLM_HSFIX_CHECK_DEVICE=cpu``: the byte and padded-batch tests on CPU tensors.
 - ``VLLM_HSFIX_CHECK_PLANT=unclamped|wrong-slot|syncs``: a wrong replacement installed
-  the same way (``syncs``: right bytes, a host branch on device data); every test with
-  ``replacement`` in its name must then fail, and no other.
+  the same way; every test with ``replacement`` in its name must then fail, no other.
 - ``VLLM_HSFIX_RELEASE_CODE=DIR``, ``VLLM_HSFIX_REQUIRE_RELEASE_CODE=1``: where the
   copied release files are, and a missing one fails instead of skipping.
 """

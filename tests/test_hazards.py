@@ -1,19 +1,8 @@
-"""The hazard register and the ``abort-before-scheduling`` patch, without an engine.
-
-* the register is well formed and agrees with the patch table;
-* ``assess`` on releases chosen by hand (expected states written here, not computed);
-* the shape gate on one-line variants of 0.24.0's connector (each must be refused: the
-  crash would stay or move); every release's own files: test_shapes.py;
-* on the installed vLLM (0.24.0+): the live connector class driven through an abort
-  before scheduling fails without the patch (KeyError) and with only its connector
-  half (the declined request is still reported), and passes patched; the metadata's
-  mark survives pickling, as on the way to a worker process;
-* the ``atomic-writes`` patch: the release's writer killed mid-write
-  (``support/children/killed_writer.py``), the shape gate as above, and ``verify``'s
-  check of the live writer.
-
-The engine-level evidence is in test_hazards_e2e.py.
-"""
+"""The hazard register, the ``abort-before-scheduling`` and ``atomic-writes`` patches,
+without an engine: the register against the patch table, ``assess`` on releases chosen
+by hand, the gates on one-line edits of 0.24.0's connector, and the live connector class
+and writer failing without the patch and passing with it. Engine level:
+test_hazards_e2e.py."""
 
 from __future__ import annotations
 
