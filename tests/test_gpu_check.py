@@ -2,8 +2,9 @@
 
 ``scripts/gpu_check.sh`` without CUDA exits 2 and runs nothing; its CPU dry run
 (``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes, and there its planted wrong replacements fail
-exactly the replacement tests; the release tests see the bug and not the release number, and the
-scatter benchmark exits 1 on wrong bytes. Independent of the installed vLLM: 0.24.0 rows only."""
+exactly the replacement tests; the release tests see the bug, not the release number;
+the scatter benchmark exits 1 on wrong bytes. Independent of the installed vLLM: 0.24.0
+rows only."""
 
 from __future__ import annotations
 
