@@ -309,12 +309,6 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
         assert out[case]["killed_by"] == signal.SIGXFSZ, (case, out[case])
     torn = out["release-in-place"]
     assert torn["size"] == 1 << 20 and torn["content"].startswith("unloadable"), torn
-    # The audit names the hazard behind the file the release's writer left (issue 19).
-    from vllm_hsfix.audit import pipeline
-
-    rep = pipeline.check_file(tmp_path / "a.safetensors")
-    assert rep.verdict == "corrupt"
-    assert {p.code: p.hazard for p in rep.problems}.get("truncated") == "torn-files", rep
     for case in ("patched-in-place", "patched-installed"):
         assert out[case]["content"] == "old", (case, out[case])
     assert any(n.endswith(".hsfix-tmp") for n in out["patched-in-place"]["leftovers"]), out
