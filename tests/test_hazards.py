@@ -84,7 +84,7 @@ def test_affected_releases(hazard: str, release: str, affected: bool) -> None:
     assert hazards.by_id(hazard).affects(release) is affected
 
 
-ABORT, AUX, AMX = "abort-before-scheduling", "aux-final-layer", "cpu-gdn-wide-conv-state"
+ABORT, AMX = "abort-before-scheduling", "cpu-gdn-wide-conv-state"
 
 
 @pytest.mark.parametrize(
@@ -97,12 +97,6 @@ ABORT, AUX, AMX = "abort-before-scheduling", "aux-final-layer", "cpu-gdn-wide-co
         (ABORT, "0.24.0", {ABORT: "disabled"}, "open"),
         (ABORT, "0.31.0", {ABORT: "upstream-fix-present"}, "fixed-upstream"),
         (ABORT, None, {}, "unknown"),
-        ("aux-final-layer-dropped", "0.17.0", {}, "not-affected"),
-        ("aux-final-layer-dropped", "0.18.0", {AUX: "would-apply"}, "patched"),
-        ("aux-final-layer-dropped", "0.24.0", {AUX: "unknown-shape"}, "open"),
-        ("aux-final-layer-dropped", "0.25.0", {AUX: "upstream-fix-present"}, "fixed-upstream"),
-        ("cpu-amx-gdn-conv-state", "0.24.0", {AMX: "applied"}, "patched"),
-        ("cpu-amx-gdn-conv-state", "0.24.0", {AMX: "disabled"}, "open"),
         ("cpu-amx-gdn-conv-state", "0.24.0", {AMX: "not-needed"}, "not-affected"),
         ("cpu-amx-gdn-conv-state", "0.21.0", {}, "not-affected"),
         ("cpu-amx-gdn-conv-state", "0.26.0", {}, "fixed-upstream"),
