@@ -125,9 +125,7 @@ print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
 @pytest.mark.applies("scatter-clamp")
 def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
     """11.3: after importlib.reload a record must not say "applied"; apply() fixes it. A
-    reload of the connector alone leaves the clamp's record (another module) applied:
-    failing first, when the extras' wrappers (in-situ observer, provenance) were kept in
-    a patch's record, it reported ``scatter-clamp`` overwritten on 0.17-0.23."""
+    reload of the connector alone leaves the clamp's record (another module) applied."""
     out = run_py(
         """
 import json, importlib

@@ -74,8 +74,7 @@ def test_worker_line_says_the_fix_is_upstream() -> None:
 
 
 def test_api_process_logs_at_activation_without_importing_any_target() -> None:
-    """The API process imports no target: its line still comes at start (it used to
-    come at exit)."""
+    """The API process imports no target: its line still comes at start."""
     lines = run_child(
         """
         import sys
