@@ -84,11 +84,6 @@ def fixed_upstream(patch_id: str, release: str | None = None) -> bool:
     return bool(release) and releases.key(release) >= releases.key(by_id(patch_id).fixed_in)
 
 
-# PR 46301's two rows, from the table: the clamp applies (0.17-0.24), or the fix ships.
-AFFECTED = applies("scatter-clamp")
-FIXED = fixed_upstream("hidden-group-block-size")
-
-
 def declared_all(**kw: Any) -> dict[str, str]:
     from vllm_hsfix.patches import PATCHES
 

@@ -1,13 +1,7 @@
-"""``atomic-writes`` reaches the connector subclasses users run.
-
-hs-connectors' ``FP8HiddenStatesConnector`` (speculators' ``fp8`` backend) overrides
-only the writer, ``_write_tensors``; before, the patch wrapped vLLM's writer and the
-subclass wrote its file in place. Now its own writer is wrapped when the class is
-defined (hs-connectors imports vLLM's connector module first), handed a temporary name
-and no lock, and the file is renamed into place before the lock is released. A
-subclass writer of a shape the wrapper does not know is left alone and ``verify`` names
-it, with the reason.
-"""
+"""``atomic-writes`` reaches the connector subclasses users run: hs-connectors'
+``FP8HiddenStatesConnector`` (speculators' ``fp8`` backend) overrides only
+``_write_tensors``, which is wrapped when the class is defined; a subclass writer of a
+shape the wrapper does not know is left alone and ``verify`` names it."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import AFFECTED, FIXED, MODEL_MODULE, connector
+from conftest import MODEL_MODULE, connector
 from support.extraction import kv_transfer_config, speculative_config
 from support.serve import free_port
 
@@ -283,9 +283,3 @@ def test_pre_022_connector_constructs_untouched_with_real_configs(
     executor = getattr(conn, "_executor", None)
     if executor is not None:
         executor.shutdown(wait=False)
-
-
-def test_fixed_release_flag() -> None:
-    # Sanity of the matrix plumbing: a release is affected or fixed, never both.
-
-    assert not (AFFECTED and FIXED)

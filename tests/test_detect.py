@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from conftest import INSTALL, clean_env, last_json, run_py
@@ -35,7 +37,7 @@ def test_detection_does_not_import_vllm_or_torch() -> None:
     assert data == {"version": INSTALL.version, "mods": []}
 
 
-def test_no_vllm_is_a_normal_state(tmp_path: os.PathLike[str]) -> None:
+def test_no_vllm_is_a_normal_state() -> None:
     # The same interpreter with the vLLM overlay taken off PYTHONPATH: no vllm at all.
     env = clean_env(PYTHONPATH=None)
     out = run_py(
@@ -74,16 +76,19 @@ def test_invalid_version_is_a_problem_not_an_exception() -> None:
     assert inst.version is None and "not a valid PEP 440 version" in (inst.problem or "")
 
 
-def test_source_tree_without_metadata_is_reported(tmp_path: os.PathLike[str]) -> None:
-    fake = os.path.join(tmp_path, "vllm")
-    os.makedirs(fake)
-    with open(os.path.join(fake, "__init__.py"), "w") as fh:
-        fh.write("raise RuntimeError('must not be imported')\n")
-    env = clean_env(PYTHONPATH=str(tmp_path))
+def source_tree(root: Path) -> Path:
+    """A ``vllm`` package directory no distribution owns, which must not be imported."""
+    (root / "vllm").mkdir()
+    (root / "vllm" / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    return root / "vllm"
+
+
+def test_source_tree_without_metadata_is_reported(tmp_path: Path) -> None:
+    source_tree(tmp_path)
     out = run_py(
         "import json; from vllm_hsfix import detect; d = detect.detect();"
         "print(json.dumps([d.present, d.version, d.problem]))",
-        env=env,
+        env=clean_env(PYTHONPATH=str(tmp_path)),
     )
     present, version, problem = last_json(out.stdout)
     assert present is True and version is None
@@ -92,18 +97,13 @@ def test_source_tree_without_metadata_is_reported(tmp_path: os.PathLike[str]) ->
 
 @pytest.mark.needs_vllm
 def test_source_tree_or_editable_install_reads_vllms_own_version_file(
-    tmp_path: os.PathLike[str],
+    tmp_path: Path,
 ) -> None:
     """Issue 11.5: a source checkout on sys.path (or an editable install, whose files no
     distribution owns) is identified from the ``_version.py`` vLLM's build writes."""
     assert INSTALL.location is not None
-    real_version_file = os.path.join(os.path.dirname(INSTALL.location), "_version.py")
-    fake = os.path.join(tmp_path, "vllm")
-    os.makedirs(fake)
-    with open(os.path.join(fake, "__init__.py"), "w") as fh:
-        fh.write("raise RuntimeError('must not be imported')\n")
-    with open(real_version_file) as src, open(os.path.join(fake, "_version.py"), "w") as dst:
-        dst.write(src.read())
+    fake = source_tree(tmp_path)
+    shutil.copyfile(Path(INSTALL.location).parent / "_version.py", fake / "_version.py")
     env = clean_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     out = run_py(
         "import json, sys; from vllm_hsfix import detect; d = detect.detect();"
@@ -114,4 +114,4 @@ def test_source_tree_or_editable_install_reads_vllms_own_version_file(
     present, version, release, source, location, imported = last_json(out.stdout)
     assert present and source == "package" and not imported
     assert release == INSTALL.release and version == INSTALL.version.split("+")[0]
-    assert location == os.path.realpath(os.path.join(fake, "__init__.py"))
+    assert location == os.path.realpath(fake / "__init__.py")

@@ -91,50 +91,6 @@ def test_load_patched_024_every_row_right_and_no_nan(run: int, workdir: Path) ->
 
 @pytest.mark.extended
 @pytest.mark.applies("scatter-clamp")
-def test_load_without_block_zeroing_gets_nan_after_full_attention(workdir: Path) -> None:
-    """The cause of the NaN rows, by experiment: patched but with cpu-zero-blocks off,
-    stale blocks turn rows NaN, and only in aux layers after a full-attention layer
-    (layer 1 of [linear, full, linear, full]: aux ids 2 and 3, never 1)."""
-    _nan_without_zeroing(workdir, True, {"VLLM_HSFIX_DISABLED_PATCHES": "cpu-zero-blocks"})
-
-
-def _nan_without_zeroing(workdir: Path, patched: bool, extra_env: dict[str, str]) -> None:
-    """A load run with the CPU block zeroing off: NaN rows, only after full attention."""
-    r = e2e.run_case(
-        e2e.CASES["load-mp"],
-        patched=patched,
-        workdir=workdir,
-        models=CACHE / "models",
-        extra_env=extra_env,
-    )
-    assert r.ok_run, r.error
-    print(f"load-mp, {'patched' if patched else 'unpatched'}, {extra_env}: {summary(r)}")
-    assert r.rows_nan > 0, summary(r)
-    assert set(r.nan_rows_by_aux) <= {"2", "3"}, r.nan_rows_by_aux
-
-
-@pytest.mark.extended
-@pytest.mark.fixed_upstream("hidden-group-block-size")
-@pytest.mark.parametrize("run", LOAD_RUNS)
-def test_load_fixed_release_every_row_right_and_no_nan(run: int, workdir: Path) -> None:
-    r = result("load-mp", False, workdir, run)
-    assert r.steps >= e2e.LOAD_PROMPTS // e2e.LOAD_MAX_SEQS, summary(r)
-    assert r.rows_nan == 0 and r.rows_correct == r.rows > 30_000, summary(r)
-
-
-@pytest.mark.extended
-@pytest.mark.fixed_upstream("hidden-group-block-size")
-def test_load_fixed_release_without_its_own_block_zeroing_gets_nan(workdir: Path) -> None:
-    """The other half of the experiment: vLLM 0.25.0 with its CPU block zeroing made a
-    no-op (what 0.22-0.24 ship; the harness plugin's experiment switch) writes NaN rows again,
-    in the same aux layers."""
-    _nan_without_zeroing(
-        workdir, False, experiments.env(workdir, HSFIX_EXPERIMENT_NO_CPU_ZEROING="1")
-    )
-
-
-@pytest.mark.extended
-@pytest.mark.applies("scatter-clamp")
 def test_moe_hybrid_wrong_without_and_right_with_the_fix(workdir: Path) -> None:
     """Qwen3-Next (MoE), where vLLM's CPU MoE kernels exist; skipped with the reason
     vLLM gives elsewhere."""

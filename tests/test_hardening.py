@@ -1,8 +1,11 @@
 """Issue 11: the patcher fails closed, reverts for good, reports the truth, and survives
-fork, reload, late activation, other people's wrappers and logging. Each test runs in
-a fresh interpreter and asserts on what the live objects do."""
+fork, reload, late activation, other people's wrappers and logging; its post-import
+hooks fire once, after the module body. Each test asserts on what the live objects do,
+in a fresh interpreter but for the revert test of every patch."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from conftest import RELEASE, clean_env, declared_all, last_json, run_py
@@ -125,9 +128,7 @@ print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
 @pytest.mark.applies("scatter-clamp")
 def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
     """11.3: after importlib.reload a record must not say "applied"; apply() fixes it. A
-    reload of the connector alone leaves the clamp's record (another module) applied:
-    failing first, when the extras' wrappers (in-situ observer, provenance) were kept in
-    a patch's record, it reported ``scatter-clamp`` overwritten on 0.17-0.23."""
+    reload of the connector alone leaves the clamp's record (another module) applied."""
     out = run_py(
         """
 import json, importlib
@@ -187,6 +188,43 @@ conn._executor.shutdown(wait=False)
     assert (before, after) == (528, 22)
     assert status == "applied"
     assert "1 connector(s) built before activation re-resolved (block size 528 -> 22)" in reason
+
+
+def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -> None:
+    """``_lazy.when_imported``: after the body, once, not on reload; at once for a
+    module already imported; an exception in a hook reaches the import."""
+    out = run_py(
+        f"""
+        import importlib, json, pathlib, sys
+        pkg = pathlib.Path({str(tmp_path)!r})
+        (pkg / "hsfix_target_a.py").write_text("VALUE = 1\\n")
+        (pkg / "hsfix_target_b.py").write_text("VALUE = 2\\n")
+        sys.path.insert(0, str(pkg))
+        from vllm_hsfix import _lazy
+        seen = []
+        _lazy.when_imported("hsfix_target_a", lambda m: seen.append(("a", m.VALUE)))
+        _lazy.when_imported("hsfix_target_a", lambda m: seen.append(("a2", m.VALUE)))
+        import hsfix_target_a
+        importlib.reload(hsfix_target_a)
+        _lazy.when_imported("hsfix_target_a", lambda m: seen.append(("late", m.VALUE)))
+        def boom(m):
+            raise KeyError("from the hook")
+        _lazy.when_imported("hsfix_target_b", boom)
+        try:
+            import hsfix_target_b
+            raised = None
+        except KeyError as exc:
+            raised = str(exc)
+        loader = type(hsfix_target_a.__loader__).__name__
+        print(json.dumps([seen, raised, loader, _lazy.errors()]))
+        """
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen, raised, loader, errors = last_json(out.stdout)
+    assert seen == [["a", 1], ["a2", 1], ["late", 1]]
+    assert raised == "'from the hook'"
+    assert loader == "SourceFileLoader"  # no trace of the watcher's loader is left
+    assert errors == []
 
 
 def test_find_spec_does_not_activate_a_real_import_does() -> None:
@@ -389,3 +427,46 @@ print(json.dumps([code, report.get("error"), report["patches"]["cpu-zero-blocks"
     code, error, status = last_json(out.stdout)
     assert (code, status) == (1, "refused"), out.stderr[-2000:]
     assert "cpu-zero-blocks" in error
+
+
+def test_unapply_puts_back_every_replaced_attribute_and_apply_wraps_once() -> None:
+    """Every attribute an applied patch replaced is the release's own object again after
+    ``unapply()``, an added one is gone (the base class answers again), each record says
+    reverted; ``apply()`` three times wraps each once, around that same original."""
+    import contextlib
+    import importlib
+
+    import vllm_hsfix
+    from vllm_hsfix.patches import PATCHES
+    from vllm_hsfix.patches._wrap import ABSENT, ours_in, raw_attribute
+    from vllm_hsfix.state import STATE
+
+    for p in PATCHES:  # a row's module that this release lacks: that row is not applied
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(p.module)
+    for _ in range(3):
+        vllm_hsfix.apply()
+    reps = {p: list(rec.replacements) for p, rec in STATE.records.items() if rec.replacements}
+    assert reps, "no patch applied on this release"
+    try:
+        for pid, done in reps.items():
+            for rep in done:
+                ours = ours_in(raw_attribute(rep.owner, rep.name), pid)
+                assert ours is not None, (pid, rep.name)
+                if rep.original is not ABSENT:  # an added method wraps our own body
+                    assert ours.__wrapped__ is rep.original, (pid, rep.name)
+                    assert ours_in(rep.original, pid) is None, (pid, rep.name)  # once
+        vllm_hsfix.unapply()
+        for pid, done in reps.items():
+            assert STATE.records[pid].status == "reverted", pid
+            for rep in done:
+                if rep.original is ABSENT:
+                    assert rep.name not in vars(rep.owner), (pid, rep.name)
+                else:
+                    assert raw_attribute(rep.owner, rep.name) is rep.original, (pid, rep.name)
+        vllm_hsfix.apply()
+        for pid, done in reps.items():
+            for rep in done:
+                assert ours_in(raw_attribute(rep.owner, rep.name), pid) is not None, pid
+    finally:
+        vllm_hsfix.unapply()

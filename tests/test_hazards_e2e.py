@@ -1,13 +1,8 @@
-"""Hazards on the real vLLM engine: the releases' own behaviour, and the patch where there is one.
-
-* abort before scheduling (``support/children/abort_case.py``, in-process, tiny dense
-  Qwen3, ``max_num_seqs=1``, the third of three prompts aborted before any step): the
-  release's methods raise ``KeyError``; patched, the other files are right (against a
-  transformers forward); the connector half alone moves the crash to the scheduler's
-  assert, which is why the patch has a worker half;
-* prefix caching (``support/children/prefix_case.py``): the register's claims for the
-  installed release against the files it writes.
-"""
+"""Hazards on the real vLLM engine (tiny dense Qwen3, in-process engine): an abort before
+scheduling (``support/children/abort_case.py``: the release raises ``KeyError``, the
+patch saves the others right, its connector half alone moves the crash to the
+scheduler), and prefix caching (``support/children/prefix_case.py``: the register's
+claims for the installed release against the files it writes)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -16,28 +14,6 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 HERE = Path(__file__).resolve().parent
 CHILD = str(HERE / "support" / "children" / "processes.py")
-
-
-def test_spawned_child_patched_by_vllms_own_plugin_loader() -> None:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    old = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(clean_env())
-    try:
-        sys.path.insert(0, str(HERE))
-        from support.children import processes as _children
-
-        proc = ctx.Process(target=_children.plugins_only, args=(queue,))
-        proc.start()
-        data = json.loads(queue.get(timeout=300))
-        proc.join(60)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    assert proc.exitcode == 0
-    assert data["active"] and data["sources"][0] == "plugin"
-    assert cli_rows_as_declared(data["patches"]) == declared_all()
 
 
 def test_vllm_hsfix_run_reaches_the_child_and_the_grandchild() -> None:

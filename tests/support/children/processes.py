@@ -1,5 +1,5 @@
-"""Functions run in child processes by test_processes.py and test_startup_line.py
-(importable under spawn as ``support.children.processes``), and a command run by path."""
+"""A function run in forked and spawned children by test_startup_line.py (importable under
+spawn as ``support.children.processes``), and a command run by path by test_processes.py."""
 
 from __future__ import annotations
 
@@ -29,14 +29,6 @@ def report() -> dict[str, Any]:
         "sources": st["activated_by"],
         "patches": {k: v["status"] for k, v in st["patches"].items()},
     }
-
-
-def plugins_only(queue: Any) -> None:
-    """A spawned child that only does what vLLM does: load the general plugins."""
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
-    queue.put(json.dumps(report()))
 
 
 def plugins_and_print() -> None:
