@@ -1,4 +1,4 @@
-"""Judging many files in batches (:mod:`.batched`) over a stdlib process pool or Ray
+"""Judging many files in batches of consecutive files over a stdlib process pool or Ray
 tasks: a worker that dies is pinned on its file, and a run where nothing comes back for
 ``stall_s`` seconds ends."""
 
@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import decode
-from .batched import audit_files
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
+from .scan import audit_file, locked
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -68,12 +68,17 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
     return out
 
 
+def audit_files(paths: Sequence[str]) -> list[FileReport]:
+    """Each file's per-file report, in order (``pending`` while its writer holds it)."""
+    return [locked(p) or audit_file(p) for p in paths]
+
+
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
     on the compiled kernel (:func:`.decode.enable`)."""
     if total_bytes:
         decode.enable(total_bytes)
-    with single_blas_thread():  # whole products for the prefix sketches
+    with single_blas_thread():  # parallel workers must not spin BLAS threads
         return audit_files(paths)
 
 

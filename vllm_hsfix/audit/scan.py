@@ -37,7 +37,7 @@ _local = threading.local()  # the window buffer (:func:`_window_buffer`)
 # Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
 # shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read() (:mod:`.batched` takes them).
+# Files up to this size are read whole with one read().
 WHOLE_FILE_BYTES = 1024 * 1024
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
@@ -133,11 +133,6 @@ def _row_findings(
     if token_ids is not None and len(token_ids) == n_tokens and n_tokens:
         rep.prefix = prefix.from_head(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
-    near_zero(rep)
-
-
-def near_zero(rep: FileReport) -> None:
-    """The file's near-zero count and finding, from its layers' statistics."""
     rep.near_zero_rows = sum(st.near_zero_rows for st in rep.layers)
     if rep.near_zero_rows:
         layers = {st.aux: st.near_zero_rows for st in rep.layers if st.near_zero_rows}
@@ -182,59 +177,38 @@ def _layer_stats(
 
 
 def _sound_stats(norms: NDArray[Any], dups: list[int]) -> list[LayerStats]:
-    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound: one sort gives
-    np.median's median, the minimum and the maximum."""
+    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound."""
     import numpy as np
 
-    n = len(norms)
-    srt = np.sort(norms, axis=0)
-    med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
-    mean = np.add.reduce(norms, axis=0, keepdims=True) / n
-    dev = norms - mean
-    dev *= dev
-    return sound_layer_stats(
-        n,
+    med = np.median(norms, axis=0)
+    near = (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist()
+    columns = zip(
         med.tolist(),
-        mean[0].tolist(),
-        np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
-        srt[0].tolist(),
-        srt[-1].tolist(),
-        (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
-        dups,
+        norms.mean(axis=0).tolist(),
+        norms.std(axis=0).tolist(),
+        norms.min(axis=0).tolist(),
+        norms.max(axis=0).tolist(),
+        strict=True,
     )
-
-
-def sound_layer_stats(
-    count: int,
-    med: list[float],
-    mean: list[float],
-    std: list[float],
-    lo: list[float],
-    hi: list[float],
-    near: list[int],
-    dups: list[int],
-) -> list[LayerStats]:
-    """Each aux layer's statistics when every row of the file is sound: one value per
-    layer in each list (what :func:`_layer_stats` and :mod:`.batched` compute)."""
     return [
         LayerStats(
             aux=a,
-            count=count,
-            mean_norm=_finite(mean[a]),
-            std_norm=_finite(std[a]),
-            median_norm=_finite(med[a]),
-            min_norm=_finite(lo[a]),
-            max_norm=_finite(hi[a]),
+            count=len(norms),
+            mean_norm=_finite(mean),
+            std_norm=_finite(std),
+            median_norm=_finite(median),
+            min_norm=_finite(lo),
+            max_norm=_finite(hi),
             duplicate_rows=dups[a],
             near_zero_rows=int(near[a]),
         )
-        for a in range(len(med))
+        for a, (median, mean, std, lo, hi) in enumerate(columns)
     ]
 
 
 class Prepared(NamedTuple):
     """A file whose header and keys were read and found sound, its rows not yet seen:
-    what :func:`scan_rows` (or :mod:`.batched`, for many small files) takes."""
+    what :func:`scan_rows` takes."""
 
     path: str
     offset: int  # where hidden_states starts in the file
