@@ -1,7 +1,7 @@
 """Rows as values: every format's ``hidden_states`` turned into float32 (fp8: its
 float8_e4m3fn values times its token's scale, through a 256-entry table), and a window of
 stored rows into the per-row numbers the checks need (squared norm, key, zero and
-NaN/Inf flags), by the compiled kernel (:mod:`.kernel`) or numpy blocks."""
+NaN/Inf flags), by numpy blocks (fp8 in large audits: the compiled kernel, :mod:`.kernel`)."""
 
 from __future__ import annotations
 
@@ -118,18 +118,6 @@ class Rows:
             return work, ints
         return raw, ints
 
-    def into(self, raw: Any, out: Any) -> None:
-        """The float32 values of stored BF16/F16/F32 rows ``raw`` written straight into
-        ``out`` (no working block: the kernel's head rows)."""
-        import numpy as np
-
-        if self.dtype == "BF16":
-            bits = out.view(np.uint32)
-            bits[...] = raw.view(np.uint16)
-            bits <<= 16
-        else:
-            out[...] = raw
-
     def canonical(self, stored: bytes, token: int) -> bytes:
         """The bytes of one stored row's values (row of token position ``token``)."""
         if not self.fp8:
@@ -187,7 +175,7 @@ _kernel: Any = None  # the loaded :mod:`.kernel` once :func:`enable` succeeded; 
 
 
 def enable(total_bytes: int) -> bool:
-    """Use the compiled kernel in this process's scans when an audit of ``total_bytes``
+    """Use the compiled fp8 kernel in this process's scans when an audit of ``total_bytes``
     repays its load and it loads here (numba installed, not switched off); whether on."""
     global _kernel
     if _kernel is None and total_bytes >= MIN_BYTES and os.environ.get(KERNEL_ENV) != "0":
@@ -294,11 +282,11 @@ def fill(
     mult: NDArray[Any],
 ) -> None:
     """Fill ``nums`` for stored rows ``raw`` ([n, hidden], rows ``row0``... of the
-    file): from the kernel where it is on and every row is plain, else block by block,
-    values then the per-row numbers of :func:`_block_rows`."""
+    file): fp8 from the kernel where it is on and every row is plain, else block by
+    block, values then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
-    if _kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
+    if _kernel and rows.fp8 and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
     n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
@@ -326,28 +314,17 @@ def _kernel_rows(
     cols: NDArray[Any],
     mult: NDArray[Any],
 ) -> bool:
-    """The window's squared norms, keys and head rows from the compiled kernel; False
-    when it does not take this dtype or a row needs :func:`_block_rows`'s closer look."""
+    """An fp8 window's squared norms, keys and head rows from the compiled kernel;
+    False when a row needs :func:`_block_rows`'s closer look."""
     n = raw.shape[0]
     sumsq, keys = nums.sumsq[row0 : row0 + n], nums.keys[row0 : row0 + n]
-    if rows.dtype == "BF16":
-        odd = _kernel.bf16(raw.view(HIDDEN_INT["BF16"]), cols, mult, sumsq, keys)
-    elif rows.dtype == "F32":
-        odd = _kernel.f32(raw, cols, mult, sumsq, keys)
-    elif rows.fp8:
-        scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
-        odd = _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys)
-    else:
-        return False
-    if odd:
+    scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
+    if _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys):
         return False
     if row0 < len(nums.head):
         take = min(len(nums.head) - row0, n)
         head = nums.head[row0 : row0 + take]
-        if rows.fp8:
-            _kernel.fp8_values(rows.table, raw[:take], rows.row_scales[row0 : row0 + take], head)
-        else:
-            rows.into(raw[:take], head)
+        _kernel.fp8_values(rows.table, raw[:take], scales[:take], head)
     return True
 
 
