@@ -74,48 +74,27 @@ class Rows:
         self.fp8 = dtype == FP8_DTYPE
         if self.fp8 and scales is None:
             raise ValueError("fp8 rows need their scales")
-        self.hidden = hidden
-        self.n_aux = n_aux
         self.raw_dtype = "u1" if self.fp8 else HIDDEN_RAW[dtype]
         self.row_bytes = hidden * ITEMSIZE[dtype]
         self.scales = None if scales is None else np.asarray(scales, dtype=np.float32)
         self.table = fp8_e4m3fn_table() if self.fp8 else None
         # Each row's scale (fp8: a token's n_aux rows share it).
         self.row_scales = None if scales is None else np.repeat(self.scales, n_aux)
-        # Values widened for the checks: bytes per value of a block's working copy.
-        self.work_itemsize = 8 if dtype == "F64" else 4
 
-    def buffer(self, rows: int) -> Any:
-        """The working block this format needs (None: F32/F64 read in place, fp8 fresh)."""
-        import numpy as np
-
-        if self.dtype == "BF16":
-            return np.empty((rows, self.hidden), dtype=np.uint32)
-        if self.dtype == "F16":
-            return np.empty((rows, self.hidden), dtype=np.float32)
-        return None
-
-    def block(self, raw: Any, row0: int, buf: Any) -> tuple[Any, Any]:
+    def block(self, raw: Any, row0: int) -> tuple[Any, Any]:
         """Values of stored rows ``raw`` ([n, hidden], rows ``row0``... of the file) and
         the unsigned-integer view of the values the row keys are sampled from."""
         import numpy as np
 
-        n = raw.shape[0]
         if self.fp8:
             work = self.table[raw]  # type: ignore[index]
-            work *= self.row_scales[row0 : row0 + n, None]  # type: ignore[index]
+            work *= self.row_scales[row0 : row0 + raw.shape[0], None]  # type: ignore[index]
             return work, work.view(np.uint32)
         ints = raw.view(HIDDEN_INT[self.dtype])
-        if self.dtype == "BF16":
-            # bf16 is the top half of a float32: widen, shift left 16, reinterpret.
-            w = buf[:n]
-            w[...] = ints
-            np.left_shift(w, 16, out=w)
-            return w.view(np.float32), ints
+        if self.dtype == "BF16":  # bf16 is the top half of a float32
+            return (ints.astype(np.uint32) << 16).view(np.float32), ints
         if self.dtype == "F16":
-            work = buf[:n]
-            work[...] = raw
-            return work, ints
+            return raw.astype(np.float32), ints
         return raw, ints
 
     def canonical(self, stored: bytes, token: int) -> bytes:
@@ -131,8 +110,7 @@ class Rows:
         """All rows at once ([tokens x n_aux, hidden] stored) as float32 values."""
         import numpy as np
 
-        work, _ = self.block(raw, 0, self.buffer(raw.shape[0]))
-        return np.array(work, dtype=np.float32)
+        return np.array(self.block(raw, 0)[0], dtype=np.float32)
 
 
 def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[Any, Any, str]:
@@ -289,8 +267,7 @@ def fill(
     if _kernel and rows.fp8 and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
     n_rows, hidden = raw.shape
-    block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
-    buf = rows.buffer(min(block, n_rows))
+    block = max(1, BLOCK_BYTES // (hidden * (8 if rows.dtype == "F64" else 4)))
     stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
     if stored is not None:  # keys of stored values: the whole window in one go
         nums.keys[row0 : row0 + n_rows] = row_keys(stored, cols, mult)
@@ -299,7 +276,7 @@ def fill(
     with np.errstate(all="ignore"):
         for b in range(0, n_rows, block):
             e = min(n_rows, b + block)
-            work, ints = rows.block(raw[b:e], row0 + b, buf)
+            work, ints = rows.block(raw[b:e], row0 + b)
             _keep_head(nums, row0 + b, work)
             if stored is None:  # fp8: keys of the de-quantized values
                 nums.keys[row0 + b : row0 + e] = row_keys(ints, cols, mult)

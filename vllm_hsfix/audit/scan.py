@@ -7,7 +7,6 @@ import contextlib
 import io
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 T = TypeVar("T")
-_local = threading.local()  # the window buffer (:func:`_window_buffer`)
 
 # Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
 # shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
@@ -77,7 +75,7 @@ def scan_rows(rep: FileReport, prep: Prepared) -> None:
     else:
         # Whole tokens per window, so a window never splits a token's rows.
         tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
-        buffer = _window_buffer(tokens_per_window * n_aux * rows.row_bytes)
+        buffer = np.empty(tokens_per_window * n_aux * rows.row_bytes, np.uint8)
         with open(prep.path, "rb", buffering=0) as f:
             f.seek(prep.offset)
             for t0 in range(0, n_tokens, tokens_per_window):
@@ -142,17 +140,6 @@ def _row_findings(
             f"{rep.near_zero_rows} rows have a norm under {NEAR_ZERO_FRACTION:g} x their "
             f"layer's median (per aux layer {layers})",
         )
-
-
-def _window_buffer(nbytes: int) -> NDArray[Any]:
-    """This thread's window buffer, at least ``nbytes``: one for every file (fresh pages
-    are faulted in and zeroed, a cost as large as the read itself)."""
-    import numpy as np
-
-    buf = getattr(_local, "window", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.window = np.empty(nbytes, dtype=np.uint8)
-    return buf[:nbytes]
 
 
 def _layer_stats(
