@@ -28,9 +28,6 @@ from .reports import FileReport
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-# A file's data section read at once: (its offset in the file, the bytes).
-Whole = tuple[int, bytes]
-
 
 @lru_cache(maxsize=1)
 def fp8_e4m3fn_table() -> NDArray[Any]:
@@ -46,16 +43,12 @@ def fp8_e4m3fn_table() -> NDArray[Any]:
     return val.astype(np.float32)
 
 
-def read_scales(
-    path: str, tensors: dict[str, Any], data_start: int, whole: Whole | None = None
-) -> NDArray[Any]:
+def read_scales(path: str, tensors: dict[str, Any], data_start: int) -> NDArray[Any]:
     """An fp8 file's per-token scales, float32 ``[tokens]``."""
     import numpy as np
 
     sc = tensors[SCALES_KEY]
     start, n = data_start + sc["data_offsets"][0], sc["shape"][0]
-    if whole is not None:
-        return np.frombuffer(whole[1], "<f4", n, start - whole[0])
     return np.fromfile(path, dtype="<f4", count=n, offset=start)
 
 

@@ -4,15 +4,13 @@ window at a time (:mod:`.decode`); never raises, whatever goes wrong is a findin
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import decode, prefix, repeats
-from .decode import Rows, Whole, read_scales
+from .decode import Rows, read_scales
 from .format import (
     FP8,
     HIDDEN_KEY,
@@ -30,13 +28,9 @@ from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats, attribut
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-T = TypeVar("T")
-
 # Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
 # shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read().
-WHOLE_FILE_BYTES = 1024 * 1024
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
 
@@ -59,7 +53,7 @@ def _finite(x: Any) -> float | None:
 
 def scan_rows(rep: FileReport, prep: Prepared) -> None:
     """The row checks of one prepared file: ``hidden_states`` streamed window by window
-    (or taken from the whole file read at once) into the row findings of ``rep``."""
+    into the row findings of ``rep``."""
     import numpy as np
 
     n_tokens, n_aux, hidden = prep.shape
@@ -68,22 +62,17 @@ def scan_rows(rep: FileReport, prep: Prepared) -> None:
     with_prefix = ids is not None and len(ids) == n_tokens
     scan = decode.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols, mult = decode.key_columns(hidden)
-    if prep.whole is not None:
-        base, blob = prep.whole
-        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, prep.offset - base)
-        decode.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
-    else:
-        # Whole tokens per window, so a window never splits a token's rows.
-        tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
-        buffer = np.empty(tokens_per_window * n_aux * rows.row_bytes, np.uint8)
-        with open(prep.path, "rb", buffering=0) as f:
-            f.seek(prep.offset)
-            for t0 in range(0, n_tokens, tokens_per_window):
-                n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
-                part = buffer[: n * rows.row_bytes]
-                _read_exact(f, memoryview(part))
-                raw = part.view(rows.raw_dtype).reshape(n, hidden)
-                decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
+    # Whole tokens per window, so a window never splits a token's rows.
+    tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
+    buffer = np.empty(tokens_per_window * n_aux * rows.row_bytes, np.uint8)
+    with open(prep.path, "rb", buffering=0) as f:
+        f.seek(prep.offset)
+        for t0 in range(0, n_tokens, tokens_per_window):
+            n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
+            part = buffer[: n * rows.row_bytes]
+            _read_exact(f, memoryview(part))
+            raw = part.view(rows.raw_dtype).reshape(n, hidden)
+            decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
     _row_findings(rep, scan, prep.path, prep.offset, rows, prep.shape, ids)
 
 
@@ -202,60 +191,38 @@ class Prepared(NamedTuple):
     rows: Rows
     shape: tuple[int, int, int]  # tokens, n_aux, hidden
     token_ids: NDArray[Any] | None
-    whole: Whole | None  # the file's data when it was read whole
 
 
 def prepare(rep: FileReport, path: str) -> Prepared | None:
-    """Read ``path``'s header (and, when small, the whole file) and judge its layout and
-    keys into ``rep``; the rows to scan next, or None when there are none to scan."""
-    blob: Any = None
-    with open(path, "rb", buffering=0) as f:
+    """Read ``path``'s header and judge its layout and keys into ``rep``; the rows to
+    scan next, or None when there are none to scan."""
+    with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
-        if size <= WHOLE_FILE_BYTES:
-            # One byte more than its size, so a file that grew is seen to have changed.
-            data = os.read(f.fileno(), size + 1)
-            header, data_start = read_header(io.BytesIO(data), size)
-            blob = memoryview(data)[data_start:]
-        else:
-            header, data_start = read_header(f, size)
-        meta = header.get("__metadata__")
-        if isinstance(meta, dict):
-            rep.provenance = {
-                k: str(v) for k, v in meta.items() if str(k).startswith("vllm_hsfix.")
-            }
+        header, data_start = read_header(f, size)
+    meta = header.get("__metadata__")
+    if isinstance(meta, dict):
+        rep.provenance = {k: str(v) for k, v in meta.items() if str(k).startswith("vllm_hsfix.")}
     tensors, layout = check_layout(header, size - data_start)
     if layout is not None:
         rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
     hs_ok, ti_ok = check_keys(rep, tensors)
     if layout is not None and layout.code == "truncated":
         return None  # the data the header points at is not all there: reading it hits EOF
-    whole: Whole | None = None
-    if blob is not None:
-        if len(blob) != size - data_start:
-            raise BadFile("truncated", f"file changed while read ({len(blob)} data bytes)")
-        whole = (data_start, blob)
     token_ids = None
     if ti_ok:
-        import numpy as np
-
         ti = tensors[TOKEN_KEY]
-        start, n = data_start + ti["data_offsets"][0], ti["shape"][0]
-        if whole is not None:
-            token_ids = np.frombuffer(whole[1], "<i8", n, start - data_start)
-        else:
-            token_ids = read_token_ids(path, start, n)
-    if hs_ok:
-        hs = tensors[HIDDEN_KEY]
-        shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
-        offset = data_start + hs["data_offsets"][0]
-        scales = None
-        if rep.format == FP8:
-            scales = read_scales(path, tensors, data_start, whole)
-            _check_scale_values(rep, scales)
-        rows = Rows(hs["dtype"], shape[2], shape[1], scales)
-        return Prepared(path, offset, rows, shape, token_ids, whole)
-    return None
+        token_ids = read_token_ids(path, data_start + ti["data_offsets"][0], ti["shape"][0])
+    if not hs_ok:
+        return None
+    hs = tensors[HIDDEN_KEY]
+    shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
+    scales = None
+    if rep.format == FP8:
+        scales = read_scales(path, tensors, data_start)
+        _check_scale_values(rep, scales)
+    rows = Rows(hs["dtype"], shape[2], shape[1], scales)
+    return Prepared(path, data_start + hs["data_offsets"][0], rows, shape, token_ids)
 
 
 def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
@@ -317,25 +284,20 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
     """Audit one file. Never raises: whatever goes wrong becomes a finding, so one bad
     file cannot hide the verdicts of the thousands after it."""
     t0 = time.perf_counter()
-    p = os.fspath(path)
-    rep = FileReport(path=p)
-    prep = guarded(rep, prepare, rep, p)
-    if prep is not None:
-        guarded(rep, scan_rows, rep, prep)
-    return conclude(rep, t0)
-
-
-def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
-    """``fn(*args)``, whatever goes wrong in it a finding of ``rep`` (then None)."""
+    rep = FileReport(path=os.fspath(path))
     try:
-        return fn(*args)
+        prep = prepare(rep, rep.path)
+        if prep is not None:
+            scan_rows(rep, prep)
     except BadFile as exc:
         rep.add(exc.code, exc.severity, _lock_note(exc.code, exc.detail, rep.path))
     except OSError as exc:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
         rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
-    return None
+    attribute(rep)  # the hazards its findings carry the signature of
+    rep.seconds = time.perf_counter() - t0
+    return rep
 
 
 def _lock_note(code: str, detail: str, path: str) -> str:
@@ -343,10 +305,3 @@ def _lock_note(code: str, detail: str, path: str) -> str:
     if code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
         detail += " (a .lock file sits beside it: the writer may still be running)"
     return detail
-
-
-def conclude(rep: FileReport, t0: float) -> FileReport:
-    """The last step of every file's audit: its findings' hazards, its time."""
-    attribute(rep)
-    rep.seconds = time.perf_counter() - t0
-    return rep
