@@ -191,15 +191,11 @@ def _as_done(
 def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> FileReport:
     """File ``i`` judged in a fresh process of its own (raises what killed it)."""
     from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures import TimeoutError as FutureTimeout
 
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        fut = pool.submit(run_batch, [files[i]], total)
-        try:
-            return fut.result(timeout=stall_s or None)[0]
-        except FutureTimeout:
-            _abandon(pool)
-            raise stalled([range(i, i + 1)], files, stall_s) from None
+        futures = {pool.submit(run_batch, [files[i]], total): range(i, i + 1)}
+        _, fut = next(_as_done(pool, futures, files, stall_s))
+        return fut.result()[0]
 
 
 def _abandon(pool: Any) -> None:

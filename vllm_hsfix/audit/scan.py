@@ -7,10 +7,10 @@ import contextlib
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from . import decode, prefix, repeats
-from .decode import Rows, read_scales
+from .decode import Rows
 from .format import (
     FP8,
     HIDDEN_KEY,
@@ -21,7 +21,6 @@ from .format import (
     check_keys,
     check_layout,
     read_header,
-    read_token_ids,
 )
 from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats, attribute
 
@@ -51,29 +50,35 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def scan_rows(rep: FileReport, prep: Prepared) -> None:
-    """The row checks of one prepared file: ``hidden_states`` streamed window by window
-    into the row findings of ``rep``."""
+def scan_rows(
+    rep: FileReport,
+    f: Any,
+    offset: int,
+    rows: Rows,
+    shape: tuple[int, int, int],
+    ids: NDArray[Any] | None,
+) -> None:
+    """The row checks of a file whose header was found sound: ``hidden_states`` (at
+    ``offset`` of the open file ``f``, ``shape`` tokens x n_aux x hidden) streamed
+    window by window."""
     import numpy as np
 
-    n_tokens, n_aux, hidden = prep.shape
+    n_tokens, n_aux, hidden = shape
     n_rows = n_tokens * n_aux
-    rows, ids = prep.rows, prep.token_ids
     with_prefix = ids is not None and len(ids) == n_tokens
     scan = decode.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols, mult = decode.key_columns(hidden)
     # Whole tokens per window, so a window never splits a token's rows.
     tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
     buffer = np.empty(tokens_per_window * n_aux * rows.row_bytes, np.uint8)
-    with open(prep.path, "rb", buffering=0) as f:
-        f.seek(prep.offset)
-        for t0 in range(0, n_tokens, tokens_per_window):
-            n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
-            part = buffer[: n * rows.row_bytes]
-            _read_exact(f, memoryview(part))
-            raw = part.view(rows.raw_dtype).reshape(n, hidden)
-            decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
-    _row_findings(rep, scan, prep.path, prep.offset, rows, prep.shape, ids)
+    f.seek(offset)
+    for t0 in range(0, n_tokens, tokens_per_window):
+        n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
+        part = buffer[: n * rows.row_bytes]
+        _read_exact(f, memoryview(part))
+        raw = part.view(rows.raw_dtype).reshape(n, hidden)
+        decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
+    _row_findings(rep, scan, f.name, offset, rows, shape, ids)
 
 
 def _row_findings(
@@ -153,76 +158,76 @@ def _layer_stats(
 
 
 def _sound_stats(norms: NDArray[Any], dups: list[int]) -> list[LayerStats]:
-    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound."""
+    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound: one sort
+    gives np.median's median, the minimum and the maximum."""
     import numpy as np
 
-    med = np.median(norms, axis=0)
+    n = len(norms)
+    srt = np.sort(norms, axis=0)
+    med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+    mean = np.add.reduce(norms, axis=0) / n
+    std = np.sqrt(np.add.reduce(np.square(norms - mean), axis=0) / n)
     near = (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist()
     columns = zip(
-        med.tolist(),
-        norms.mean(axis=0).tolist(),
-        norms.std(axis=0).tolist(),
-        norms.min(axis=0).tolist(),
-        norms.max(axis=0).tolist(),
-        strict=True,
+        med.tolist(), mean.tolist(), std.tolist(), srt[0].tolist(), srt[-1].tolist(), strict=True
     )
     return [
         LayerStats(
             aux=a,
-            count=len(norms),
-            mean_norm=_finite(mean),
-            std_norm=_finite(std),
-            median_norm=_finite(median),
+            count=n,
+            mean_norm=_finite(avg),
+            std_norm=_finite(sd),
+            median_norm=_finite(middle),
             min_norm=_finite(lo),
             max_norm=_finite(hi),
             duplicate_rows=dups[a],
             near_zero_rows=int(near[a]),
         )
-        for a, (median, mean, std, lo, hi) in enumerate(columns)
+        for a, (middle, avg, sd, lo, hi) in enumerate(columns)
     ]
 
 
-class Prepared(NamedTuple):
-    """A file whose header and keys were read and found sound, its rows not yet seen:
-    what :func:`scan_rows` takes."""
-
-    path: str
-    offset: int  # where hidden_states starts in the file
-    rows: Rows
-    shape: tuple[int, int, int]  # tokens, n_aux, hidden
-    token_ids: NDArray[Any] | None
-
-
-def prepare(rep: FileReport, path: str) -> Prepared | None:
-    """Read ``path``'s header and judge its layout and keys into ``rep``; the rows to
-    scan next, or None when there are none to scan."""
-    with open(path, "rb") as f:
+def _judge(rep: FileReport, path: str) -> None:
+    """Read ``path``'s header and judge its layout and keys into ``rep``, then its rows
+    where there are rows to read (one open file throughout)."""
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
         header, data_start = read_header(f, size)
-    meta = header.get("__metadata__")
-    if isinstance(meta, dict):
-        rep.provenance = {k: str(v) for k, v in meta.items() if str(k).startswith("vllm_hsfix.")}
-    tensors, layout = check_layout(header, size - data_start)
-    if layout is not None:
-        rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
-    hs_ok, ti_ok = check_keys(rep, tensors)
-    if layout is not None and layout.code == "truncated":
-        return None  # the data the header points at is not all there: reading it hits EOF
-    token_ids = None
-    if ti_ok:
-        ti = tensors[TOKEN_KEY]
-        token_ids = read_token_ids(path, data_start + ti["data_offsets"][0], ti["shape"][0])
-    if not hs_ok:
-        return None
-    hs = tensors[HIDDEN_KEY]
-    shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
-    scales = None
-    if rep.format == FP8:
-        scales = read_scales(path, tensors, data_start)
-        _check_scale_values(rep, scales)
-    rows = Rows(hs["dtype"], shape[2], shape[1], scales)
-    return Prepared(path, data_start + hs["data_offsets"][0], rows, shape, token_ids)
+        meta = header.get("__metadata__")
+        if isinstance(meta, dict):
+            rep.provenance = {k: str(v) for k, v in meta.items() if k.startswith("vllm_hsfix.")}
+        tensors, layout = check_layout(header, size - data_start)
+        if layout is not None:
+            rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
+        hs_ok, ti_ok = check_keys(rep, tensors)
+        if layout is not None and layout.code == "truncated":
+            return  # the data the header points at is not all there: reading it hits EOF
+        token_ids = None
+        if ti_ok:
+            ti = tensors[TOKEN_KEY]
+            token_ids = _read_at(f, data_start + ti["data_offsets"][0], ti["shape"][0], "<i8")
+        if not hs_ok:
+            return
+        hs = tensors[HIDDEN_KEY]
+        shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
+        scales = None
+        if rep.format == FP8:
+            sc = tensors[SCALES_KEY]
+            scales = _read_at(f, data_start + sc["data_offsets"][0], sc["shape"][0], "<f4")
+            _check_scale_values(rep, scales)
+        rows = Rows(hs["dtype"], shape[2], shape[1], scales)
+        scan_rows(rep, f, data_start + hs["data_offsets"][0], rows, shape, token_ids)
+
+
+def _read_at(f: Any, offset: int, n: int, dtype: str) -> NDArray[Any]:
+    """``n`` values of ``dtype`` at ``offset`` of the open file ``f``."""
+    import numpy as np
+
+    out = np.empty(n, dtype)
+    f.seek(offset)
+    _read_exact(f, memoryview(out.view(np.uint8)))
+    return out
 
 
 def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
@@ -286,9 +291,7 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
     t0 = time.perf_counter()
     rep = FileReport(path=os.fspath(path))
     try:
-        prep = prepare(rep, rep.path)
-        if prep is not None:
-            scan_rows(rep, prep)
+        _judge(rep, rep.path)
     except BadFile as exc:
         rep.add(exc.code, exc.severity, _lock_note(exc.code, exc.detail, rep.path))
     except OSError as exc:
