@@ -8,8 +8,8 @@ do), built once under ``~/.cache/vllm-hsfix/bench-audit`` and reused by later ru
 
 * ``bf16``: ``hidden_states`` BF16 (vLLM's ``ExampleHiddenStatesConnector``), hidden
   4096, 200-4000 tokens capped so that files are 1-30 MB, about 4 GB in all (past
-  ``vllm_hsfix.audit.decode.MIN_BYTES``: the compiled kernel is used, as on real
-  datasets);
+  ``vllm_hsfix.audit.decode.MIN_BYTES``: the compiled kernel is loaded, as on real
+  datasets, though only fp8 rows use it);
 * ``fp8``: ``hidden_states`` float8_e4m3fn plus ``hidden_states_scales`` F32
   ``[tokens, 1, 1]`` (hs-connectors' ``FP8HiddenStatesConnector``), hidden 7168, same
   rules, about 2 GB;
@@ -27,8 +27,8 @@ large corpora GB/s per worker / cat's GB/s (goal >= 0.6), for the small one file
 with 2 workers / cat's files/s (goal >= 0.25). On a shared machine the wall-clock
 ratios follow the load; the CPU columns do not: cat's CPU seconds over the audit's
 (driver and workers), the speed a worker that had a core to itself would reach next
-to a cat that had one. The compiled kernel's load (importing numba, about 0.5 s once
-per process, :mod:`vllm_hsfix.audit.kernel`) is in the seconds and also reported apart,
+to a cat that had one. The compiled fp8 kernel's load (importing numba, once per
+process, :mod:`vllm_hsfix.audit.kernel`) is in the seconds and also reported apart,
 with the ratio after it. The "scan pace" column leaves out every cost a run pays once
 (interpreter, imports, the kernel's load, starting the workers, the dataset pass):
 the bytes judged between the results that brought the total to 10% and to 90% of the
