@@ -74,20 +74,25 @@ class Rows:
         # Each row's scale (fp8: a token's n_aux rows share it).
         self.row_scales = None if scales is None else np.repeat(self.scales, n_aux)
 
-    def block(self, raw: Any, row0: int) -> tuple[Any, Any]:
+    def block(self, raw: Any, row0: int, work: Any) -> tuple[Any, Any]:
         """Values of stored rows ``raw`` ([n, hidden], rows ``row0``... of the file) and
-        the unsigned-integer view of the values the row keys are sampled from."""
+        the unsigned-integer view of the values the row keys are sampled from;
+        ``work``: a uint32 block at least as large, reused for BF16 and F16 values."""
         import numpy as np
 
         if self.fp8:
-            work = self.table[raw]  # type: ignore[index]
-            work *= self.row_scales[row0 : row0 + raw.shape[0], None]  # type: ignore[index]
-            return work, work.view(np.uint32)
+            values = self.table[raw]  # type: ignore[index]
+            values *= self.row_scales[row0 : row0 + raw.shape[0], None]  # type: ignore[index]
+            return values, values.view(np.uint32)
         ints = raw.view(HIDDEN_INT[self.dtype])
         if self.dtype == "BF16":  # bf16 is the top half of a float32
-            return (ints.astype(np.uint32) << 16).view(np.float32), ints
+            bits = work[: len(raw)]
+            np.left_shift(ints, 16, out=bits, dtype=np.uint32)
+            return bits.view(np.float32), ints
         if self.dtype == "F16":
-            return raw.astype(np.float32), ints
+            values = work[: len(raw)].view(np.float32)
+            values[...] = raw
+            return values, ints
         return raw, ints
 
     def canonical(self, stored: bytes, token: int) -> bytes:
@@ -103,7 +108,8 @@ class Rows:
         """All rows at once ([tokens x n_aux, hidden] stored) as float32 values."""
         import numpy as np
 
-        return np.array(self.block(raw, 0)[0], dtype=np.float32)
+        work = np.empty(raw.shape, np.uint32)
+        return np.array(self.block(raw, 0, work)[0], dtype=np.float32)
 
 
 def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[Any, Any, str]:
@@ -261,6 +267,7 @@ def fill(
         return
     n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * (8 if rows.dtype == "F64" else 4)))
+    work = np.empty((min(block, n_rows), hidden), np.uint32)
     stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
     if stored is not None:  # keys of stored values: the whole window in one go
         nums.keys[row0 : row0 + n_rows] = row_keys(stored, cols, mult)
@@ -269,11 +276,11 @@ def fill(
     with np.errstate(all="ignore"):
         for b in range(0, n_rows, block):
             e = min(n_rows, b + block)
-            work, ints = rows.block(raw[b:e], row0 + b)
-            _keep_head(nums, row0 + b, work)
+            values, ints = rows.block(raw[b:e], row0 + b, work)
+            _keep_head(nums, row0 + b, values)
             if stored is None:  # fp8: keys of the de-quantized values
                 nums.keys[row0 + b : row0 + e] = row_keys(ints, cols, mult)
-            _block_rows(nums, row0 + b, work)
+            _block_rows(nums, row0 + b, values)
 
 
 def _kernel_rows(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 # Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
 # shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
 CHUNK_BYTES = 4 * 1024 * 1024
+_local = threading.local()  # the window buffer (:func:`_window_buffer`)
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
 
@@ -42,6 +44,17 @@ def _read_exact(f: Any, view: memoryview) -> None:
         if not n:
             raise BadFile("truncated", f"file changed while read ({got} of {len(view)} bytes)")
         got += n
+
+
+def _window_buffer(nbytes: int) -> NDArray[Any]:
+    """This thread's window buffer, at least ``nbytes``: one for every file (a fresh one
+    is faulted in and zeroed page by page, a cost as large as the read itself)."""
+    import numpy as np
+
+    buf = getattr(_local, "window", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.window = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
 
 
 def _finite(x: Any) -> float | None:
@@ -61,7 +74,6 @@ def scan_rows(
     """The row checks of a file whose header was found sound: ``hidden_states`` (at
     ``offset`` of the open file ``f``, ``shape`` tokens x n_aux x hidden) streamed
     window by window."""
-    import numpy as np
 
     n_tokens, n_aux, hidden = shape
     n_rows = n_tokens * n_aux
@@ -70,7 +82,7 @@ def scan_rows(
     cols, mult = decode.key_columns(hidden)
     # Whole tokens per window, so a window never splits a token's rows.
     tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
-    buffer = np.empty(tokens_per_window * n_aux * rows.row_bytes, np.uint8)
+    buffer = _window_buffer(tokens_per_window * n_aux * rows.row_bytes)
     f.seek(offset)
     for t0 in range(0, n_tokens, tokens_per_window):
         n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
