@@ -18,7 +18,7 @@ def duplicates(
     rep: FileReport,
     keys: NDArray[Any],
     skip: NDArray[Any],
-    path: str,
+    fd: int,
     offset: int,
     rows: Rows,
     token_ids: NDArray[Any],
@@ -27,7 +27,7 @@ def duplicates(
 
     Same-token repeats are left alone: a layer close to the embeddings can legitimately
     give one token id the same vector at every position. Candidates (equal cheap keys)
-    are re-read with ``pread`` and confirmed by a blake2b digest of the whole row's
+    are re-read from ``fd`` and confirmed by a blake2b digest of the whole row's
     values."""
     import numpy as np
 
@@ -39,32 +39,28 @@ def duplicates(
         if not (srt[1:] == srt[:-1]).any():
             return per_layer
     examples: list[str] = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for a in range(n_aux):
-            pos = np.flatnonzero(~skip[:, a])
-            k = keys[pos, a]
-            order = np.argsort(k, kind="stable")
-            ks = k[order]
-            same = ks[1:] == ks[:-1]
-            if not same.any():
-                continue
-            cand = np.zeros(len(ks), dtype=bool)
-            cand[1:] |= same
-            cand[:-1] |= same
-            groups: dict[bytes, list[int]] = {}
-            for t in pos[order[cand]].tolist():
-                data = os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
-                data = rows.canonical(data, t)
-                digest = hashlib.blake2b(data, digest_size=16).digest()
-                groups.setdefault(digest, []).append(t)
-            for ts in groups.values():
-                if len(ts) > 1 and len({int(token_ids[t]) for t in ts}) > 1:
-                    per_layer[a] += len(ts) - 1
-                    if len(examples) < 3:
-                        examples.append(f"aux {a}: token positions {sorted(ts)[:4]}")
-    finally:
-        os.close(fd)
+    for a in range(n_aux):
+        pos = np.flatnonzero(~skip[:, a])
+        k = keys[pos, a]
+        order = np.argsort(k, kind="stable")
+        ks = k[order]
+        same = ks[1:] == ks[:-1]
+        if not same.any():
+            continue
+        cand = np.zeros(len(ks), dtype=bool)
+        cand[1:] |= same
+        cand[:-1] |= same
+        groups: dict[bytes, list[int]] = {}
+        for t in pos[order[cand]].tolist():
+            data = os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
+            data = rows.canonical(data, t)
+            digest = hashlib.blake2b(data, digest_size=16).digest()
+            groups.setdefault(digest, []).append(t)
+        for ts in groups.values():
+            if len(ts) > 1 and len({int(token_ids[t]) for t in ts}) > 1:
+                per_layer[a] += len(ts) - 1
+                if len(examples) < 3:
+                    examples.append(f"aux {a}: token positions {sorted(ts)[:4]}")
     total = sum(per_layer)
     if total:
         rep.add(
@@ -80,7 +76,7 @@ def identical_aux(
     rep: FileReport,
     keys: NDArray[Any],
     skip: NDArray[Any],
-    path: str,
+    fd: int,
     offset: int,
     row_bytes: int,
 ) -> None:
@@ -101,15 +97,11 @@ def identical_aux(
         sound = np.flatnonzero(~(skip[:, a] | skip[:, b]))
         if len(sound) < 2 or not (keys[sound, a] == keys[sound, b]).all():
             continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            same = all(
-                os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
-                == os.pread(fd, row_bytes, offset + (t * n_aux + b) * row_bytes)
-                for t in (int(sound[0]), int(sound[-1]))
-            )
-        finally:
-            os.close(fd)
+        same = all(
+            os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
+            == os.pread(fd, row_bytes, offset + (t * n_aux + b) * row_bytes)
+            for t in (int(sound[0]), int(sound[-1]))
+        )
         if same:
             rep.add(
                 "aux_layers_identical",

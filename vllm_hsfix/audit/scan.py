@@ -90,13 +90,13 @@ def scan_rows(
         _read_exact(f, memoryview(part))
         raw = part.view(rows.raw_dtype).reshape(n, hidden)
         decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
-    _row_findings(rep, scan, f.name, offset, rows, shape, ids)
+    _row_findings(rep, scan, f.fileno(), offset, rows, shape, ids)
 
 
 def _row_findings(
     rep: FileReport,
     scan: decode.RowNumbers,
-    path: str,
+    fd: int,
     offset: int,
     rows: Rows,
     shape: tuple[int, int, int],
@@ -130,8 +130,8 @@ def _row_findings(
     ids = token_ids if token_ids is not None else np.arange(n_tokens)
     keys = scan.keys.reshape(n_tokens, n_aux)
     skip = zero | bad
-    dups = repeats.duplicates(rep, keys, skip, path, offset, rows, ids)
-    repeats.identical_aux(rep, keys, skip, path, offset, rows.row_bytes)
+    dups = repeats.duplicates(rep, keys, skip, fd, offset, rows, ids)
+    repeats.identical_aux(rep, keys, skip, fd, offset, rows.row_bytes)
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
     if token_ids is not None and len(token_ids) == n_tokens and n_tokens:
