@@ -87,7 +87,8 @@ class Rows:
         ints = raw.view(HIDDEN_INT[self.dtype])
         if self.dtype == "BF16":  # bf16 is the top half of a float32
             bits = work[: len(raw)]
-            np.left_shift(ints, 16, out=bits, dtype=np.uint32)
+            bits[...] = ints  # widen, then shift in place (faster than one casting shift)
+            np.left_shift(bits, 16, out=bits)
             return bits.view(np.float32), ints
         if self.dtype == "F16":
             values = work[: len(raw)].view(np.float32)
