@@ -165,6 +165,28 @@ def test_the_kernel_is_used_only_past_min_bytes_and_can_be_switched_off() -> Non
     assert _enabled({**env, decode.KERNEL_ENV: "0"}, decode.MIN_BYTES) == "False"
 
 
+def test_a_large_audit_loads_the_kernel_at_its_first_fp8_file_only(tmp_path: Path) -> None:
+    """Past MIN_BYTES a worker's bf16 files leave numba unimported; its first fp8 file
+    loads the kernel (the verdicts are the numpy path's either way)."""
+    bf16 = hs_file(tmp_path / "bf16.safetensors", tokens=20)
+    rows = torch.randn(20, 3, 64, generator=torch.Generator().manual_seed(1))
+    fp8 = hsrows.write_fp8(tmp_path / "fp8.safetensors", rows, list(range(20)))
+    code = f"""if True:
+        import sys
+        from vllm_hsfix.audit import decode, parallel
+        reps = parallel.run_batch([{str(bf16)!r}], decode.MIN_BYTES)
+        print(reps[0].verdict, "numba" in sys.modules)
+        reps = parallel.run_batch([{str(fp8)!r}], decode.MIN_BYTES)
+        print(reps[0].verdict, "numba" in sys.modules, bool(decode._kernel))
+    """
+    env = {k: v for k, v in os.environ.items() if k != decode.KERNEL_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "False", "ok", "True", "True"], out.stdout
+
+
 def test_the_fp8_kernel_squares_every_byte_value() -> None:
     """Every float8_e4m3fn byte (normal, subnormal, both signs, zero) in rows the kernel
     squares: the sums are the exact squares of the format's values (torch's own

@@ -150,6 +150,24 @@ def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[
 MIN_BYTES = 1024 * 1024 * 1024
 KERNEL_ENV = "VLLM_HSFIX_AUDIT_KERNEL"
 _kernel: Any = None  # the loaded :mod:`.kernel` once :func:`enable` succeeded; False: failed
+_allowed = False  # an audit large enough for it: the first fp8 window loads the kernel
+
+
+def allow(total_bytes: int) -> None:
+    """Let this process's scans load the kernel at their first fp8 window when an audit
+    of ``total_bytes`` repays its load: an audit without fp8 files never loads it."""
+    global _allowed
+    _allowed = total_bytes >= MIN_BYTES
+
+
+def is_fp8(path: str) -> bool:
+    """Whether ``path``'s header says fp8 rows (False for a file it cannot read)."""
+    try:
+        tensors = read_layout(path)[3]
+    except Exception:
+        return False
+    hs = tensors.get(HIDDEN_KEY)
+    return isinstance(hs, dict) and hs.get("dtype") == FP8_DTYPE
 
 
 def enable(total_bytes: int) -> bool:
@@ -264,7 +282,8 @@ def fill(
     block, values then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
-    if _kernel and rows.fp8 and _kernel_rows(nums, raw, rows, row0, cols, mult):
+    kernel = rows.fp8 and (_kernel or (_allowed and enable(MIN_BYTES)))
+    if kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
     n_rows, hidden = raw.shape
     block = max(1, BLOCK_BYTES // (hidden * (8 if rows.dtype == "F64" else 4)))

@@ -75,9 +75,9 @@ def audit_files(paths: Sequence[str]) -> list[FileReport]:
 
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
-    on the compiled kernel (:func:`.decode.enable`)."""
+    on the compiled fp8 kernel (:func:`.decode.allow`)."""
     if total_bytes:
-        decode.enable(total_bytes)
+        decode.allow(total_bytes)
     with single_blas_thread():  # parallel workers must not spin BLAS threads
         return audit_files(paths)
 
@@ -119,7 +119,8 @@ def run_pool(
     import numpy  # loaded once here, so forked workers inherit it (and the kernel)
 
     total = int(numpy.asarray(sizes).sum())
-    decode.enable(total)
+    if decode.is_fp8(files[0]):  # an fp8 dataset: the kernel is loaded before the fork
+        decode.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
