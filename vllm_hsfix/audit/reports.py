@@ -125,19 +125,13 @@ class AuditReport:
     streaming run writes them out instead), dataset references and totals."""
 
     files: list[FileReport]
+    verdicts: list[tuple[str, str]]  # (path, verdict)
+    total_bytes: int
     wall_s: float
     workers: int
-    dataset: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any]
     backend: str = "local"  # or "ray": where the per-file scan ran
     reused: int = 0  # files whose per-file results came from ``--state``, not a scan
-    verdicts: list[tuple[str, str]] = field(default_factory=list)  # (path, verdict)
-    total_bytes: int = -1  # -1: sum of ``files``
-
-    def __post_init__(self) -> None:
-        if not self.verdicts:
-            self.verdicts = [(f.path, f.verdict) for f in self.files]
-        if self.total_bytes < 0:
-            self.total_bytes = sum(f.bytes for f in self.files)
 
     def count(self, verdict: str) -> int:
         """Number of files with ``verdict``."""
