@@ -6,6 +6,7 @@ NaN/Inf flags), by numpy blocks (fp8 in large audits: the compiled kernel, :mod:
 from __future__ import annotations
 
 import os
+import stat
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -161,8 +162,11 @@ def allow(total_bytes: int) -> None:
 
 
 def is_fp8(path: str) -> bool:
-    """Whether ``path``'s header says fp8 rows (False for a file it cannot read)."""
+    """Whether ``path``'s header says fp8 rows (False for a file it cannot read; only a
+    regular file is opened: a FIFO's open would never return)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         tensors = read_layout(path)[3]
     except Exception:
         return False
