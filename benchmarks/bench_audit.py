@@ -7,12 +7,11 @@ norms; 3 of 4 files start with a shared 24-token template, as chat-templated pro
 do), built once under ``~/.cache/vllm-hsfix/bench-audit`` and reused by later runs:
 
 * ``bf16``: ``hidden_states`` BF16 (vLLM's ``ExampleHiddenStatesConnector``), hidden
-  4096, 200-4000 tokens capped so that files are 1-30 MB, about 4 GB in all (past
-  ``vllm_hsfix.audit.decode.MIN_BYTES``: the compiled kernel is used, as on real
-  datasets);
+  4096, 200-4000 tokens capped so that files are 1-30 MB, about 4 GB in all;
 * ``fp8``: ``hidden_states`` float8_e4m3fn plus ``hidden_states_scales`` F32
   ``[tokens, 1, 1]`` (hs-connectors' ``FP8HiddenStatesConnector``), hidden 7168, same
-  rules, about 2 GB;
+  rules, about 2 GB (past ``vllm_hsfix.audit.decode.MIN_BYTES``: the compiled fp8
+  kernel is used, as on real datasets);
 * ``small``: the small-file stress corpus, 20,000 files of 16-48 tokens, hidden 256,
   3 aux layers, a ``.lock`` beside each (in 4 sub-folders: the first alone is the
   "quarter" run of the memory check).
@@ -27,8 +26,8 @@ large corpora GB/s per worker / cat's GB/s (goal >= 0.6), for the small one file
 with 2 workers / cat's files/s (goal >= 0.25). On a shared machine the wall-clock
 ratios follow the load; the CPU columns do not: cat's CPU seconds over the audit's
 (driver and workers), the speed a worker that had a core to itself would reach next
-to a cat that had one. The compiled kernel's load (importing numba, about 0.5 s once
-per process, :mod:`vllm_hsfix.audit.kernel`) is in the seconds and also reported apart,
+to a cat that had one. The compiled fp8 kernel's load (importing numba, once per
+process, :mod:`vllm_hsfix.audit.kernel`) is in the seconds and also reported apart,
 with the ratio after it. The "scan pace" column leaves out every cost a run pays once
 (interpreter, imports, the kernel's load, starting the workers, the dataset pass):
 the bytes judged between the results that brought the total to 10% and to 90% of the
@@ -221,9 +220,11 @@ def child(roots: list[str], workers: str) -> None:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         kw["ray"] = cluster.address
-    # The compiled kernel's load (importing numba; once per process, whatever the
-    # dataset's size), timed apart: the audit below then finds it loaded.
-    loads = sum(os.path.getsize(f) for f in pipeline.expand_paths(roots)) >= decode.MIN_BYTES
+    # The compiled fp8 kernel's load (importing numba; once per process, whatever the
+    # dataset's size), timed apart where the audit loads it before its workers start (an
+    # fp8 corpus past MIN_BYTES): the audit below then finds it loaded.
+    files = pipeline.expand_paths(roots)
+    loads = sum(map(os.path.getsize, files)) >= decode.MIN_BYTES and decode.is_fp8(files[0])
     t0, c0 = time.perf_counter(), cpu_seconds()
     if loads:
         decode.enable(decode.MIN_BYTES)

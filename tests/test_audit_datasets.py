@@ -189,6 +189,20 @@ def test_a_file_whose_read_never_returns_ends_the_run_naming_it(
     assert multiprocessing.active_children() == []
 
 
+def test_a_fifo_first_in_line_is_left_to_the_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The driver looks at the first file's header (to load the fp8 kernel before its
+    workers start) but never opens a FIFO: the run ends by the stall timeout, naming it."""
+    os.mkfifo(tmp_path / "a.safetensors")
+    hs_file(tmp_path / "b.safetensors")
+    t0 = time.monotonic()
+    argv = [str(tmp_path), "--workers", "1", "--stall-timeout", "2", "--no-progress"]
+    assert command.main(argv) == 2
+    assert time.monotonic() - t0 < 30
+    assert f"not judged: {tmp_path / 'a.safetensors'}; " in capsys.readouterr().err
+
+
 def test_a_file_that_hangs_when_retried_alone_ends_the_run_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

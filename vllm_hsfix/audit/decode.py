@@ -1,11 +1,12 @@
 """Rows as values: every format's ``hidden_states`` turned into float32 (fp8: its
 float8_e4m3fn values times its token's scale, through a 256-entry table), and a window of
 stored rows into the per-row numbers the checks need (squared norm, key, zero and
-NaN/Inf flags), by the compiled kernel (:mod:`.kernel`) or numpy blocks."""
+NaN/Inf flags), by numpy blocks (fp8 in large audits: the compiled kernel, :mod:`.kernel`)."""
 
 from __future__ import annotations
 
 import os
+import stat
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +29,6 @@ from .reports import FileReport
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-# A file's data section read at once: (its offset in the file, the bytes).
-Whole = tuple[int, bytes]
-
 
 @lru_cache(maxsize=1)
 def fp8_e4m3fn_table() -> NDArray[Any]:
@@ -46,16 +44,12 @@ def fp8_e4m3fn_table() -> NDArray[Any]:
     return val.astype(np.float32)
 
 
-def read_scales(
-    path: str, tensors: dict[str, Any], data_start: int, whole: Whole | None = None
-) -> NDArray[Any]:
+def read_scales(path: str, tensors: dict[str, Any], data_start: int) -> NDArray[Any]:
     """An fp8 file's per-token scales, float32 ``[tokens]``."""
     import numpy as np
 
     sc = tensors[SCALES_KEY]
     start, n = data_start + sc["data_offsets"][0], sc["shape"][0]
-    if whole is not None:
-        return np.frombuffer(whole[1], "<f4", n, start - whole[0])
     return np.fromfile(path, dtype="<f4", count=n, offset=start)
 
 
@@ -74,61 +68,34 @@ class Rows:
         self.fp8 = dtype == FP8_DTYPE
         if self.fp8 and scales is None:
             raise ValueError("fp8 rows need their scales")
-        self.hidden = hidden
-        self.n_aux = n_aux
         self.raw_dtype = "u1" if self.fp8 else HIDDEN_RAW[dtype]
         self.row_bytes = hidden * ITEMSIZE[dtype]
         self.scales = None if scales is None else np.asarray(scales, dtype=np.float32)
         self.table = fp8_e4m3fn_table() if self.fp8 else None
         # Each row's scale (fp8: a token's n_aux rows share it).
         self.row_scales = None if scales is None else np.repeat(self.scales, n_aux)
-        # Values widened for the checks: bytes per value of a block's working copy.
-        self.work_itemsize = 8 if dtype == "F64" else 4
 
-    def buffer(self, rows: int) -> Any:
-        """The working block this format needs (None: F32/F64 read in place, fp8 fresh)."""
-        import numpy as np
-
-        if self.dtype == "BF16":
-            return np.empty((rows, self.hidden), dtype=np.uint32)
-        if self.dtype == "F16":
-            return np.empty((rows, self.hidden), dtype=np.float32)
-        return None
-
-    def block(self, raw: Any, row0: int, buf: Any) -> tuple[Any, Any]:
+    def block(self, raw: Any, row0: int, work: Any) -> tuple[Any, Any]:
         """Values of stored rows ``raw`` ([n, hidden], rows ``row0``... of the file) and
-        the unsigned-integer view of the values the row keys are sampled from."""
+        the unsigned-integer view of the values the row keys are sampled from;
+        ``work``: a uint32 block at least as large, reused for BF16 and F16 values."""
         import numpy as np
 
-        n = raw.shape[0]
         if self.fp8:
-            work = self.table[raw]  # type: ignore[index]
-            work *= self.row_scales[row0 : row0 + n, None]  # type: ignore[index]
-            return work, work.view(np.uint32)
+            values = self.table[raw]  # type: ignore[index]
+            values *= self.row_scales[row0 : row0 + raw.shape[0], None]  # type: ignore[index]
+            return values, values.view(np.uint32)
         ints = raw.view(HIDDEN_INT[self.dtype])
-        if self.dtype == "BF16":
-            # bf16 is the top half of a float32: widen, shift left 16, reinterpret.
-            w = buf[:n]
-            w[...] = ints
-            np.left_shift(w, 16, out=w)
-            return w.view(np.float32), ints
+        if self.dtype == "BF16":  # bf16 is the top half of a float32
+            bits = work[: len(raw)]
+            bits[...] = ints  # widen, then shift in place (faster than one casting shift)
+            np.left_shift(bits, 16, out=bits)
+            return bits.view(np.float32), ints
         if self.dtype == "F16":
-            work = buf[:n]
-            work[...] = raw
-            return work, ints
+            values = work[: len(raw)].view(np.float32)
+            values[...] = raw
+            return values, ints
         return raw, ints
-
-    def into(self, raw: Any, out: Any) -> None:
-        """The float32 values of stored BF16/F16/F32 rows ``raw`` written straight into
-        ``out`` (no working block: the kernel's head rows)."""
-        import numpy as np
-
-        if self.dtype == "BF16":
-            bits = out.view(np.uint32)
-            bits[...] = raw.view(np.uint16)
-            bits <<= 16
-        else:
-            out[...] = raw
 
     def canonical(self, stored: bytes, token: int) -> bytes:
         """The bytes of one stored row's values (row of token position ``token``)."""
@@ -143,8 +110,8 @@ class Rows:
         """All rows at once ([tokens x n_aux, hidden] stored) as float32 values."""
         import numpy as np
 
-        work, _ = self.block(raw, 0, self.buffer(raw.shape[0]))
-        return np.array(work, dtype=np.float32)
+        work = np.empty(raw.shape, np.uint32)
+        return np.array(self.block(raw, 0, work)[0], dtype=np.float32)
 
 
 def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[Any, Any, str]:
@@ -184,10 +151,31 @@ def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[
 MIN_BYTES = 1024 * 1024 * 1024
 KERNEL_ENV = "VLLM_HSFIX_AUDIT_KERNEL"
 _kernel: Any = None  # the loaded :mod:`.kernel` once :func:`enable` succeeded; False: failed
+_allowed = False  # an audit large enough for it: the first fp8 window loads the kernel
+
+
+def allow(total_bytes: int) -> None:
+    """Let this process's scans load the kernel at their first fp8 window when an audit
+    of ``total_bytes`` repays its load: an audit without fp8 files never loads it."""
+    global _allowed
+    _allowed = total_bytes >= MIN_BYTES
+
+
+def is_fp8(path: str) -> bool:
+    """Whether ``path``'s header says fp8 rows (False for a file it cannot read; only a
+    regular file is opened: a FIFO's open would never return)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        tensors = read_layout(path)[3]
+    except Exception:
+        return False
+    hs = tensors.get(HIDDEN_KEY)
+    return isinstance(hs, dict) and hs.get("dtype") == FP8_DTYPE
 
 
 def enable(total_bytes: int) -> bool:
-    """Use the compiled kernel in this process's scans when an audit of ``total_bytes``
+    """Use the compiled fp8 kernel in this process's scans when an audit of ``total_bytes``
     repays its load and it loads here (numba installed, not switched off); whether on."""
     global _kernel
     if _kernel is None and total_bytes >= MIN_BYTES and os.environ.get(KERNEL_ENV) != "0":
@@ -294,15 +282,16 @@ def fill(
     mult: NDArray[Any],
 ) -> None:
     """Fill ``nums`` for stored rows ``raw`` ([n, hidden], rows ``row0``... of the
-    file): from the kernel where it is on and every row is plain, else block by block,
-    values then the per-row numbers of :func:`_block_rows`."""
+    file): fp8 from the kernel where it is on and every row is plain, else block by
+    block, values then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
-    if _kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
+    kernel = rows.fp8 and (_kernel or (_allowed and enable(MIN_BYTES)))
+    if kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
     n_rows, hidden = raw.shape
-    block = max(1, BLOCK_BYTES // (hidden * rows.work_itemsize))
-    buf = rows.buffer(min(block, n_rows))
+    block = max(1, BLOCK_BYTES // (hidden * (8 if rows.dtype == "F64" else 4)))
+    work = np.empty((min(block, n_rows), hidden), np.uint32)
     stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
     if stored is not None:  # keys of stored values: the whole window in one go
         nums.keys[row0 : row0 + n_rows] = row_keys(stored, cols, mult)
@@ -311,11 +300,11 @@ def fill(
     with np.errstate(all="ignore"):
         for b in range(0, n_rows, block):
             e = min(n_rows, b + block)
-            work, ints = rows.block(raw[b:e], row0 + b, buf)
-            _keep_head(nums, row0 + b, work)
+            values, ints = rows.block(raw[b:e], row0 + b, work)
+            _keep_head(nums, row0 + b, values)
             if stored is None:  # fp8: keys of the de-quantized values
                 nums.keys[row0 + b : row0 + e] = row_keys(ints, cols, mult)
-            _block_rows(nums, row0 + b, work)
+            _block_rows(nums, row0 + b, values)
 
 
 def _kernel_rows(
@@ -326,28 +315,17 @@ def _kernel_rows(
     cols: NDArray[Any],
     mult: NDArray[Any],
 ) -> bool:
-    """The window's squared norms, keys and head rows from the compiled kernel; False
-    when it does not take this dtype or a row needs :func:`_block_rows`'s closer look."""
+    """An fp8 window's squared norms, keys and head rows from the compiled kernel;
+    False when a row needs :func:`_block_rows`'s closer look."""
     n = raw.shape[0]
     sumsq, keys = nums.sumsq[row0 : row0 + n], nums.keys[row0 : row0 + n]
-    if rows.dtype == "BF16":
-        odd = _kernel.bf16(raw.view(HIDDEN_INT["BF16"]), cols, mult, sumsq, keys)
-    elif rows.dtype == "F32":
-        odd = _kernel.f32(raw, cols, mult, sumsq, keys)
-    elif rows.fp8:
-        scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
-        odd = _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys)
-    else:
-        return False
-    if odd:
+    scales = rows.row_scales[row0 : row0 + n]  # type: ignore[index]
+    if _kernel.fp8(rows.table, raw, scales, cols, mult, sumsq, keys):
         return False
     if row0 < len(nums.head):
         take = min(len(nums.head) - row0, n)
         head = nums.head[row0 : row0 + take]
-        if rows.fp8:
-            _kernel.fp8_values(rows.table, raw[:take], rows.row_scales[row0 : row0 + take], head)
-        else:
-            rows.into(raw[:take], head)
+        _kernel.fp8_values(rows.table, raw[:take], scales[:take], head)
     return True
 
 

@@ -1,4 +1,4 @@
-"""Judging many files in batches (:mod:`.batched`) over a stdlib process pool or Ray
+"""Judging many files in batches of consecutive files over a stdlib process pool or Ray
 tasks: a worker that dies is pinned on its file, and a run where nothing comes back for
 ``stall_s`` seconds ends."""
 
@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import decode
-from .batched import audit_files
 from .prefix import single_blas_thread
 from .reports import CORRUPT, FileReport
+from .scan import audit_file, locked
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -68,12 +68,17 @@ def batches(sizes: Sequence[int], workers: int) -> list[range]:
     return out
 
 
+def audit_files(paths: Sequence[str]) -> list[FileReport]:
+    """Each file's per-file report, in order (``pending`` while its writer holds it)."""
+    return [locked(p) or audit_file(p) for p in paths]
+
+
 def run_batch(paths: list[str], total_bytes: int = 0) -> list[FileReport]:
     """One task: judge each file. ``total_bytes``: the whole audit's size, which decides
-    on the compiled kernel (:func:`.decode.enable`)."""
+    on the compiled fp8 kernel (:func:`.decode.allow`)."""
     if total_bytes:
-        decode.enable(total_bytes)
-    with single_blas_thread():  # whole products for the prefix sketches
+        decode.allow(total_bytes)
+    with single_blas_thread():  # parallel workers must not spin BLAS threads
         return audit_files(paths)
 
 
@@ -114,7 +119,8 @@ def run_pool(
     import numpy  # loaded once here, so forked workers inherit it (and the kernel)
 
     total = int(numpy.asarray(sizes).sum())
-    decode.enable(total)
+    if decode.is_fp8(files[0]):  # an fp8 dataset: the kernel is loaded before the fork
+        decode.enable(total)
     failed, got = _first_pass(ctx, files, sizes, workers, on_result, total, stall_s)
     crashed: dict[int, BaseException] = {}
     for i in sorted(failed):
@@ -186,15 +192,11 @@ def _as_done(
 def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> FileReport:
     """File ``i`` judged in a fresh process of its own (raises what killed it)."""
     from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures import TimeoutError as FutureTimeout
 
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        fut = pool.submit(run_batch, [files[i]], total)
-        try:
-            return fut.result(timeout=stall_s or None)[0]
-        except FutureTimeout:
-            _abandon(pool)
-            raise stalled([range(i, i + 1)], files, stall_s) from None
+        futures = {pool.submit(run_batch, [files[i]], total): range(i, i + 1)}
+        _, fut = next(_as_done(pool, futures, files, stall_s))
+        return fut.result()[0]
 
 
 def _abandon(pool: Any) -> None:

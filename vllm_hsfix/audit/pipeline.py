@@ -283,14 +283,12 @@ def _reference_pass(
     paths = [files[i] for i in readable]
     bar = progress("reference", len(reference.sample(paths, ref.sample)))
     try:
-        results, summary = reference.check(
+        wrong, summary = reference.check(
             paths, ref.model_dir, list(ref.aux_layers), ref.sample, ref.dtype, bar.update
         )
     finally:
         bar.close()
     index = dict(zip(paths, readable, strict=True))
-    for r in results:
-        if not r.ok:
-            problem = Problem("reference_mismatch", CORRUPT, r.describe(ref.model_dir))
-            add_finding(findings, ledger, index[r.path], problem)
+    for path, detail in wrong.items():
+        add_finding(findings, ledger, index[path], Problem("reference_mismatch", CORRUPT, detail))
     dataset["reference"] = summary

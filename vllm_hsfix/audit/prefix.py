@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,51 +37,25 @@ def sketch_matrix(hidden: int) -> NDArray[Any]:
     return (rng.standard_normal((hidden, SKETCH_DIM)) / np.sqrt(SKETCH_DIM)).astype(np.float32)
 
 
-_one_blas_thread = False
-
-
-_controller: tuple[int, Any] | None = None
-
-
-def _blas_controller() -> Any:
-    """threadpoolctl's view of this process's thread pools (None without it), looked up
-    again only after new imports (a new BLAS comes with one)."""
-    global _controller
-    if _controller is None or _controller[0] != len(sys.modules):
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:
-            return None
-        found = ThreadpoolController()
-        _controller = (len(sys.modules), found)
-    return _controller[1]
-
-
 @contextlib.contextmanager
 def single_blas_thread() -> Iterator[bool]:
-    """BLAS on one thread inside (``threadpoolctl``); yields whether that was arranged
-    (a large product makes OpenBLAS start threads that spin, slowing parallel workers)."""
-    global _one_blas_thread
-    controller = _blas_controller()
-    if controller is None or _one_blas_thread:
-        yield _one_blas_thread
+    """BLAS on one thread inside (``threadpoolctl``, which finds every BLAS loaded by
+    then); yields whether that was arranged (a large product makes OpenBLAS start
+    threads that spin, slowing parallel workers)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield False
         return
-    with controller.limit(limits=1, user_api="blas"):
-        _one_blas_thread = True
-        try:
-            yield True
-        finally:
-            _one_blas_thread = False
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield True
 
 
 def sketch_rows(rows: NDArray[Any]) -> NDArray[Any]:
-    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM]:
-    one 2-D product inside :func:`single_blas_thread`, else one small product per token
-    (small enough that BLAS stays on one thread)."""
+    """``rows`` [tokens, n_aux, hidden] (float32) -> sketches [tokens, n_aux, SKETCH_DIM],
+    one 2-D product."""
     matrix = sketch_matrix(rows.shape[-1])
-    if _one_blas_thread:
-        return (rows.reshape(-1, rows.shape[-1]) @ matrix).reshape(*rows.shape[:-1], SKETCH_DIM)
-    return rows @ matrix
+    return (rows.reshape(-1, rows.shape[-1]) @ matrix).reshape(*rows.shape[:-1], SKETCH_DIM)
 
 
 @dataclass
@@ -105,31 +78,32 @@ def from_head(
     bad: NDArray[Any],
 ) -> PrefixData:
     """One file's contribution from its first rows as the scan saw them (``head``,
-    float32 [tokens x n_aux, hidden]); ``zero`` / ``bad`` mark the rows already judged."""
-    n_tokens, n_aux, hidden = shape
-    k = min(n_tokens, PREFIX_ROWS)
-    unit, norms, sound = sketch_heads(head.reshape(k, n_aux, hidden), ~(zero[:k] | bad[:k]))
-    return PrefixData(tuple(token_ids[:k].tolist()), unit, norms, sound, (n_aux, hidden))
-
-
-def sketch_heads(rows: NDArray[Any], sound: NDArray[Any]) -> tuple[Any, Any, Any]:
-    """Head rows ``[positions, n_aux, hidden]`` and which are ``sound`` -> float16 unit
-    sketches, float32 norms (0 where not sound) and ``sound`` (False where it overflowed)."""
+    float32 [tokens x n_aux, hidden]); ``zero`` / ``bad`` mark the rows already judged.
+    Unit sketches go in float16 (half the transfer from the workers), norms in float32
+    (activations of large models overflow float16 themselves)."""
     import numpy as np
 
+    n_tokens, n_aux, hidden = shape
+    k = min(n_tokens, PREFIX_ROWS)
+    rows = head.reshape(k, n_aux, hidden)
+    sound = ~(zero[:k] | bad[:k])
     if not sound.all():  # unsound rows must not reach the sketch (NaN would spread)
         rows = np.where(sound[..., None], rows, 0.0).astype(np.float32)
-    # Unit vectors in float16 (half the transfer from the workers) and the norms in
-    # float32: activations of large models overflow float16 themselves.
     with np.errstate(all="ignore"):  # huge rows overflow: their norm is inf, not sound
         sketch = sketch_rows(rows)
         norms = np.sqrt(np.einsum("...i,...i->...", sketch, sketch))
         finite = np.isfinite(norms)
-        sound = sound & finite
+        sound &= finite
         unit = sketch / np.where(norms > 0, norms, 1.0)[..., None]
     if not finite.all():
         unit = np.nan_to_num(unit)
-    return unit.astype(np.float16), np.where(sound, norms, 0.0).astype(np.float32), sound
+    return PrefixData(
+        tuple(token_ids[:k].tolist()),
+        unit.astype(np.float16),
+        np.where(sound, norms, 0.0).astype(np.float32),
+        sound,
+        (n_aux, hidden),
+    )
 
 
 @dataclass
@@ -189,7 +163,7 @@ class Columns:
         )
         self.index = np.zeros(0, np.int64)
         self.length = np.zeros(0, np.uint8)
-        self.tokens = np.zeros((0, PREFIX_ROWS), np.int32)  # int64 once an id needs it
+        self.tokens = np.zeros((0, PREFIX_ROWS), np.int64)
         self.sound = np.zeros((0, PREFIX_ROWS, n_aux), bool)
         self._chunk = np.zeros((PREFIX_ROWS, CHUNK), self.cell)
         self._units, self._norms = self._chunk["units"], self._chunk["norms"]  # once: not per file
@@ -210,12 +184,6 @@ class Columns:
                     self, name, np.concatenate([old, np.zeros((grow, *old.shape[1:]), old.dtype)])
                 )
         r, k = self.n, len(p.token_ids)
-        if (
-            k
-            and self.tokens.itemsize == 4
-            and not -(2**31) <= min(p.token_ids) <= max(p.token_ids) < 2**31
-        ):
-            self.tokens = self.tokens.astype(np.int64)
         self.index[r], self.length[r] = index, k
         self.tokens[r, :k] = p.token_ids
         self.tokens[r, k:] = -1

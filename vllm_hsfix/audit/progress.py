@@ -1,6 +1,6 @@
-"""Progress of each pass (audit's ``scan``, ``norms``, ``prefix``, ``reference``; repair's
-own): tqdm's bar on a terminal; in a log, where ``\\r`` frames would pile up into one
-line, a plain line every ``interval`` seconds and one at the end."""
+"""Progress of each pass (``scan``, ``norms``, ``prefix``, ``reference``): tqdm's bar on
+a terminal; in a log, where ``\\r`` frames would pile up into one line, a plain line
+every ``interval`` seconds and one at the end."""
 
 from __future__ import annotations
 
@@ -16,15 +16,6 @@ DEFAULT_INTERVAL = 10.0
 Factory = Callable[..., Any]
 
 
-def _amount(n: int, second: str, seconds: float | None = None) -> str:
-    """``, 0.10 GB`` or with ``seconds`` the rate ``, 0.100 GB/s`` (tokens for repair)."""
-    if not n:
-        return ""
-    if second == "tokens":
-        return f", {n} tokens" if seconds is None else f", {n / seconds:.0f} tokens/s"
-    return f", {n / 1e9:.2f} GB" if seconds is None else f", {n / 1e9 / seconds:.3f} GB/s"
-
-
 class LogLines:
     """A line every ``interval`` seconds (and one at the end) for logs: no ``\\r``;
     with no ``stream``, nothing (``--no-progress``, library calls)."""
@@ -36,20 +27,18 @@ class LogLines:
         stream: IO[str] | None,
         interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
-        second: str = "bytes",
-        prefix: str = "audit ",
     ) -> None:
-        self.label, self.total, self.stream, self.interval = prefix + label, total, stream, interval
-        self.clock, self.second = clock, second
+        self.label, self.total, self.stream, self.interval = label, total, stream, interval
+        self.clock = clock
         self.done = self.nbytes = 0
-        self.t0 = self._last = clock()
+        self.t0 = self.last = clock()
 
     def update(self, n: int = 1, nbytes: int = 0) -> None:
         self.done += n
         self.nbytes += nbytes
         now = self.clock()
-        if now - self._last >= self.interval and self.done < self.total:
-            self._last = now
+        if now - self.last >= self.interval and self.done < self.total:
+            self.last = now
             self._write(now)
 
     def _write(self, now: float) -> None:
@@ -57,10 +46,11 @@ class LogLines:
             return
         s = now - self.t0
         rate = max(s, 1e-9)
+        amount = f", {self.nbytes / 1e9:.2f} GB" if self.nbytes else ""
+        speed = f", {self.nbytes / 1e9 / rate:.3f} GB/s" if self.nbytes else ""
         self.stream.write(
-            f"{self.label}: {self.done}/{self.total} files{_amount(self.nbytes, self.second)}"
-            f", {s:.1f} s, {self.done / rate:.1f} files/s"
-            f"{_amount(self.nbytes, self.second, rate)}\n"
+            f"audit {self.label}: {self.done}/{self.total} files{amount}, {s:.1f} s, "
+            f"{self.done / rate:.1f} files/s{speed}\n"
         )
         self.stream.flush()
 
@@ -69,45 +59,29 @@ class LogLines:
         self.stream = None  # once
 
 
-class _Bar:
-    """tqdm's bar, with GB/s (or tokens/s) beside files/s when the amount is known."""
-
-    def __init__(self, label: str, total: int, total_bytes: int, out: IO[str], second: str):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=label, unit="file", file=out, leave=True)
-        self.total_bytes, self.second, self.nbytes = total_bytes, second, 0
-
-    def update(self, n: int = 1, nbytes: int = 0) -> None:
-        self.nbytes += nbytes
-        if self.total_bytes:
-            took = max(self.bar.format_dict["elapsed"], 1e-9)
-            self.bar.set_postfix_str(_amount(self.nbytes, self.second, took)[2:], refresh=False)
-        self.bar.update(n)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def SILENT(label: str, total: int, total_bytes: int = 0) -> Any:
     """The factory that draws nothing (``--no-progress``, library calls)."""
     return LogLines(label, total, None, math.inf)
 
 
-def for_stream(
-    stream: IO[str] | None = None,
-    interval: float = DEFAULT_INTERVAL,
-    second: str = "bytes",
-    prefix: str = "audit ",
-) -> Factory:
+def for_stream(stream: IO[str] | None = None, interval: float = DEFAULT_INTERVAL) -> Factory:
     """The factory fitting ``stream`` (stderr by default): tqdm on a terminal, else log
-    lines. ``second``: ``bytes`` (audit) or ``tokens`` (repair)."""
+    lines."""
     out = stream if stream is not None else sys.stderr
-    use_tqdm = bool(getattr(out, "isatty", lambda: False)())
+    if not getattr(out, "isatty", lambda: False)():
+        return lambda label, total, total_bytes=0: LogLines(label, total, out, interval)
 
-    def make(label: str, total: int, total_bytes: int = 0) -> Any:
-        if use_tqdm:
-            return _Bar(prefix + label, total, total_bytes, out, second)
-        return LogLines(label, total, out, interval, second=second, prefix=prefix)
+    def bar(label: str, total: int, total_bytes: int = 0) -> Any:
+        from tqdm import tqdm
 
-    return make
+        # ``update(n, nbytes)``: tqdm's own update takes the files; the bytes are dropped.
+        made = tqdm(total=total, desc=f"audit {label}", unit="file", file=out, leave=True)
+        made.update = _files_only(made.update)
+        return made
+
+    return bar
+
+
+def _files_only(update: Callable[[int], Any]) -> Callable[..., Any]:
+    """tqdm's ``update`` taking (and ignoring) the bytes a pass reports beside files."""
+    return lambda n=1, nbytes=0: update(n)

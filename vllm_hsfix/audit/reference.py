@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,31 +14,6 @@ from .format import BadFile
 
 THRESHOLD = 0.2
 NEEDS = ("torch", "transformers")
-
-
-@dataclass
-class ReferenceResult:
-    path: str
-    rows: int
-    wrong_rows: int
-    first_wrong: tuple[int, int] | None  # (token position, aux index)
-    max_error: float
-    seconds: float
-    problem: str | None = None  # why the file could not be compared
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None and self.wrong_rows == 0
-
-    def describe(self, model: str) -> str:
-        if self.problem:
-            return f"cannot compare with the reference: {self.problem}"
-        pos, aux = self.first_wrong or (0, 0)
-        return (
-            f"{self.wrong_rows} of {self.rows} rows differ from a transformers forward of "
-            f"{model} (relative L2 >= {THRESHOLD}; first at token position {pos}, aux "
-            f"layer {aux}; worst {self.max_error:.2f})"
-        )
 
 
 def missing_dependency() -> str | None:
@@ -151,41 +125,30 @@ def row_errors(got: Any, want: Any) -> Any:
     return (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
 
 
-def compare_file(model: Any, path: str, aux_layers: list[int]) -> ReferenceResult:
+def compare_file(model: Any, path: str, aux_layers: list[int], model_dir: str) -> str | None:
+    """What is wrong with ``path``'s rows against the reference forward (None: nothing)."""
     import torch
 
-    t0 = time.perf_counter()
     try:
         values, token_ids, _ = read_rows(path)
-        got = torch.from_numpy(values)
-        ids = torch.from_numpy(token_ids.astype("int64"))
     except (BadFile, OSError, ValueError) as exc:
         why = exc.detail if isinstance(exc, BadFile) else repr(exc)
-        return ReferenceResult(path, 0, 0, None, 0.0, time.perf_counter() - t0, why)
-    if got.dim() != 3 or got.shape[0] != len(ids) or got.shape[1] != len(aux_layers):
-        return ReferenceResult(
-            path,
-            0,
-            0,
-            None,
-            0.0,
-            time.perf_counter() - t0,
-            f"hidden_states {tuple(got.shape)} does not fit {len(ids)} tokens x "
-            f"{len(aux_layers)} aux layers {aux_layers}",
+        return f"cannot compare with the reference: {why}"
+    got, ids = torch.from_numpy(values), torch.from_numpy(token_ids.astype("int64"))
+    if got.shape[0] != len(ids) or got.shape[1] != len(aux_layers):
+        return (
+            f"cannot compare with the reference: hidden_states {tuple(got.shape)} does not "
+            f"fit {len(ids)} tokens x {len(aux_layers)} aux layers {aux_layers}"
         )
     err = row_errors(got, aux_rows(model, ids, aux_layers)).nan_to_num(nan=float("inf"))
     bad = err >= THRESHOLD
-    first = None
-    if bool(bad.any()):
-        pos, aux = (int(v) for v in bad.nonzero()[0])
-        first = (pos, aux)
-    return ReferenceResult(
-        path,
-        err.numel(),
-        int(bad.sum()),
-        first,
-        float(err.max()) if err.numel() else 0.0,
-        time.perf_counter() - t0,
+    if not bool(bad.any()):
+        return None
+    pos, aux = (int(v) for v in bad.nonzero()[0])
+    return (
+        f"{int(bad.sum())} of {err.numel()} rows differ from a transformers forward of "
+        f"{model_dir} (relative L2 >= {THRESHOLD}; first at token position {pos}, aux "
+        f"layer {aux}; worst {float(err.max()):.2f})"
     )
 
 
@@ -196,9 +159,9 @@ def check(
     spec: str,
     dtype: str = "float32",
     tick: Callable[[int], None] | None = None,
-) -> tuple[list[ReferenceResult], dict[str, Any]]:
-    """Compare a sample of ``paths`` with the reference; returns results and a summary.
-    ``tick(1)`` after each file (progress)."""
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Compare a sample of ``paths`` with the reference: what is wrong with each file
+    that disagrees, by path, and a summary. ``tick(1)`` after each file (progress)."""
     t0 = time.perf_counter()
     model = load_model(model_dir, dtype)
     load_s = time.perf_counter() - t0
@@ -211,21 +174,23 @@ def check(
         )
     rules = conventions(n_layers, aux_layers)
     chosen = sample(paths, spec)
-    results = []
+    wrong = {}
+    t1 = time.perf_counter()
     for p in chosen:
-        results.append(compare_file(model, p, aux_layers))
+        problem = compare_file(model, p, aux_layers, model_dir)
+        if problem is not None:
+            wrong[p] = problem
         if tick:
             tick(1)
-    per_file = [r.seconds for r in results]
-    return results, {
+    return wrong, {
         "model": str(model_dir),
         "aux_layers": aux_layers,
         # What each aux id was compared with: "4": "last decoder layer output before ..."
         "conventions": {str(k): v for k, v in rules.items()},
         "dtype": dtype,
         "threshold": THRESHOLD,
-        "files_compared": len(results),
-        "files_wrong": sum(not r.ok for r in results),
+        "files_compared": len(chosen),
+        "files_wrong": len(wrong),
         "model_load_s": round(load_s, 3),
-        "seconds_per_file": round(sum(per_file) / len(per_file), 4) if per_file else 0.0,
+        "seconds_per_file": round((time.perf_counter() - t1) / max(1, len(chosen)), 4),
     }

@@ -125,19 +125,13 @@ class AuditReport:
     streaming run writes them out instead), dataset references and totals."""
 
     files: list[FileReport]
+    verdicts: list[tuple[str, str]]  # (path, verdict)
+    total_bytes: int
     wall_s: float
     workers: int
-    dataset: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any]
     backend: str = "local"  # or "ray": where the per-file scan ran
     reused: int = 0  # files whose per-file results came from ``--state``, not a scan
-    verdicts: list[tuple[str, str]] = field(default_factory=list)  # (path, verdict)
-    total_bytes: int = -1  # -1: sum of ``files``
-
-    def __post_init__(self) -> None:
-        if not self.verdicts:
-            self.verdicts = [(f.path, f.verdict) for f in self.files]
-        if self.total_bytes < 0:
-            self.total_bytes = sum(f.bytes for f in self.files)
 
     def count(self, verdict: str) -> int:
         """Number of files with ``verdict``."""
@@ -192,47 +186,36 @@ class AuditReport:
         return out
 
 
-# Known hazards' signatures: findings a hazard of ``vllm_hsfix.hazards`` leaves in its
-# files name it (``Problem.hazard``); the ids as the register spells them (a test checks).
-PREFIX_CACHE_SLICING = "prefix-cache-slicing"
-TORN_FILES = "torn-files"
-AUX_FINAL_LAYER_DROPPED = "aux-final-layer-dropped"
-HAZARD_IDS = (PREFIX_CACHE_SLICING, TORN_FILES, AUX_FINAL_LAYER_DROPPED)
-
-_NOTES = {
-    PREFIX_CACHE_SLICING: (
-        "the signature of hazard prefix-cache-slicing: vLLM 0.22-0.23 with prefix "
-        "caching on saves fewer rows than token ids"
+# Known hazards' signatures: the finding a hazard of ``vllm_hsfix.hazards`` leaves in
+# its files, by code, names it (``Problem.hazard``; the ids as the register spells them).
+SIGNATURES = {
+    "token_mismatch": (
+        "prefix-cache-slicing",
+        "vLLM 0.22-0.23 with prefix caching on saves fewer rows than token ids",
     ),
-    TORN_FILES: (
-        "the signature of hazard torn-files: a writer killed mid-write (safetensors < "
-        "0.8.0 writes the final path in place; vllm-hsfix's atomic-writes prevents it)"
+    "truncated": (
+        "torn-files",
+        "a writer killed mid-write (safetensors < 0.8.0 writes the final path in place; "
+        "vllm-hsfix's atomic-writes prevents it)",
     ),
-    AUX_FINAL_LAYER_DROPPED: (
-        "the signature of hazard aux-final-layer-dropped: an aux layer id equal to "
-        "num_hidden_layers on DeepSeek-V2-backbone models, vLLM 0.18-0.24, saves one "
-        "state into both slots"
+    "aux_layers_identical": (
+        "aux-final-layer-dropped",
+        "an aux layer id equal to num_hidden_layers on DeepSeek-V2-backbone models, vLLM "
+        "0.18-0.24, saves one state into both slots",
     ),
 }
-
-
-def _hazard_of(p: Problem, rep: FileReport) -> str:
-    if p.code == "token_mismatch" and rep.n_tokens is not None and rep.n_token_ids is not None:
-        return PREFIX_CACHE_SLICING if rep.n_tokens < rep.n_token_ids else ""
-    if p.code == "truncated":
-        return TORN_FILES
-    if p.code == "aux_layers_identical":
-        return AUX_FINAL_LAYER_DROPPED
-    return ""
+HAZARD_IDS = tuple(hazard for hazard, _ in SIGNATURES.values())
 
 
 def attribute(rep: FileReport) -> None:
-    """Name the hazard behind each finding of ``rep`` that carries a known signature."""
+    """Name the hazard behind each finding of ``rep`` that carries a known signature
+    (too few rows for the token ids, not too many, is prefix-cache-slicing's)."""
+    too_few = (rep.n_tokens or 0) < (rep.n_token_ids or 0)
     for p in rep.problems:
-        hazard = _hazard_of(p, rep)
-        if hazard and not p.hazard:
-            p.hazard = hazard
-            p.detail += f" ({_NOTES[hazard]})"
+        if p.code not in SIGNATURES or p.hazard or (p.code == "token_mismatch" and not too_few):
+            continue
+        p.hazard, note = SIGNATURES[p.code]
+        p.detail += f" (the signature of hazard {p.hazard}: {note})"
 
 
 # The records of ``--jsonl`` (docs/audit.md): a file record per file as it is judged, an

@@ -1,19 +1,19 @@
 """Auditing one file: its header and keys (:mod:`.format`), then its rows streamed a
-window at a time (:mod:`.decode`); never raises, whatever goes wrong is a finding."""
+window at a time (:mod:`.decode`) and checked, repeats included; never raises, whatever
+goes wrong is a finding."""
 
 from __future__ import annotations
 
 import contextlib
-import io
+import hashlib
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from . import decode, prefix, repeats
-from .decode import Rows, Whole, read_scales
+from . import decode, prefix
+from .decode import Rows
 from .format import (
     FP8,
     HIDDEN_KEY,
@@ -24,21 +24,16 @@ from .format import (
     check_keys,
     check_layout,
     read_header,
-    read_token_ids,
 )
 from .reports import CORRUPT, PENDING, SUSPECT, FileReport, LayerStats, attribute
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-T = TypeVar("T")
-_local = threading.local()  # the window buffer (:func:`_window_buffer`)
-
 # Bytes of rows read at once into one reused buffer (reads, not a memory map: a file that
 # shrinks mid-scan is a short read, a finding, not a SIGBUS that kills the worker).
 CHUNK_BYTES = 4 * 1024 * 1024
-# Files up to this size are read whole with one read() (:mod:`.batched` takes them).
-WHOLE_FILE_BYTES = 1024 * 1024
+_local = threading.local()  # the window buffer (:func:`_window_buffer`)
 # A row whose norm is under this fraction of its layer's median is "near zero".
 NEAR_ZERO_FRACTION = 1e-3
 
@@ -53,46 +48,57 @@ def _read_exact(f: Any, view: memoryview) -> None:
         got += n
 
 
+def _window_buffer(nbytes: int) -> NDArray[Any]:
+    """This thread's window buffer, at least ``nbytes``: one for every file (a fresh one
+    is faulted in and zeroed page by page, a cost as large as the read itself)."""
+    import numpy as np
+
+    buf = getattr(_local, "window", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.window = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def _finite(x: Any) -> float | None:
     """A statistic as a JSON-safe float: ``None`` where F64 norms overflowed."""
     v = float(x)
     return v if math.isfinite(v) else None
 
 
-def scan_rows(rep: FileReport, prep: Prepared) -> None:
-    """The row checks of one prepared file: ``hidden_states`` streamed window by window
-    (or taken from the whole file read at once) into the row findings of ``rep``."""
-    import numpy as np
+def scan_rows(
+    rep: FileReport,
+    f: Any,
+    offset: int,
+    rows: Rows,
+    shape: tuple[int, int, int],
+    ids: NDArray[Any] | None,
+) -> None:
+    """The row checks of a file whose header was found sound: ``hidden_states`` (at
+    ``offset`` of the open file ``f``, ``shape`` tokens x n_aux x hidden) streamed
+    window by window."""
 
-    n_tokens, n_aux, hidden = prep.shape
+    n_tokens, n_aux, hidden = shape
     n_rows = n_tokens * n_aux
-    rows, ids = prep.rows, prep.token_ids
     with_prefix = ids is not None and len(ids) == n_tokens
     scan = decode.RowNumbers(n_rows, prefix.PREFIX_ROWS * n_aux if with_prefix else 0, hidden)
     cols, mult = decode.key_columns(hidden)
-    if prep.whole is not None:
-        base, blob = prep.whole
-        raw = np.frombuffer(blob, rows.raw_dtype, n_rows * hidden, prep.offset - base)
-        decode.fill(scan, raw.reshape(n_rows, hidden), rows, 0, cols, mult)
-    else:
-        # Whole tokens per window, so a window never splits a token's rows.
-        tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
-        buffer = _window_buffer(tokens_per_window * n_aux * rows.row_bytes)
-        with open(prep.path, "rb", buffering=0) as f:
-            f.seek(prep.offset)
-            for t0 in range(0, n_tokens, tokens_per_window):
-                n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
-                part = buffer[: n * rows.row_bytes]
-                _read_exact(f, memoryview(part))
-                raw = part.view(rows.raw_dtype).reshape(n, hidden)
-                decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
-    _row_findings(rep, scan, prep.path, prep.offset, rows, prep.shape, ids)
+    # Whole tokens per window, so a window never splits a token's rows.
+    tokens_per_window = max(1, min(n_tokens, CHUNK_BYTES // (n_aux * rows.row_bytes)))
+    buffer = _window_buffer(tokens_per_window * n_aux * rows.row_bytes)
+    f.seek(offset)
+    for t0 in range(0, n_tokens, tokens_per_window):
+        n = (min(n_tokens, t0 + tokens_per_window) - t0) * n_aux
+        part = buffer[: n * rows.row_bytes]
+        _read_exact(f, memoryview(part))
+        raw = part.view(rows.raw_dtype).reshape(n, hidden)
+        decode.fill(scan, raw, rows, t0 * n_aux, cols, mult)
+    _row_findings(rep, scan, f.fileno(), offset, rows, shape, ids)
 
 
 def _row_findings(
     rep: FileReport,
     scan: decode.RowNumbers,
-    path: str,
+    fd: int,
     offset: int,
     rows: Rows,
     shape: tuple[int, int, int],
@@ -126,18 +132,13 @@ def _row_findings(
     ids = token_ids if token_ids is not None else np.arange(n_tokens)
     keys = scan.keys.reshape(n_tokens, n_aux)
     skip = zero | bad
-    dups = repeats.duplicates(rep, keys, skip, path, offset, rows, ids)
-    repeats.identical_aux(rep, keys, skip, path, offset, rows.row_bytes)
+    dups = duplicates(rep, keys, skip, fd, offset, rows, ids)
+    identical_aux(rep, keys, skip, fd, offset, rows.row_bytes)
 
     rep.layers += _layer_stats(norms, zero, bad, dups)
     if token_ids is not None and len(token_ids) == n_tokens and n_tokens:
         rep.prefix = prefix.from_head(scan.head, shape, token_ids, zero, bad)  # type: ignore[arg-type]
     rep.duplicate_rows = sum(dups)
-    near_zero(rep)
-
-
-def near_zero(rep: FileReport) -> None:
-    """The file's near-zero count and finding, from its layers' statistics."""
     rep.near_zero_rows = sum(st.near_zero_rows for st in rep.layers)
     if rep.near_zero_rows:
         layers = {st.aux: st.near_zero_rows for st in rep.layers if st.near_zero_rows}
@@ -149,15 +150,107 @@ def near_zero(rep: FileReport) -> None:
         )
 
 
-def _window_buffer(nbytes: int) -> NDArray[Any]:
-    """This thread's window buffer, at least ``nbytes``: one for every file (fresh pages
-    are faulted in and zeroed, a cost as large as the read itself)."""
+# Rows that repeat: one row at several token ids, one state in two aux layers; equal
+# cheap keys confirmed on the rows themselves.
+
+
+def duplicates(
+    rep: FileReport,
+    keys: NDArray[Any],
+    skip: NDArray[Any],
+    fd: int,
+    offset: int,
+    rows: Rows,
+    token_ids: NDArray[Any],
+) -> list[int]:
+    """Count rows identical to a row of a *different token id* in the same aux layer.
+
+    Same-token repeats are left alone: a layer close to the embeddings can legitimately
+    give one token id the same vector at every position. Candidates (equal cheap keys)
+    are re-read from ``fd`` and confirmed by a blake2b digest of the whole row's
+    values."""
     import numpy as np
 
-    buf = getattr(_local, "window", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.window = np.empty(nbytes, dtype=np.uint8)
-    return buf[:nbytes]
+    n_aux = keys.shape[1]
+    row_bytes = rows.row_bytes
+    per_layer = [0] * n_aux
+    if not skip.any():  # nearly every file: one sort says no key repeats in any layer
+        srt = np.sort(keys, axis=0)
+        if not (srt[1:] == srt[:-1]).any():
+            return per_layer
+    examples: list[str] = []
+    for a in range(n_aux):
+        pos = np.flatnonzero(~skip[:, a])
+        k = keys[pos, a]
+        order = np.argsort(k, kind="stable")
+        ks = k[order]
+        same = ks[1:] == ks[:-1]
+        if not same.any():
+            continue
+        cand = np.zeros(len(ks), dtype=bool)
+        cand[1:] |= same
+        cand[:-1] |= same
+        groups: dict[bytes, list[int]] = {}
+        for t in pos[order[cand]].tolist():
+            data = os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
+            data = rows.canonical(data, t)
+            digest = hashlib.blake2b(data, digest_size=16).digest()
+            groups.setdefault(digest, []).append(t)
+        for ts in groups.values():
+            if len(ts) > 1 and len({int(token_ids[t]) for t in ts}) > 1:
+                per_layer[a] += len(ts) - 1
+                if len(examples) < 3:
+                    examples.append(f"aux {a}: token positions {sorted(ts)[:4]}")
+    total = sum(per_layer)
+    if total:
+        rep.add(
+            "duplicate_rows",
+            SUSPECT,
+            f"{total} rows repeat a row of a different token in the same aux layer "
+            f"(e.g. {'; '.join(examples)})",
+        )
+    return per_layer
+
+
+def identical_aux(
+    rep: FileReport,
+    keys: NDArray[Any],
+    skip: NDArray[Any],
+    fd: int,
+    offset: int,
+    row_bytes: int,
+) -> None:
+    """Two aux layers holding the same row at every token position: one state saved
+    into two slots (two different layers of a real model never agree everywhere).
+    Equal keys at every sound position, confirmed byte for byte on the first and last
+    of them."""
+    import numpy as np
+
+    n_tokens, n_aux = keys.shape  # one token's rows share a scale: bytes suffice
+    if n_aux < 2 or n_tokens < 2:
+        return
+    pairs = [(a, b) for a in range(n_aux) for b in range(a + 1, n_aux)]
+    if not skip.any():  # every row sound: only layers whose first keys agree can match
+        first = keys[0].tolist()
+        pairs = [(a, b) for a, b in pairs if first[a] == first[b]]
+    for a, b in pairs:
+        sound = np.flatnonzero(~(skip[:, a] | skip[:, b]))
+        if len(sound) < 2 or not (keys[sound, a] == keys[sound, b]).all():
+            continue
+        same = all(
+            os.pread(fd, row_bytes, offset + (t * n_aux + a) * row_bytes)
+            == os.pread(fd, row_bytes, offset + (t * n_aux + b) * row_bytes)
+            for t in (int(sound[0]), int(sound[-1]))
+        )
+        if same:
+            rep.add(
+                "aux_layers_identical",
+                CORRUPT,
+                f"aux layers {a} and {b} hold identical rows at all {len(sound)} "
+                "token positions (unless the file was written with one aux layer id "
+                "twice)",
+            )
+            return
 
 
 def _layer_stats(
@@ -182,119 +275,76 @@ def _layer_stats(
 
 
 def _sound_stats(norms: NDArray[Any], dups: list[int]) -> list[LayerStats]:
-    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound: one sort gives
-    np.median's median, the minimum and the maximum."""
+    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound: one sort
+    gives np.median's median, the minimum and the maximum."""
     import numpy as np
 
     n = len(norms)
     srt = np.sort(norms, axis=0)
     med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
-    mean = np.add.reduce(norms, axis=0, keepdims=True) / n
-    dev = norms - mean
-    dev *= dev
-    return sound_layer_stats(
-        n,
-        med.tolist(),
-        mean[0].tolist(),
-        np.sqrt(np.add.reduce(dev, axis=0) / n).tolist(),
-        srt[0].tolist(),
-        srt[-1].tolist(),
-        (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist(),
-        dups,
+    mean = np.add.reduce(norms, axis=0) / n
+    std = np.sqrt(np.add.reduce(np.square(norms - mean), axis=0) / n)
+    near = (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist()
+    columns = zip(
+        med.tolist(), mean.tolist(), std.tolist(), srt[0].tolist(), srt[-1].tolist(), strict=True
     )
-
-
-def sound_layer_stats(
-    count: int,
-    med: list[float],
-    mean: list[float],
-    std: list[float],
-    lo: list[float],
-    hi: list[float],
-    near: list[int],
-    dups: list[int],
-) -> list[LayerStats]:
-    """Each aux layer's statistics when every row of the file is sound: one value per
-    layer in each list (what :func:`_layer_stats` and :mod:`.batched` compute)."""
     return [
         LayerStats(
             aux=a,
-            count=count,
-            mean_norm=_finite(mean[a]),
-            std_norm=_finite(std[a]),
-            median_norm=_finite(med[a]),
-            min_norm=_finite(lo[a]),
-            max_norm=_finite(hi[a]),
+            count=n,
+            mean_norm=_finite(avg),
+            std_norm=_finite(sd),
+            median_norm=_finite(middle),
+            min_norm=_finite(lo),
+            max_norm=_finite(hi),
             duplicate_rows=dups[a],
             near_zero_rows=int(near[a]),
         )
-        for a in range(len(med))
+        for a, (middle, avg, sd, lo, hi) in enumerate(columns)
     ]
 
 
-class Prepared(NamedTuple):
-    """A file whose header and keys were read and found sound, its rows not yet seen:
-    what :func:`scan_rows` (or :mod:`.batched`, for many small files) takes."""
-
-    path: str
-    offset: int  # where hidden_states starts in the file
-    rows: Rows
-    shape: tuple[int, int, int]  # tokens, n_aux, hidden
-    token_ids: NDArray[Any] | None
-    whole: Whole | None  # the file's data when it was read whole
-
-
-def prepare(rep: FileReport, path: str) -> Prepared | None:
-    """Read ``path``'s header (and, when small, the whole file) and judge its layout and
-    keys into ``rep``; the rows to scan next, or None when there are none to scan."""
-    blob: Any = None
+def _judge(rep: FileReport, path: str) -> None:
+    """Read ``path``'s header and judge its layout and keys into ``rep``, then its rows
+    where there are rows to read (one open file throughout)."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         rep.bytes = size
-        if size <= WHOLE_FILE_BYTES:
-            # One byte more than its size, so a file that grew is seen to have changed.
-            data = os.read(f.fileno(), size + 1)
-            header, data_start = read_header(io.BytesIO(data), size)
-            blob = memoryview(data)[data_start:]
-        else:
-            header, data_start = read_header(f, size)
+        header, data_start = read_header(f, size)
         meta = header.get("__metadata__")
         if isinstance(meta, dict):
-            rep.provenance = {
-                k: str(v) for k, v in meta.items() if str(k).startswith("vllm_hsfix.")
-            }
-    tensors, layout = check_layout(header, size - data_start)
-    if layout is not None:
-        rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
-    hs_ok, ti_ok = check_keys(rep, tensors)
-    if layout is not None and layout.code == "truncated":
-        return None  # the data the header points at is not all there: reading it hits EOF
-    whole: Whole | None = None
-    if blob is not None:
-        if len(blob) != size - data_start:
-            raise BadFile("truncated", f"file changed while read ({len(blob)} data bytes)")
-        whole = (data_start, blob)
-    token_ids = None
-    if ti_ok:
-        import numpy as np
-
-        ti = tensors[TOKEN_KEY]
-        start, n = data_start + ti["data_offsets"][0], ti["shape"][0]
-        if whole is not None:
-            token_ids = np.frombuffer(whole[1], "<i8", n, start - data_start)
-        else:
-            token_ids = read_token_ids(path, start, n)
-    if hs_ok:
+            rep.provenance = {k: str(v) for k, v in meta.items() if k.startswith("vllm_hsfix.")}
+        tensors, layout = check_layout(header, size - data_start)
+        if layout is not None:
+            rep.add(layout.code, layout.severity, _lock_note(layout.code, layout.detail, path))
+        hs_ok, ti_ok = check_keys(rep, tensors)
+        if layout is not None and layout.code == "truncated":
+            return  # the data the header points at is not all there: reading it hits EOF
+        token_ids = None
+        if ti_ok:
+            ti = tensors[TOKEN_KEY]
+            token_ids = _read_at(f, data_start + ti["data_offsets"][0], ti["shape"][0], "<i8")
+        if not hs_ok:
+            return
         hs = tensors[HIDDEN_KEY]
         shape = (rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0)
-        offset = data_start + hs["data_offsets"][0]
         scales = None
         if rep.format == FP8:
-            scales = read_scales(path, tensors, data_start, whole)
+            sc = tensors[SCALES_KEY]
+            scales = _read_at(f, data_start + sc["data_offsets"][0], sc["shape"][0], "<f4")
             _check_scale_values(rep, scales)
         rows = Rows(hs["dtype"], shape[2], shape[1], scales)
-        return Prepared(path, offset, rows, shape, token_ids, whole)
-    return None
+        scan_rows(rep, f, data_start + hs["data_offsets"][0], rows, shape, token_ids)
+
+
+def _read_at(f: Any, offset: int, n: int, dtype: str) -> NDArray[Any]:
+    """``n`` values of ``dtype`` at ``offset`` of the open file ``f``."""
+    import numpy as np
+
+    out = np.empty(n, dtype)
+    f.seek(offset)
+    _read_exact(f, memoryview(out.view(np.uint8)))
+    return out
 
 
 def _check_scale_values(rep: FileReport, scales: NDArray[Any]) -> None:
@@ -356,25 +406,18 @@ def audit_file(path: str | os.PathLike[str]) -> FileReport:
     """Audit one file. Never raises: whatever goes wrong becomes a finding, so one bad
     file cannot hide the verdicts of the thousands after it."""
     t0 = time.perf_counter()
-    p = os.fspath(path)
-    rep = FileReport(path=p)
-    prep = guarded(rep, prepare, rep, p)
-    if prep is not None:
-        guarded(rep, scan_rows, rep, prep)
-    return conclude(rep, t0)
-
-
-def guarded(rep: FileReport, fn: Callable[..., T], *args: Any) -> T | None:
-    """``fn(*args)``, whatever goes wrong in it a finding of ``rep`` (then None)."""
+    rep = FileReport(path=os.fspath(path))
     try:
-        return fn(*args)
+        _judge(rep, rep.path)
     except BadFile as exc:
         rep.add(exc.code, exc.severity, _lock_note(exc.code, exc.detail, rep.path))
     except OSError as exc:
         rep.add("unreadable", CORRUPT, f"cannot read: {exc.strerror or exc}")
     except Exception as exc:  # MemoryError, numpy errors on hostile headers, ...
         rep.add("unreadable", CORRUPT, f"audit failed: {exc!r}")
-    return None
+    attribute(rep)  # the hazards its findings carry the signature of
+    rep.seconds = time.perf_counter() - t0
+    return rep
 
 
 def _lock_note(code: str, detail: str, path: str) -> str:
@@ -382,10 +425,3 @@ def _lock_note(code: str, detail: str, path: str) -> str:
     if code == "truncated" and os.path.exists(path + LOCK_SUFFIX):
         detail += " (a .lock file sits beside it: the writer may still be running)"
     return detail
-
-
-def conclude(rep: FileReport, t0: float) -> FileReport:
-    """The last step of every file's audit: its findings' hazards, its time."""
-    attribute(rep)
-    rep.seconds = time.perf_counter() - t0
-    return rep
