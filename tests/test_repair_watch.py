@@ -26,9 +26,9 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
 ) -> None:
     """The engine core is SIGKILLed while the process waits forever (as vLLM 0.24.0's
     ``LLM.generate`` does): the watch names the process and its signal in an ``ERROR``
-    line of the log within its grace, ends the engine's other processes and exits 5.
-    With vLLM's process titles a helper that ends on its own raises no alarm; without
-    them the front end's own children (the engine cores) are watched."""
+    line of the log within its grace and exits 5. Only the engine cores (this process's
+    ``multiprocessing`` children) are watched: a helper that ends on its own raises no
+    alarm; without vLLM's process titles the name is the forked command line."""
     t0 = time.monotonic()
     with busy_cores():
         proc = run_child(
@@ -38,7 +38,7 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
     watched, core, worker = marked_json(proc, "HSFIX_WATCH ")
     assert proc.returncode == watch.EXIT_ENGINE_GONE, proc.stderr[-3000:]
     assert took < 30, f"the watch took {took:.0f} s"
-    assert watched == (sorted([core, worker]) if titled else [core])
+    assert watched == [core] and worker != core
     name = "VLLM::EngineCore" if titled else sys.executable  # untitled: the forked cmdline
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR ")]
     assert len(lines) == 2, proc.stderr[-3000:]
@@ -46,14 +46,13 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
     assert "vLLM did not end the run in 1 s" in lines[1]
     cause = enginelog.root_cause(proc.stderr)
     assert cause is not None and f"(pid {core}) died (killed by SIGKILL" in cause.error
-    if titled:  # its worker went with it
-        assert gone(worker)
 
 
 def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survived() -> None:
     """A vLLM process that says two things and is killed halfway through its third line,
     its engine core (a grandchild) still holding the pipe, every core busy: the reader
-    acts on the two, ignores the cut line, and ends once the tree kills what is left."""
+    acts on the two, ignores the cut line, and ends once the process is gone, killing
+    what it left."""
     code = (
         "import json, os, signal, subprocess, sys, time\n"
         "os.setpgrp()\n"  # as the repair's vLLM process does
@@ -68,7 +67,7 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
     with busy_cores():
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         t0 = time.monotonic()
-        assert follow.run(proc) == -signal.SIGKILL and 5 < time.monotonic() - t0 < 30
+        assert follow.run(proc) == -signal.SIGKILL and 2 < time.monotonic() - t0 < 30
     [(key, grandchild)] = follow.bad_args
     deadline = time.monotonic() + 5  # SIGKILLed: it may take a moment to exit, under load
     while not gone(grandchild) and time.monotonic() < deadline:
@@ -105,7 +104,7 @@ def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
         "See stack trace (above) for the root cause.\n"
     )
-    ours = watch.cause("VLLM::EngineCore", 42, "killed by SIGKILL")
+    ours = watch.cause("VLLM::EngineCore", 42, -signal.SIGKILL)
     text = f"INFO 12-03 10:00:00 [llm.py:1] starting\nERROR 12-03 10:00:05 [x] {ours}\n{dead}"
     cause = enginelog.root_cause(text)
     assert cause is not None and cause.process == "the main process"

@@ -28,7 +28,6 @@ from ..audit.reports import CORRUPT, OK, SUSPECT
 from ..audit.scan import writer_holds_lock
 
 __all__ = ["CORRUPT", "OK", "SUSPECT", "TOLERANCE"]
-HEAD_TOKENS = 16  # token positions compared before the whole file (see distance)
 
 
 def audit(
@@ -187,25 +186,17 @@ def _fsync(path: str) -> None:
 def distance(old_path: str, new_path: str) -> float | None:
     """The largest row distance (the audit's symmetric relative L2) between the files'
     hidden states; None when they cannot agree (unreadable, other shapes, a zero or
-    non-finite row). The first positions first: a target is nearly always wrong there."""
-    head = _distance(old_path, new_path, HEAD_TOKENS)
-    if head is None or head >= TOLERANCE:
-        return head
-    return _distance(old_path, new_path)
-
-
-def _distance(old_path: str, new_path: str, tokens: int | None = None) -> float | None:
+    non-finite row)."""
     import numpy as np
 
     try:
-        old, new = (decode.read_rows(p, tokens)[0] for p in (old_path, new_path))
+        old, new = (decode.read_rows(p)[0] for p in (old_path, new_path))
     except (fmt.BadFile, OSError, ValueError):
         return None
     if old.shape != new.shape or not old.size:
         return None
     with np.errstate(all="ignore"):
-        n_old = np.linalg.norm(old, axis=-1)
-        n_new = np.linalg.norm(new, axis=-1)
+        n_old, n_new = np.linalg.norm(old, axis=-1), np.linalg.norm(new, axis=-1)
         norms = np.concatenate([n_old, n_new])
         if not np.isfinite(norms).all() or (norms == 0).any():
             return None

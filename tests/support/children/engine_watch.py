@@ -2,8 +2,9 @@
 processes, no vLLM (test_repair_watch.py).
 
 ``engine_watch.py ARGS.json`` (``{"titled": bool, "grace_s": float}``) starts an engine
-core and its worker (titled ``VLLM::EngineCore`` / ``VLLM::Worker`` or not) and, titled,
-a helper that ends on its own (no alarm); starts the watch, prints ``HSFIX_WATCH
+core (a ``multiprocessing`` child) and its worker (titled ``VLLM::EngineCore`` /
+``VLLM::Worker`` or not) and, titled, a helper that ends on its own (no alarm, not
+watched); starts the watch, prints ``HSFIX_WATCH
 [watched, core, worker]``, SIGKILLs the engine core and waits forever: only the watch
 can end it (exit 5)."""
 
@@ -50,7 +51,7 @@ def main(args: dict) -> None:
     watch.start()
     print(
         "HSFIX_WATCH "
-        + json.dumps([sorted(p.pid for p in watch.watched), engine_core.pid, worker]),
+        + json.dumps([[p.pid for p, _ in watch.watched], engine_core.pid, worker]),
         flush=True,
     )
     time.sleep(1.0)  # the helper has ended meanwhile
