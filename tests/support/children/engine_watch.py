@@ -50,8 +50,7 @@ def main(args: dict) -> None:
     watch = EngineWatch(grace_s=args["grace_s"])
     watch.start()
     print(
-        "HSFIX_WATCH "
-        + json.dumps([[p.pid for p, _ in watch.watched], engine_core.pid, worker]),
+        "HSFIX_WATCH " + json.dumps([[p.pid for p, _ in watch.watched], engine_core.pid, worker]),
         flush=True,
     )
     time.sleep(1.0)  # the helper has ended meanwhile
