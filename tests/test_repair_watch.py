@@ -17,7 +17,7 @@ from support.load import busy_cores
 from support.procs import gone, marked_json, run_child
 
 from vllm_hsfix import enginelog
-from vllm_hsfix.repair import files, session, watch
+from vllm_hsfix.repair import engine, files, session
 
 
 @pytest.mark.parametrize("titled", [True, False], ids=["vllm-titles", "no-setproctitle"])
@@ -36,7 +36,7 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
         )
     took = time.monotonic() - t0
     watched, core, worker = marked_json(proc, "HSFIX_WATCH ")
-    assert proc.returncode == watch.EXIT_ENGINE_GONE, proc.stderr[-3000:]
+    assert proc.returncode == engine.EXIT_ENGINE_GONE, proc.stderr[-3000:]
     assert took < 30, f"the watch took {took:.0f} s"
     assert watched == [core] and worker != core
     name = "VLLM::EngineCore" if titled else sys.executable  # untitled: the forked cmdline
@@ -104,7 +104,7 @@ def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
         "See stack trace (above) for the root cause.\n"
     )
-    ours = watch.cause("VLLM::EngineCore", 42, -signal.SIGKILL)
+    ours = engine.cause("VLLM::EngineCore", 42, -signal.SIGKILL)
     text = f"INFO 12-03 10:00:00 [llm.py:1] starting\nERROR 12-03 10:00:05 [x] {ours}\n{dead}"
     cause = enginelog.root_cause(text)
     assert cause is not None and cause.process == "the main process"

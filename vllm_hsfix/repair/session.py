@@ -22,9 +22,8 @@ from typing import Any
 
 from .. import detect, enginelog
 from . import files, guard, settings
-from .engine import llm_kwargs
+from .engine import llm_kwargs, signal_name
 from .files import Journal, Target, sha256
-from .watch import signal_name
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
 

@@ -1,4 +1,4 @@
-"""The repair's engine watch (``vllm_hsfix.repair.watch``) with stand-ins for vLLM's
+"""The repair's engine watch (``vllm_hsfix.repair.engine``) with stand-ins for vLLM's
 processes, no vLLM (test_repair_watch.py).
 
 ``engine_watch.py ARGS.json`` (``{"titled": bool, "grace_s": float}``) starts an engine
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_hsfix.repair.watch import EngineWatch
+from vllm_hsfix.repair.engine import EngineWatch
 
 WORKER = "import time\ntime.sleep(600)\n"
 
