@@ -25,7 +25,6 @@ from typing import IO, Any
 from .files import writer_done
 
 WAIT_S = 300.0
-FP8_CONNECTOR = ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")
 # Exceptions of vLLM's argument and config checks: a user's value among them is named.
 REJECTED = ("ValueError", "TypeError", "ValidationError", "AssertionError")
 GRACE_S = 10.0  # how long vLLM gets to raise once one of its processes is gone
@@ -39,38 +38,6 @@ SENDERS = {
     "SIGBUS": "a crash in native code, or a file mapped in memory that shrank",
     "SIGABRT": "a native library aborted",
 }
-
-
-def llm_kwargs(spec: dict[str, Any], scratch: str) -> dict[str, Any]:
-    """vLLM's ``LLM`` arguments: no prefix caching (0.22-0.23 cut saved states short,
-    0.25-0.28 can skip writes), no compilation (each prompt runs once), then the
-    engine settings over them."""
-    connector = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": scratch},
-    }
-    if spec["fp8"]:
-        connector.update(kv_connector=FP8_CONNECTOR[0], kv_connector_module_path=FP8_CONNECTOR[1])
-    aux = {"eagle_aux_hidden_state_layer_ids": list(spec["aux"])}
-    return {
-        "model": spec["model"],
-        "skip_tokenizer_init": True,
-        "enable_prefix_caching": False,
-        "enable_chunked_prefill": False,
-        "enforce_eager": True,
-        "max_model_len": spec["max_len"],
-        "tensor_parallel_size": spec["tensor_parallel_size"],
-        "data_parallel_size": spec["data_parallel_size"],
-        "seed": 0,
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": aux},
-        },
-        "kv_transfer_config": connector,
-        **spec["engine_args"],
-    }
 
 
 def written(paths: list[str | None], step: Callable[[], object]) -> list[str | None]:

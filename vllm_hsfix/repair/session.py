@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import detect, enginelog
 from . import files, guard, settings
-from .engine import llm_kwargs, signal_name
+from .engine import signal_name
 from .files import Journal, Target, sha256
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
@@ -112,10 +112,8 @@ def _start(
         if sized is not None:
             env[settings.KV_ENV] = str(sized[0])
             print(f"repair: {sized[1]}", file=sys.stderr)
-    sizes = {"tensor_parallel_size": args.tensor_parallel_size}
-    spec = {**engine, **sizes, "model": args.model, "data_parallel_size": args.data_parallel_size}
     job = {
-        "kwargs": llm_kwargs(spec, os.path.join(work, "hs")),
+        "kwargs": settings.llm_kwargs(args, engine, os.path.join(work, "hs")),
         "user_args": dict(args.engine_arg),
         "endpoint": args.endpoint,
         "served": args.model if args.endpoint else None,
@@ -163,7 +161,6 @@ class Follow:
         self.root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
         self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hsfix-take")
         self.pending: list[tuple[Target, Future[Any]]] = []
-        self.tokens = 0  # in the files taken
         self.bar: Any = None
         self.t0 = self.ready = time.monotonic()
         self.bad_args: list[tuple[str, str]] = []
@@ -206,10 +203,9 @@ class Follow:
             job = (self.args, t, msg["path"], self.root)
             self.pending.append((t, self.pool.submit(files.outcome, *job)))
             self.drain()
-        elif event == "done" and self.bar is not None:
+        elif event == "done":
             self.drain(wait=True)
             self.bar.close()
-            self.bar = None
             # The regeneration's own time, apart from vLLM's shutdown that follows.
             took = max(time.monotonic() - self.ready, 1e-9)
             tokens = sum(t.tokens for t in self.targets)
@@ -233,7 +229,5 @@ class Follow:
             else:
                 self.journal.add(t.path, "replaced", *detail)
                 self.counts.replaced.append(t.path)
-            self.tokens += t.tokens
             if self.bar is not None:
                 self.bar.update(1)
-                self.bar.set_postfix(tokens=self.tokens, refresh=False)

@@ -23,6 +23,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 KV_ARGS = frozenset({"kv_cache_memory_bytes", "gpu_memory_utilization"})  # the user sized it
 GIB = 1 << 30
+FP8_CONNECTOR = ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")
 
 
 def parse_engine_arg(item: str) -> tuple[str, Any]:
@@ -157,3 +158,35 @@ def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tupl
         f"needed){note}; set {KV_ENV} (GiB) to choose"
     )
     return gib, line
+
+
+def llm_kwargs(args: argparse.Namespace, engine: dict[str, Any], scratch: str) -> dict[str, Any]:
+    """vLLM's ``LLM`` arguments: no prefix caching (0.22-0.23 cut saved states short,
+    0.25-0.28 can skip writes), no compilation (each prompt runs once), then the
+    engine settings over them."""
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": scratch},
+    }
+    if engine["fp8"]:
+        connector.update(kv_connector=FP8_CONNECTOR[0], kv_connector_module_path=FP8_CONNECTOR[1])
+    aux = {"eagle_aux_hidden_state_layer_ids": list(engine["aux"])}
+    return {
+        "model": args.model,
+        "skip_tokenizer_init": True,
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "enforce_eager": True,
+        "max_model_len": engine["max_len"],
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "seed": 0,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": aux},
+        },
+        "kv_transfer_config": connector,
+        **engine["engine_args"],
+    }
