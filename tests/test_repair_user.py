@@ -311,7 +311,7 @@ def test_a_vllm_process_killed_mid_run_ends_the_repair_with_its_cause(
     assert took < 90, f"the repair took {took:.0f} s to end after the kill"
     if role == "engine-core":
         assert "the vLLM run failed (exit " in text and "root cause, in the main process:" in text
-        assert "vLLM's process VLLM::EngineCore (pid " in text and ") died (" in text, text[-3000:]
+        assert "vLLM's process EngineCore (pid " in text and ") died (" in text, text[-3000:]
     else:
         assert "the vLLM run failed: its process was killed by SIGKILL" in text, text[-3000:]
     log = Path(text.split("full log: ")[1].split()[0])

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import clean_env
 from support.load import busy_cores
 from support.procs import gone, marked_json, run_child
@@ -20,29 +19,23 @@ from vllm_hsfix import enginelog
 from vllm_hsfix.repair import engine, files, session
 
 
-@pytest.mark.parametrize("titled", [True, False], ids=["vllm-titles", "no-setproctitle"])
-def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(
-    tmp_path: Path, titled: bool
-) -> None:
+def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(tmp_path: Path) -> None:
     """The engine core is SIGKILLed while the process waits forever (as vLLM 0.24.0's
-    ``LLM.generate`` does): the watch names the process and its signal in an ``ERROR``
-    line of the log within its grace and exits 5. Only the engine cores (this process's
-    ``multiprocessing`` children) are watched: a helper that ends on its own raises no
-    alarm; without vLLM's process titles the name is the forked command line."""
+    ``LLM.generate`` does): the watch names it as vLLM's log does, with its signal, in an
+    ``ERROR`` line of the log within its grace and exits 5. Only the engine cores (this
+    process's ``multiprocessing`` children) are watched: a helper that ends on its own
+    raises no alarm."""
     t0 = time.monotonic()
     with busy_cores():
-        proc = run_child(
-            "engine_watch.py", {"titled": titled, "grace_s": 1.0}, tmp_path, clean_env(), 60
-        )
+        proc = run_child("engine_watch.py", {"grace_s": 1.0}, tmp_path, clean_env(), 60)
     took = time.monotonic() - t0
     watched, core, worker = marked_json(proc, "HSFIX_WATCH ")
     assert proc.returncode == engine.EXIT_ENGINE_GONE, proc.stderr[-3000:]
     assert took < 30, f"the watch took {took:.0f} s"
     assert watched == [core] and worker != core
-    name = "VLLM::EngineCore" if titled else sys.executable  # untitled: the forked cmdline
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR ")]
     assert len(lines) == 2, proc.stderr[-3000:]
-    assert f"vLLM's process {name} (pid {core}) died (killed by SIGKILL: " in lines[0]
+    assert f"vLLM's process EngineCore (pid {core}) died (killed by SIGKILL: " in lines[0]
     assert "vLLM did not end the run in 1 s" in lines[1]
     cause = enginelog.root_cause(proc.stderr)
     assert cause is not None and f"(pid {core}) died (killed by SIGKILL" in cause.error
@@ -104,7 +97,7 @@ def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
         "See stack trace (above) for the root cause.\n"
     )
-    ours = engine.cause("VLLM::EngineCore", 42, -signal.SIGKILL)
+    ours = engine.cause("EngineCore", 42, -signal.SIGKILL)
     text = f"INFO 12-03 10:00:00 [llm.py:1] starting\nERROR 12-03 10:00:05 [x] {ours}\n{dead}"
     cause = enginelog.root_cause(text)
     assert cause is not None and cause.process == "the main process"

@@ -176,16 +176,6 @@ def cause(name: str, pid: int, exitcode: int) -> str:
     return f"vLLM's process {name} (pid {pid}) died ({how})"
 
 
-def title(pid: int) -> str:
-    """The process's title as ``ps`` shows it (vLLM's ``VLLM::EngineCore``), its first word."""
-    import psutil
-
-    try:
-        return " ".join(psutil.Process(pid).cmdline()).split(" ")[0] or "?"
-    except psutil.Error:
-        return "?"
-
-
 def _log(message: str) -> None:
     """An ``ERROR`` line in vLLM's log format (stderr is the log)."""
     stamp = time.strftime("%m-%d %H:%M:%S")
@@ -198,14 +188,15 @@ class EngineWatch:
 
     def __init__(self, grace_s: float = GRACE_S) -> None:
         self.grace_s = grace_s
-        self.watched: list[tuple[multiprocessing.process.BaseProcess, str]] = []
+        self.watched: list[multiprocessing.process.BaseProcess] = []
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         self.told = False
 
     def start(self) -> None:
-        """Watch this process's ``multiprocessing`` children now (vLLM's engine cores)."""
-        self.watched = [(p, title(p.pid or 0)) for p in multiprocessing.active_children()]
+        """Watch this process's ``multiprocessing`` children now (vLLM's engine cores,
+        named as in vLLM's log: ``EngineCore``, ``EngineCore_DP1``)."""
+        self.watched = multiprocessing.active_children()
         if self.watched:
             threading.Thread(target=self._run, name="vllm-hsfix-engine-watch", daemon=True).start()
 
@@ -213,9 +204,9 @@ class EngineWatch:
         """Name a watched process that is gone in the log (once); whether one is. Also
         called when vLLM raised (its ``EngineDeadError`` only says "see above")."""
         with self.lock:
-            for p, name in self.watched:
+            for p in self.watched:
                 if not self.told and (code := p.exitcode) is not None:
-                    _log(cause(name, p.pid or 0, code))
+                    _log(cause(p.name, p.pid or 0, code))
                     self.told = True
             return self.told
 
