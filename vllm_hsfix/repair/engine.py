@@ -184,7 +184,8 @@ def _log(message: str) -> None:
 
 class EngineWatch:
     """Once started: a thread that names an engine core that died in the log at once,
-    and ends this process (:data:`EXIT_ENGINE_GONE`) if vLLM has not ``grace_s`` later."""
+    and ends this process (:data:`EXIT_ENGINE_GONE`) if vLLM has not ``grace_s`` later.
+    A worker's death vLLM reports itself (its executor watches its workers)."""
 
     def __init__(self, grace_s: float = GRACE_S) -> None:
         self.grace_s = grace_s

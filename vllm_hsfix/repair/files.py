@@ -1,11 +1,6 @@
-"""The files of a repair: which, what each must keep, whether the new one is right,
-putting it in place, and the journal of those done; the one module of ``repair`` that
-uses the audit's API.
-
-A regenerated file that does not keep the old one's form is refused; one whose every row
-agrees with the old file proves the old one right (kept byte for byte); else it is
-copied next to the old one, fsynced and renamed over it.
-"""
+"""The files of a repair: the targets, a regenerated file refused unless it keeps its
+target's form, kept aside when every row agrees (the old one was right) or put in place
+atomically, and the journal; the one module of ``repair`` that uses the audit's API."""
 
 from __future__ import annotations
 
