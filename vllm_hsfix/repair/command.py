@@ -131,12 +131,11 @@ def _aux(args: argparse.Namespace, targets: list[Target]) -> tuple[int, ...] | s
     """The aux layers: ``--aux-layers``, else the one set the files' provenance names."""
     if args.aux_layers or not targets:
         return args.aux_layers or ()
-    stamped = {t.aux_layers for t in targets if t.aux_layers}
+    stamped = sorted({t.aux_layers for t in targets if t.aux_layers})
     if len(stamped) == 1:
-        return stamped.pop()  # type: ignore[return-value]
+        return stamped[0]
     if stamped:
-        named = sorted(stamped)
-        return f"the files' provenance names different aux layers {named}: pass --aux-layers"
+        return f"the files' provenance names different aux layers {stamped}: pass --aux-layers"
     return (
         "the aux layers are not known: pass --aux-layers (the files carry no "
         "vllm_hsfix.aux_layers provenance metadata)"
@@ -246,10 +245,10 @@ def finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_sta
             why_suspect[record["path"]] = f"{found[0]['code']}: {found[0]['detail']}"
 
     verdict = files.audit(paths if args.from_audit else args.paths, args, audit_state, note)
-    regenerated = set(counts.replaced) | counts.earlier
+    regenerated = {*counts.replaced, *counts.earlier}
     suspect_now = sorted(p for p in regenerated if verdict.get(p) == SUSPECT)
     ok = {p for p in targeted if verdict.get(p) == OK or p in counts.right} | set(suspect_now)
-    still_bad = sorted(p for p in targeted if p not in ok and p not in counts.skipped)
+    still_bad = sorted(targeted - ok - counts.skipped.keys())
     print(
         f"repair: {len(counts.replaced)} regenerated this run, {len(counts.right)} right "
         f"after all (kept as they were); of {len(targeted)} targeted files {len(ok)} "
