@@ -82,7 +82,7 @@ def test_a_signal_that_killed_the_vllm_process_is_the_root_cause(tmp_path: Path)
         "(EngineCore pid=7) RuntimeError: cancelled\n"
     )
     line = session.failure(-9, str(log))
-    assert line.startswith("the vLLM run failed: its process was killed by SIGKILL (")
+    assert line.startswith("the vLLM run failed: its process was killed by SIGKILL (the OOM")
     assert "cancelled" not in line and line.endswith(f"full log: {log}")
     assert session.failure(1, str(log)).startswith("the vLLM run failed (exit 1); root cause,")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import detect, enginelog
 from . import files, guard, settings
-from .engine import signal_name
+from .engine import SENDERS, signal_name
 from .files import Journal, Target, sha256
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
@@ -50,10 +50,9 @@ def failure(code: int, log: str) -> str:
     cause, not what its engine core logged as it went down after it."""
     if code >= 0:
         return f"the vLLM run failed (exit {code}); {enginelog.explain(log)}"
-    return (
-        f"the vLLM run failed: its process was killed by {signal_name(-code)} (the "
-        f"OOM killer, a user; `dmesg` names OOM kills); full log: {log}"
-    )
+    sig = signal_name(-code)
+    sender = SENDERS.get(sig, "a signal sent to it")
+    return f"the vLLM run failed: its process was killed by {sig} ({sender}); full log: {log}"
 
 
 def regenerate(
