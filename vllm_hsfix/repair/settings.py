@@ -110,13 +110,12 @@ def engine_settings(
     return settings, max_len, line + " (--engine-arg KEY=VALUE overrides)"
 
 
-def kv_bytes_needed(
-    model: str | None, dtype: str | None, n_aux: int, seqs: int, max_len: int
-) -> int:
-    """KV cache for ``seqs`` prompts of ``max_len`` tokens: every attention layer's K
-    and V, the hidden-states cache, the linear-attention states, twice over (vLLM
-    rounds pages up and aligns hybrid groups)."""
+def kv_bytes_per_prompt(model: str | None, engine: dict[str, Any]) -> int:
+    """KV cache for one prompt of ``max_model_len`` tokens: every attention layer's K and
+    V, the hidden-states cache, the linear-attention states, twice over (vLLM rounds
+    pages up and aligns hybrid groups)."""
     _, text = _text_config(model)
+    dtype = engine["engine_args"].get("dtype") or text.get("torch_dtype") or "bfloat16"
 
     def num(key: str, default: int = 0) -> int:
         return int(text.get(key) or default)
@@ -126,14 +125,14 @@ def kv_bytes_needed(
     heads = num("num_attention_heads", 32)
     hidden = num("hidden_size", 4096)
     head_dim = num("head_dim", hidden // heads)
-    size = DTYPE_BYTES.get(str(dtype or text.get("torch_dtype") or "bfloat16"), 2)
+    size = DTYPE_BYTES.get(str(dtype), 2)
     kv = (len(types) - linear) * 2 * num("num_key_value_heads", heads) * head_dim * size
-    per_token = kv + max(n_aux, 1) * hidden * size
+    per_token = kv + max(len(engine["aux"]), 1) * hidden * size
     k_heads, k_dim = num("linear_num_key_heads"), num("linear_key_head_dim")
     v_heads, v_dim = num("linear_num_value_heads"), num("linear_value_head_dim")
     conv = (num("linear_conv_kernel_dim", 4) - 1) * (2 * k_heads * k_dim + v_heads * v_dim)
     state = v_heads * k_dim * v_dim * 4 + conv * size
-    return 2 * seqs * (per_token * (max_len + 1) + linear * state)
+    return 2 * (per_token * (engine["max_len"] + 1) + linear * state)
 
 
 def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tuple[int, str] | None:
@@ -141,20 +140,19 @@ def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tupl
     available (then fewer prompts run at once); None when the user sized the cache."""
     import psutil
 
-    args, max_len, n_aux = engine["engine_args"], engine["max_len"], len(engine["aux"])
-    if KV_ENV in os.environ or KV_ARGS & set(args):
+    if KV_ENV in os.environ or KV_ARGS & set(engine["engine_args"]):
         return None
-    need = kv_bytes_needed(model, args.get("dtype"), n_aux, seqs, max_len)
+    one = kv_bytes_per_prompt(model, engine)
+    need = seqs * one
     gib = max(1, math.ceil(need / GIB))
     free = psutil.virtual_memory().available
     note = ""
     if gib * GIB > free // 2:
-        one = kv_bytes_needed(model, args.get("dtype"), n_aux, 1, max_len)
         gib = max(1, math.ceil(one / GIB), (free // 2) // GIB)
         note = f", capped at half the {free / GIB:.0f} GiB free (fewer prompts at once)"
     line = (
         f"{KV_ENV} is not set: vLLM's CPU build gets {gib} GiB of KV cache, sized for "
-        f"batches of {seqs} prompts up to {max_len} tokens ({need / (1 << 20):.0f} MiB "
+        f"batches of {seqs} prompts up to {engine['max_len']} tokens ({need / (1 << 20):.0f} MiB "
         f"needed){note}; set {KV_ENV} (GiB) to choose"
     )
     return gib, line
