@@ -38,8 +38,8 @@ one JSON object per line (vLLM's own output goes to the log, stderr):
                                             not active there (exit 3)
   {"event": "file", "index": I, "path": P}  prompt I's new file (P null: none)
   {"event": "done"}                         every prompt answered
-it exits 4 when the repair is gone between batches, 5 when one of vLLM's processes
-died under it; a line cut short by a kill is ignored.
+it exits 4 when the repair is gone between batches, 5 when vLLM's engine core died
+under it and vLLM did not end the run; a line cut short by a kill is ignored.
 """
 
 

@@ -161,6 +161,7 @@ def start(job: dict[str, Any], send: Callable[..., None]) -> LocalEngine | Endpo
 
 
 def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9: how a process's negative exit status reads."""
     try:
         return signal.Signals(number).name
     except ValueError:
