@@ -204,9 +204,7 @@ def _engine(
     said = None
     if targets and not args.endpoint:
         cpu_build = bool(detect.detect().cpu_build)
-        engine_args, max_len, said = settings.engine_settings(
-            args.model, targets, cpu_build, engine_args, max_len, args.max_model_len
-        )
+        engine_args, max_len, said = settings.engine_settings(args, targets, cpu_build, max_len)
     for t in list(targets):
         why = None
         if t.n_aux is not None and t.n_aux != len(aux):

@@ -78,15 +78,11 @@ def said(values: dict[str, Any]) -> str:
 
 
 def engine_settings(
-    model: str | None,
-    targets: list[Target],
-    cpu_build: bool,
-    user: dict[str, Any],
-    needed_len: int,
-    user_len: int | None,
+    args: argparse.Namespace, targets: list[Target], cpu_build: bool, needed_len: int
 ) -> tuple[dict[str, Any], int, str]:
-    """(engine keyword arguments, max_model_len, one line saying where they came from).
-    ``user``: the --engine-arg values (they win); the most common stamp wins."""
+    """(engine keyword arguments, max_model_len, one line saying where they came from):
+    the --engine-arg values win, then the most common stamp, else the derived ones."""
+    user = dict(args.engine_arg)
     stamps = Counter(json.dumps(t.engine, sort_keys=True) for t in targets if t.engine)
     if stamps:
         stamped = json.loads(stamps.most_common(1)[0][0])
@@ -97,13 +93,13 @@ def engine_settings(
             line += f", max_model_len={max_len}"
         max_len = max(max_len, needed_len)
     else:
-        derived = _derived(model, targets, cpu_build)
+        derived = _derived(args.model, targets, cpu_build)
         settings = {k: v for k, (v, _) in derived.items()}
         max_len = needed_len
         told = "; ".join(f"{said({k: v})} ({why})" for k, (v, why) in derived.items())
         line = f"the files carry no engine provenance; assumed {told or 'vLLM defaults'}"
     over = {k: v for k, v in user.items() if k in settings or k in ENGINE_KEYS}
-    max_len = int(user.get("max_model_len") or user_len or max_len)
+    max_len = int(user.get("max_model_len") or args.max_model_len or max_len)
     settings.update({k: v for k, v in user.items() if k != "max_model_len"})
     if over:
         return settings, max_len, line + "; --engine-arg sets " + said(over)
