@@ -76,9 +76,10 @@ def test_install_replaces_atomically_with_a_backup_or_refuses_a_misfit(
     save_file({"hidden_states": hs, "token_ids": ids}, str(new))
     if change:
         with pytest.raises(files.Refused):
-            files.install(str(new), t, None, None)
+            files.check_new(files.read_target(str(new)), t)
         assert old.read_bytes() == before
         return
+    files.check_new(files.read_target(str(new)), t)
     sha, size = files.install(str(new), t, str(tmp_path / "bak"), str(tmp_path / "d"))
     assert old.read_bytes() == new.read_bytes()
     assert (sha, size) == (digest(old), old.stat().st_size)

@@ -93,14 +93,17 @@ def test_settings_from_provenance_else_the_checkpoint_and_engine_args_override(
 ) -> None:
     stamped = {"dtype": "float16", "mamba_ssm_cache_dtype": "float32",
                "language_model_only": True, "max_model_len": 512}  # fmt: skip
+    typed = argparse.Namespace(model=str(model), engine_arg=[], max_model_len=None)
     t = files.Target(path="x", token_ids=[1] * 40, dtype="F16", engine=stamped)
-    kw, max_len, line = settings.engine_settings(str(model), [t], True, {}, 42, None)
+    kw, max_len, line = settings.engine_settings(typed, [t], True, 42)
     assert kw == {k: v for k, v in stamped.items() if k != "max_model_len"}
     assert max_len == 512 and line.startswith("engine settings from the files' provenance")
-    kw, _, line = settings.engine_settings(str(model), [t], True, {"dtype": "bfloat16"}, 42, None)
+    typed.engine_arg = [("dtype", "bfloat16")]
+    kw, _, line = settings.engine_settings(typed, [t], True, 42)
     assert kw["dtype"] == "bfloat16" and "--engine-arg sets dtype=bfloat16" in line
+    typed.engine_arg = []
     t = files.Target(path="x", token_ids=[1] * 40, dtype="BF16")
-    kw, max_len, line = settings.engine_settings(str(model), [t], True, {}, 42, None)
+    kw, max_len, line = settings.engine_settings(typed, [t], True, 42)
     assert kw == {"dtype": "bfloat16", "language_model_only": True,
                   "mamba_ssm_cache_dtype": "float32"}  # fmt: skip
     assert max_len == 42 and "\n" not in line
@@ -313,7 +316,7 @@ def test_a_vllm_process_killed_mid_run_ends_the_repair_with_its_cause(
     assert took < 90, f"the repair took {took:.0f} s to end after the kill"
     if role == "engine-core":
         assert "the vLLM run failed (exit " in text and "root cause, in the main process:" in text
-        assert "vLLM's process VLLM::EngineCore (pid " in text and ") died (" in text, text[-3000:]
+        assert "vLLM's process EngineCore (pid " in text and ") died (" in text, text[-3000:]
     else:
         assert "the vLLM run failed: its process was killed by SIGKILL" in text, text[-3000:]
     log = Path(text.split("full log: ")[1].split()[0])

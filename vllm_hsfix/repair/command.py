@@ -38,8 +38,8 @@ one JSON object per line (vLLM's own output goes to the log, stderr):
                                             not active there (exit 3)
   {"event": "file", "index": I, "path": P}  prompt I's new file (P null: none)
   {"event": "done"}                         every prompt answered
-it exits 4 when the repair is gone between batches, 5 when one of vLLM's processes
-died under it; a line cut short by a kill is ignored.
+it exits 4 when the repair is gone between batches, 5 when vLLM's engine core died
+under it and vLLM did not end the run; a line cut short by a kill is ignored.
 """
 
 
@@ -131,12 +131,11 @@ def _aux(args: argparse.Namespace, targets: list[Target]) -> tuple[int, ...] | s
     """The aux layers: ``--aux-layers``, else the one set the files' provenance names."""
     if args.aux_layers or not targets:
         return args.aux_layers or ()
-    stamped = {t.aux_layers for t in targets if t.aux_layers}
+    stamped = sorted({t.aux_layers for t in targets if t.aux_layers})
     if len(stamped) == 1:
-        return stamped.pop()  # type: ignore[return-value]
+        return stamped[0]
     if stamped:
-        named = sorted(stamped)
-        return f"the files' provenance names different aux layers {named}: pass --aux-layers"
+        return f"the files' provenance names different aux layers {stamped}: pass --aux-layers"
     return (
         "the aux layers are not known: pass --aux-layers (the files carry no "
         "vllm_hsfix.aux_layers provenance metadata)"
@@ -205,9 +204,7 @@ def _engine(
     said = None
     if targets and not args.endpoint:
         cpu_build = bool(detect.detect().cpu_build)
-        engine_args, max_len, said = settings.engine_settings(
-            args.model, targets, cpu_build, engine_args, max_len, args.max_model_len
-        )
+        engine_args, max_len, said = settings.engine_settings(args, targets, cpu_build, max_len)
     for t in list(targets):
         why = None
         if t.n_aux is not None and t.n_aux != len(aux):
@@ -246,10 +243,10 @@ def finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_sta
             why_suspect[record["path"]] = f"{found[0]['code']}: {found[0]['detail']}"
 
     verdict = files.audit(paths if args.from_audit else args.paths, args, audit_state, note)
-    regenerated = set(counts.replaced) | counts.earlier
+    regenerated = {*counts.replaced, *counts.earlier}
     suspect_now = sorted(p for p in regenerated if verdict.get(p) == SUSPECT)
     ok = {p for p in targeted if verdict.get(p) == OK or p in counts.right} | set(suspect_now)
-    still_bad = sorted(p for p in targeted if p not in ok and p not in counts.skipped)
+    still_bad = sorted(targeted - ok - counts.skipped.keys())
     print(
         f"repair: {len(counts.replaced)} regenerated this run, {len(counts.right)} right "
         f"after all (kept as they were); of {len(targeted)} targeted files {len(ok)} "

@@ -2,14 +2,20 @@
 
 A process of its own, so that ``VLLM_HSFIX_STATUS_DIR`` is set before vllm-hsfix activates
 and the guard runs where vLLM runs. It drives vLLM's offline ``LLM`` (or a running ``vllm
-serve``: ``--endpoint``) and reports in JSON Lines on stdout (``repair --help``).
+serve``: ``--endpoint``) and reports in JSON Lines on stdout (``repair --help``). vLLM
+0.24.0's ``LLM.generate`` waits forever for a killed engine core: :class:`EngineWatch`
+names it in an ``ERROR`` line of the log (the root cause :mod:`.enginelog` reports) and
+ends the run when vLLM has not.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -19,41 +25,19 @@ from typing import IO, Any
 from .files import writer_done
 
 WAIT_S = 300.0
-FP8_CONNECTOR = ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")
 # Exceptions of vLLM's argument and config checks: a user's value among them is named.
 REJECTED = ("ValueError", "TypeError", "ValidationError", "AssertionError")
-
-
-def llm_kwargs(spec: dict[str, Any], scratch: str) -> dict[str, Any]:
-    """vLLM's ``LLM`` arguments: no prefix caching (0.22-0.23 cut saved states short,
-    0.25-0.28 can skip writes), no compilation (each prompt runs once), then the
-    engine settings over them."""
-    connector = {
-        "kv_connector": "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": scratch},
-    }
-    if spec["fp8"]:
-        connector.update(kv_connector=FP8_CONNECTOR[0], kv_connector_module_path=FP8_CONNECTOR[1])
-    aux = {"eagle_aux_hidden_state_layer_ids": list(spec["aux"])}
-    return {
-        "model": spec["model"],
-        "skip_tokenizer_init": True,
-        "enable_prefix_caching": False,
-        "enable_chunked_prefill": False,
-        "enforce_eager": True,
-        "max_model_len": spec["max_len"],
-        "tensor_parallel_size": spec["tensor_parallel_size"],
-        "data_parallel_size": spec["data_parallel_size"],
-        "seed": 0,
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": aux},
-        },
-        "kv_transfer_config": connector,
-        **spec["engine_args"],
-    }
+GRACE_S = 10.0  # how long vLLM gets to raise once one of its processes is gone
+POLL_S = 0.5
+EXIT_ENGINE_GONE = 5
+# What most likely sent the signals a vLLM process dies of without a traceback.
+SENDERS = {
+    "SIGKILL": "the OOM killer or a user (`dmesg` names OOM kills)",
+    "SIGILL": "a native kernel using an instruction this CPU lacks",
+    "SIGSEGV": "a crash in native code",
+    "SIGBUS": "a crash in native code, or a file mapped in memory that shrank",
+    "SIGABRT": "a native library aborted",
+}
 
 
 def written(paths: list[str | None], step: Callable[[], object]) -> list[str | None]:
@@ -176,9 +160,68 @@ def start(job: dict[str, Any], send: Callable[..., None]) -> LocalEngine | Endpo
     return 3 if problems else engine
 
 
-def main(argv: list[str]) -> int:
-    from .watch import EngineWatch
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9: how a process's negative exit status reads."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
+
+def cause(name: str, pid: int, exitcode: int) -> str:
+    """The line that names a vLLM process gone, how it ended and what most likely did it."""
+    how = f"exit status {exitcode}"
+    if exitcode < 0:
+        sig = signal_name(-exitcode)
+        how = f"killed by {sig}" + (f": {SENDERS[sig]}" if sig in SENDERS else "")
+    return f"vLLM's process {name} (pid {pid}) died ({how})"
+
+
+def _log(message: str) -> None:
+    """An ``ERROR`` line in vLLM's log format (stderr is the log)."""
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    print(f"ERROR {stamp} [vllm-hsfix repair] {message}", file=sys.stderr, flush=True)
+
+
+class EngineWatch:
+    """Once started: a thread that names an engine core that died in the log at once,
+    and ends this process (:data:`EXIT_ENGINE_GONE`) if vLLM has not ``grace_s`` later.
+    A worker's death vLLM reports itself (its executor watches its workers)."""
+
+    def __init__(self, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
+        self.watched: list[multiprocessing.process.BaseProcess] = []
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+        self.told = False
+
+    def start(self) -> None:
+        """Watch this process's ``multiprocessing`` children now (vLLM's engine cores,
+        named as in vLLM's log: ``EngineCore``, ``EngineCore_DP1``)."""
+        self.watched = multiprocessing.active_children()
+        if self.watched:
+            threading.Thread(target=self._run, name="vllm-hsfix-engine-watch", daemon=True).start()
+
+    def tell(self) -> bool:
+        """Name a watched process that is gone in the log (once); whether one is. Also
+        called when vLLM raised (its ``EngineDeadError`` only says "see above")."""
+        with self.lock:
+            for p in self.watched:
+                if not self.told and (code := p.exitcode) is not None:
+                    _log(cause(p.name, p.pid or 0, code))
+                    self.told = True
+            return self.told
+
+    def _run(self) -> None:
+        while not self.stopped.wait(POLL_S):
+            if self.tell():
+                if not self.stopped.wait(self.grace_s):
+                    _log(f"vLLM did not end the run in {self.grace_s:g} s: vllm-hsfix ends it")
+                    os._exit(EXIT_ENGINE_GONE)
+                return
+
+
+def main(argv: list[str]) -> int:
     with open(argv[0], encoding="utf-8") as f:
         job = json.load(f)
     os.setpgrp()  # a group of its own: the repair ends every vLLM process with it at once
@@ -186,9 +229,8 @@ def main(argv: list[str]) -> int:
     engine = start(job, send)
     if isinstance(engine, int):
         return engine
-    watch = EngineWatch()  # a vLLM process killed under us must not leave us waiting
-    if not job["endpoint"]:
-        watch.start()
+    watch = EngineWatch()  # an engine core killed under us must not leave us waiting
+    watch.start()
     try:
         prompts, size = job["prompts"], job["batch_size"]
         for first in range(0, len(prompts), size):

@@ -23,6 +23,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 KV_ARGS = frozenset({"kv_cache_memory_bytes", "gpu_memory_utilization"})  # the user sized it
 GIB = 1 << 30
+FP8_CONNECTOR = ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")
 
 
 def parse_engine_arg(item: str) -> tuple[str, Any]:
@@ -77,15 +78,11 @@ def said(values: dict[str, Any]) -> str:
 
 
 def engine_settings(
-    model: str | None,
-    targets: list[Target],
-    cpu_build: bool,
-    user: dict[str, Any],
-    needed_len: int,
-    user_len: int | None,
+    args: argparse.Namespace, targets: list[Target], cpu_build: bool, needed_len: int
 ) -> tuple[dict[str, Any], int, str]:
-    """(engine keyword arguments, max_model_len, one line saying where they came from).
-    ``user``: the --engine-arg values (they win); the most common stamp wins."""
+    """(engine keyword arguments, max_model_len, one line saying where they came from):
+    the --engine-arg values win, then the most common stamp, else the derived ones."""
+    user = dict(args.engine_arg)
     stamps = Counter(json.dumps(t.engine, sort_keys=True) for t in targets if t.engine)
     if stamps:
         stamped = json.loads(stamps.most_common(1)[0][0])
@@ -96,26 +93,25 @@ def engine_settings(
             line += f", max_model_len={max_len}"
         max_len = max(max_len, needed_len)
     else:
-        derived = _derived(model, targets, cpu_build)
+        derived = _derived(args.model, targets, cpu_build)
         settings = {k: v for k, (v, _) in derived.items()}
         max_len = needed_len
         told = "; ".join(f"{said({k: v})} ({why})" for k, (v, why) in derived.items())
         line = f"the files carry no engine provenance; assumed {told or 'vLLM defaults'}"
     over = {k: v for k, v in user.items() if k in settings or k in ENGINE_KEYS}
-    max_len = int(user.get("max_model_len") or user_len or max_len)
+    max_len = int(user.get("max_model_len") or args.max_model_len or max_len)
     settings.update({k: v for k, v in user.items() if k != "max_model_len"})
     if over:
         return settings, max_len, line + "; --engine-arg sets " + said(over)
     return settings, max_len, line + " (--engine-arg KEY=VALUE overrides)"
 
 
-def kv_bytes_needed(
-    model: str | None, dtype: str | None, n_aux: int, seqs: int, max_len: int
-) -> int:
-    """KV cache for ``seqs`` prompts of ``max_len`` tokens: every attention layer's K
-    and V, the hidden-states cache, the linear-attention states, twice over (vLLM
-    rounds pages up and aligns hybrid groups)."""
+def kv_bytes_per_prompt(model: str | None, engine: dict[str, Any]) -> int:
+    """KV cache for one prompt of ``max_model_len`` tokens: every attention layer's K and
+    V, the hidden-states cache, the linear-attention states, twice over (vLLM rounds
+    pages up and aligns hybrid groups)."""
     _, text = _text_config(model)
+    dtype = engine["engine_args"].get("dtype") or text.get("torch_dtype") or "bfloat16"
 
     def num(key: str, default: int = 0) -> int:
         return int(text.get(key) or default)
@@ -125,14 +121,14 @@ def kv_bytes_needed(
     heads = num("num_attention_heads", 32)
     hidden = num("hidden_size", 4096)
     head_dim = num("head_dim", hidden // heads)
-    size = DTYPE_BYTES.get(str(dtype or text.get("torch_dtype") or "bfloat16"), 2)
+    size = DTYPE_BYTES.get(str(dtype), 2)
     kv = (len(types) - linear) * 2 * num("num_key_value_heads", heads) * head_dim * size
-    per_token = kv + max(n_aux, 1) * hidden * size
+    per_token = kv + max(len(engine["aux"]), 1) * hidden * size
     k_heads, k_dim = num("linear_num_key_heads"), num("linear_key_head_dim")
     v_heads, v_dim = num("linear_num_value_heads"), num("linear_value_head_dim")
     conv = (num("linear_conv_kernel_dim", 4) - 1) * (2 * k_heads * k_dim + v_heads * v_dim)
     state = v_heads * k_dim * v_dim * 4 + conv * size
-    return 2 * seqs * (per_token * (max_len + 1) + linear * state)
+    return 2 * (per_token * (engine["max_len"] + 1) + linear * state)
 
 
 def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tuple[int, str] | None:
@@ -140,20 +136,51 @@ def kv_cache_space(model: str | None, engine: dict[str, Any], seqs: int) -> tupl
     available (then fewer prompts run at once); None when the user sized the cache."""
     import psutil
 
-    args, max_len, n_aux = engine["engine_args"], engine["max_len"], len(engine["aux"])
-    if KV_ENV in os.environ or KV_ARGS & set(args):
+    if KV_ENV in os.environ or KV_ARGS & set(engine["engine_args"]):
         return None
-    need = kv_bytes_needed(model, args.get("dtype"), n_aux, seqs, max_len)
+    one = kv_bytes_per_prompt(model, engine)
+    need = seqs * one
     gib = max(1, math.ceil(need / GIB))
     free = psutil.virtual_memory().available
     note = ""
     if gib * GIB > free // 2:
-        one = kv_bytes_needed(model, args.get("dtype"), n_aux, 1, max_len)
         gib = max(1, math.ceil(one / GIB), (free // 2) // GIB)
         note = f", capped at half the {free / GIB:.0f} GiB free (fewer prompts at once)"
     line = (
         f"{KV_ENV} is not set: vLLM's CPU build gets {gib} GiB of KV cache, sized for "
-        f"batches of {seqs} prompts up to {max_len} tokens ({need / (1 << 20):.0f} MiB "
+        f"batches of {seqs} prompts up to {engine['max_len']} tokens ({need / (1 << 20):.0f} MiB "
         f"needed){note}; set {KV_ENV} (GiB) to choose"
     )
     return gib, line
+
+
+def llm_kwargs(args: argparse.Namespace, engine: dict[str, Any], scratch: str) -> dict[str, Any]:
+    """vLLM's ``LLM`` arguments: no prefix caching (0.22-0.23 cut saved states short,
+    0.25-0.28 can skip writes), no compilation (each prompt runs once), then the
+    engine settings over them."""
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": scratch},
+    }
+    if engine["fp8"]:
+        connector.update(kv_connector=FP8_CONNECTOR[0], kv_connector_module_path=FP8_CONNECTOR[1])
+    aux = {"eagle_aux_hidden_state_layer_ids": list(engine["aux"])}
+    return {
+        "model": args.model,
+        "skip_tokenizer_init": True,
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "enforce_eager": True,
+        "max_model_len": engine["max_len"],
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "seed": 0,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": aux},
+        },
+        "kv_transfer_config": connector,
+        **engine["engine_args"],
+    }

@@ -1,11 +1,11 @@
-"""The repair's engine watch (``vllm_hsfix.repair.watch``) with stand-ins for vLLM's
+"""The repair's engine watch (``vllm_hsfix.repair.engine``) with stand-ins for vLLM's
 processes, no vLLM (test_repair_watch.py).
 
-``engine_watch.py ARGS.json`` (``{"titled": bool, "grace_s": float}``) starts an engine
-core and its worker (titled ``VLLM::EngineCore`` / ``VLLM::Worker`` or not) and, titled,
-a helper that ends on its own (no alarm); starts the watch, prints ``HSFIX_WATCH
-[watched, core, worker]``, SIGKILLs the engine core and waits forever: only the watch
-can end it (exit 5)."""
+``engine_watch.py ARGS.json`` (``{"grace_s": float}``) starts an engine core (a
+``multiprocessing`` child named as vLLM names it) with a worker of its own, and a helper
+that ends on its own (no alarm); starts the watch, prints ``HSFIX_WATCH [watched, core,
+worker]``, SIGKILLs the engine core and waits forever: only the watch can end it (exit
+5)."""
 
 from __future__ import annotations
 
@@ -19,40 +19,31 @@ import threading
 import time
 from typing import Any
 
-from vllm_hsfix.repair.watch import EngineWatch
+from vllm_hsfix.repair.engine import EngineWatch
 
 WORKER = "import time\ntime.sleep(600)\n"
 
 
-def core(titled: bool, conn: Any) -> None:
-    """The engine core, a multiprocessing child as vLLM starts it (titled as vLLM titles
-    it): starts its worker (not holding the test's pipes), sends its pid, sleeps."""
-    if titled:
-        import setproctitle
-
-        setproctitle.setproctitle("VLLM::EngineCore")
-    argv = ["VLLM::Worker" if titled else "python", "-c", WORKER]
-    w = subprocess.Popen(argv, executable=sys.executable, stdout=-3, stderr=-3)
+def core(conn: Any) -> None:
+    """The engine core: starts its worker (not holding the test's pipes), sends its pid,
+    sleeps."""
+    w = subprocess.Popen([sys.executable, "-c", WORKER], stdout=-3, stderr=-3)
     conn.send(w.pid)
     time.sleep(600)
 
 
 def main(args: dict) -> None:
-    titled = args["titled"]
     ctx = multiprocessing.get_context("fork")
     ours, theirs = ctx.Pipe()
-    engine_core = ctx.Process(target=core, args=(titled, theirs))
+    engine_core = ctx.Process(target=core, args=(theirs,), name="EngineCore")
     engine_core.start()
     worker = ours.recv()
-    if titled:  # ends on its own while the engine runs: must raise no alarm
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    # Ends on its own while the engine runs: must raise no alarm.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     watch = EngineWatch(grace_s=args["grace_s"])
     watch.start()
-    print(
-        "HSFIX_WATCH "
-        + json.dumps([sorted(p.pid for p in watch.watched), engine_core.pid, worker]),
-        flush=True,
-    )
+    watched = [p.pid for p in watch.watched]
+    print("HSFIX_WATCH " + json.dumps([watched, engine_core.pid, worker]), flush=True)
     time.sleep(1.0)  # the helper has ended meanwhile
     os.kill(engine_core.pid, signal.SIGKILL)
     threading.Event().wait()  # as vLLM's generate after its engine core is gone
