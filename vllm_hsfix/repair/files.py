@@ -200,8 +200,8 @@ def distance(old_path: str, new_path: str) -> float | None:
             if not np.isfinite(norms).all() or (norms == 0).any():
                 return None
             d = float((np.linalg.norm(old - new, axis=-1) / np.maximum(n_old, n_new)).max())
-        if d >= TOLERANCE:
-            return d
+        if d >= TOLERANCE or (tokens is not None and len(old) < tokens):
+            return d  # differs, or the head was the whole file: no second read
     return d
 
 
