@@ -210,7 +210,9 @@ HAZARD_IDS = tuple(hazard for hazard, _ in SIGNATURES.values())
 def attribute(rep: FileReport) -> None:
     """Name the hazard behind each finding of ``rep`` that carries a known signature
     (too few rows for the token ids, not too many, is prefix-cache-slicing's)."""
-    too_few = (rep.n_tokens or 0) < (rep.n_token_ids or 0)
+    too_few = (
+        rep.n_tokens is not None and rep.n_token_ids is not None and rep.n_tokens < rep.n_token_ids
+    )
     for p in rep.problems:
         if p.code not in SIGNATURES or p.hazard or (p.code == "token_mismatch" and not too_few):
             continue
