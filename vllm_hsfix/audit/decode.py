@@ -22,7 +22,6 @@ from .format import (
     BadFile,
     check_keys,
     read_layout,
-    read_token_ids,
 )
 from .reports import FileReport
 
@@ -42,15 +41,6 @@ def fp8_e4m3fn_table() -> NDArray[Any]:
     val = np.where(b & 0x80, -mag, mag)
     val[(b & 0x7F) == 0x7F] = np.nan
     return val.astype(np.float32)
-
-
-def read_scales(path: str, tensors: dict[str, Any], data_start: int) -> NDArray[Any]:
-    """An fp8 file's per-token scales, float32 ``[tokens]``."""
-    import numpy as np
-
-    sc = tensors[SCALES_KEY]
-    start, n = data_start + sc["data_offsets"][0], sc["shape"][0]
-    return np.fromfile(path, dtype="<f4", count=n, offset=start)
 
 
 class Rows:
@@ -106,13 +96,6 @@ class Rows:
         values = self.table[np.frombuffer(stored, dtype=np.uint8)]  # type: ignore[index]
         return (values * self.scales[token]).tobytes()  # type: ignore[index]
 
-    def values(self, raw: Any) -> Any:
-        """All rows at once ([tokens x n_aux, hidden] stored) as float32 values."""
-        import numpy as np
-
-        work = np.empty(raw.shape, np.uint32)
-        return np.array(self.block(raw, 0, work)[0], dtype=np.float32)
-
 
 def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[Any, Any, str]:
     """A whole file as values: float32 ``[tokens, n_aux, hidden]``, the token ids
@@ -133,17 +116,18 @@ def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[
     n_tokens, n_aux, hidden = rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0
     if tokens is not None:
         n_tokens = min(n_tokens, tokens)
-    scales = read_scales(p, tensors, data_start) if rep.format == FP8 else None
+
+    def read(key: str, dtype: str, count: int) -> NDArray[Any]:
+        offset = data_start + tensors[key]["data_offsets"][0]
+        return np.fromfile(p, dtype=dtype, count=count, offset=offset)
+
+    scales = read(SCALES_KEY, "<f4", n_tokens) if rep.format == FP8 else None
     rows = Rows(tensors[HIDDEN_KEY]["dtype"], hidden, n_aux, scales)
-    raw = np.fromfile(
-        p,
-        dtype=rows.raw_dtype,
-        count=n_tokens * n_aux * hidden,
-        offset=data_start + tensors[HIDDEN_KEY]["data_offsets"][0],
-    ).reshape(n_tokens * n_aux, hidden)
-    ti = tensors[TOKEN_KEY]
-    ids = read_token_ids(p, data_start + ti["data_offsets"][0], ti["shape"][0])
-    return rows.values(raw).reshape(n_tokens, n_aux, hidden), ids, rep.format or ""
+    raw = read(HIDDEN_KEY, rows.raw_dtype, n_tokens * n_aux * hidden)
+    ids = read(TOKEN_KEY, "<i8", tensors[TOKEN_KEY]["shape"][0])
+    raw = raw.reshape(n_tokens * n_aux, hidden)
+    values = np.array(rows.block(raw, 0, np.empty(raw.shape, np.uint32))[0], dtype=np.float32)
+    return values.reshape(n_tokens, n_aux, hidden), ids, rep.format or ""
 
 
 # Audits of fewer bytes use numpy: the kernel's load is repaid only past this size.
