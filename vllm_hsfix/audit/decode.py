@@ -60,6 +60,7 @@ class Rows:
             raise ValueError("fp8 rows need their scales")
         self.raw_dtype = "u1" if self.fp8 else HIDDEN_RAW[dtype]
         self.row_bytes = hidden * ITEMSIZE[dtype]
+        self.value_bytes = hidden * (8 if dtype == "F64" else 4)  # a row's decoded values
         self.scales = None if scales is None else np.asarray(scales, dtype=np.float32)
         self.table = fp8_e4m3fn_table() if self.fp8 else None
         # Each row's scale (fp8: a token's n_aux rows share it).
@@ -173,8 +174,6 @@ def enable(total_bytes: int) -> bool:
     return bool(_kernel)
 
 
-# float32 working block: conversion and the row sums stay in the CPU caches.
-BLOCK_BYTES = 1024 * 1024
 # Rows up to this width get their squared norm from BLAS's dot (one thread up to 10,000
 # values in OpenBLAS); wider rows from einsum.
 DOT_MAX_WIDTH = 8192
@@ -266,29 +265,20 @@ def fill(
     mult: NDArray[Any],
 ) -> None:
     """Fill ``nums`` for stored rows ``raw`` ([n, hidden], rows ``row0``... of the
-    file): fp8 from the kernel where it is on and every row is plain, else block by
-    block, values then the per-row numbers of :func:`_block_rows`."""
+    file): fp8 from the kernel where it is on and every row is plain, else the values,
+    then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
     kernel = rows.fp8 and (_kernel or (_allowed and enable(MIN_BYTES)))
     if kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
-    n_rows, hidden = raw.shape
-    block = max(1, BLOCK_BYTES // (hidden * (8 if rows.dtype == "F64" else 4)))
-    work = np.empty((min(block, n_rows), hidden), np.uint32)
-    stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
-    if stored is not None:  # keys of stored values: the whole window in one go
-        nums.keys[row0 : row0 + n_rows] = row_keys(stored, cols, mult)
     # Overflow is expected and handled (squares past float32 are summed again in
     # float64; F64 values past float32 make an unsound head row): no warnings.
     with np.errstate(all="ignore"):
-        for b in range(0, n_rows, block):
-            e = min(n_rows, b + block)
-            values, ints = rows.block(raw[b:e], row0 + b, work)
-            _keep_head(nums, row0 + b, values)
-            if stored is None:  # fp8: keys of the de-quantized values
-                nums.keys[row0 + b : row0 + e] = row_keys(ints, cols, mult)
-            _block_rows(nums, row0 + b, values)
+        values, ints = rows.block(raw, row0, np.empty(raw.shape, np.uint32))
+        _keep_head(nums, row0, values)
+        nums.keys[row0 : row0 + len(raw)] = row_keys(ints, cols, mult)
+        _block_rows(nums, row0, values)
 
 
 def _kernel_rows(
