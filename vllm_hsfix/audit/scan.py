@@ -257,30 +257,52 @@ def identical_aux(
 def _layer_stats(
     norms: NDArray[Any], zero: NDArray[Any], bad: NDArray[Any], dups: list[int]
 ) -> list[LayerStats]:
-    """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs), every
-    layer at once: unsound rows sort last (as +inf) and count nowhere."""
-    import numpy as np
-
+    """Per aux layer, statistics of its sound rows' norms ([tokens, n_aux] inputs); when
+    every row is sound (nearly every file), one call over all layers."""
     skip = zero | bad
-    count = (~skip).sum(axis=0)
-    n = np.maximum(count, 1)
-    srt = np.sort(np.where(skip, np.inf, norms), axis=0)
-    cols = np.arange(norms.shape[1])
-    lo, hi = srt[np.maximum(count - 1, 0) // 2, cols], srt[count // 2, cols]
-    med = np.where(count % 2, hi, (lo + hi) / 2)
-    mean = np.where(skip, 0.0, norms).sum(axis=0) / n
-    std = np.sqrt(np.where(skip, 0.0, np.square(norms - mean)).sum(axis=0) / n)
-    near = ((norms < NEAR_ZERO_FRACTION * med) & ~skip).sum(axis=0)
+    if len(norms) and not skip.any():
+        return _sound_stats(norms, dups)
     out = []
     for a in range(norms.shape[1]):
-        st = LayerStats(a, int(count[a]), None, None, None, None, None, duplicate_rows=dups[a])
-        if count[a]:
-            st.mean_norm, st.std_norm = _finite(mean[a]), _finite(std[a])
-            st.median_norm, st.near_zero_rows = _finite(med[a]), int(near[a])
-            st.min_norm, st.max_norm = _finite(srt[0, a]), _finite(srt[count[a] - 1, a])
+        v = norms[~skip[:, a], a : a + 1]
+        if len(v):
+            st = _sound_stats(v, dups[a : a + 1])[0]
+        else:
+            st = LayerStats(a, 0, None, None, None, None, None, duplicate_rows=dups[a])
+        st.aux = a
         st.zero_rows, st.nonfinite_rows = int(zero[:, a].sum()), int(bad[:, a].sum())
         out.append(st)
     return out
+
+
+def _sound_stats(norms: NDArray[Any], dups: list[int]) -> list[LayerStats]:
+    """Each layer's statistics of ``norms`` [rows, n_aux], every row sound: one sort
+    gives np.median's median, the minimum and the maximum."""
+    import numpy as np
+
+    n = len(norms)
+    srt = np.sort(norms, axis=0)
+    med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2
+    mean = np.add.reduce(norms, axis=0) / n
+    std = np.sqrt(np.add.reduce(np.square(norms - mean), axis=0) / n)
+    near = (norms < NEAR_ZERO_FRACTION * med).sum(axis=0).tolist()
+    columns = zip(
+        med.tolist(), mean.tolist(), std.tolist(), srt[0].tolist(), srt[-1].tolist(), strict=True
+    )
+    return [
+        LayerStats(
+            aux=a,
+            count=n,
+            mean_norm=_finite(avg),
+            std_norm=_finite(sd),
+            median_norm=_finite(middle),
+            min_norm=_finite(lo),
+            max_norm=_finite(hi),
+            duplicate_rows=dups[a],
+            near_zero_rows=int(near[a]),
+        )
+        for a, (middle, avg, sd, lo, hi) in enumerate(columns)
+    ]
 
 
 def _judge(rep: FileReport, path: str) -> None:
