@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from support.hsfiles import A, H, T, hs_file, write_raw
 
 from vllm_hsfix import hazards
-from vllm_hsfix.audit import decode, pipeline, reports, scan
+from vllm_hsfix.audit import pipeline, reports, scan
 
 
 def only(rep: reports.FileReport, code: str) -> reports.Problem:
@@ -251,7 +251,7 @@ def test_unreadable_path_is_corrupt(tmp_path: Path) -> None:
 def test_small_windows_give_the_same_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Findings must not depend on where the window and block edges fall."""
+    """Findings must not depend on where the window edges fall."""
 
     def edit(hs: torch.Tensor, ids: torch.Tensor) -> None:
         ids[:] = torch.arange(len(ids))
@@ -262,8 +262,7 @@ def test_small_windows_give_the_same_answers(
 
     path = hs_file(tmp_path / "w.safetensors", tokens=300, hidden=96, edit=edit)
     default = scan.audit_file(path)
-    monkeypatch.setattr(scan, "CHUNK_BYTES", 96 * 2 * 3 * 7)  # 7 tokens per window
-    monkeypatch.setattr(decode, "BLOCK_BYTES", 96 * 4 * 5)  # 5 rows per block
+    monkeypatch.setattr(scan, "WINDOW_BYTES", 96 * 4 * 3 * 7)  # 7 tokens per window
     small = scan.audit_file(path)
     assert default.verdict == small.verdict == "corrupt"
     assert (small.zero_rows, small.duplicate_rows, small.nan_count) == (2, 1, 1)

@@ -292,7 +292,7 @@ def test_the_sketches_go_to_disk_and_come_back_as_they_went_in() -> None:
     with prefix.Store() as store:
         for i in range(n):
             store.add(i, one)
-        cols = store.shapes()[0]
+        cols = next(iter(store.values()))
         back = cols.rows(np.array([0, n - 1]), 5)
         assert not any(isinstance(f, io.BytesIO) for f in cols._spill)
     want = one.sketches[5].astype(np.float32) * one.norms[5][:, None]
@@ -308,7 +308,7 @@ def test_the_same_verdicts_with_the_sketches_in_memory_when_no_temporary_file_ca
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "missing"))
     with prefix.Store() as store:
         store.add(0, data[0])
-        assert all(isinstance(f, io.BytesIO) for f in store.shapes()[0]._spill)
+        assert all(isinstance(f, io.BytesIO) for f in next(iter(store.values()))._spill)
     assert summary(run_check(data)) == expected
 
 

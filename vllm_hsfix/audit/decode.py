@@ -22,7 +22,6 @@ from .format import (
     BadFile,
     check_keys,
     read_layout,
-    read_token_ids,
 )
 from .reports import FileReport
 
@@ -44,15 +43,6 @@ def fp8_e4m3fn_table() -> NDArray[Any]:
     return val.astype(np.float32)
 
 
-def read_scales(path: str, tensors: dict[str, Any], data_start: int) -> NDArray[Any]:
-    """An fp8 file's per-token scales, float32 ``[tokens]``."""
-    import numpy as np
-
-    sc = tensors[SCALES_KEY]
-    start, n = data_start + sc["data_offsets"][0], sc["shape"][0]
-    return np.fromfile(path, dtype="<f4", count=n, offset=start)
-
-
 class Rows:
     """How one file's ``hidden_states`` rows (``n_aux`` per token) become values.
 
@@ -70,6 +60,7 @@ class Rows:
             raise ValueError("fp8 rows need their scales")
         self.raw_dtype = "u1" if self.fp8 else HIDDEN_RAW[dtype]
         self.row_bytes = hidden * ITEMSIZE[dtype]
+        self.value_bytes = hidden * (8 if dtype == "F64" else 4)  # a row's decoded values
         self.scales = None if scales is None else np.asarray(scales, dtype=np.float32)
         self.table = fp8_e4m3fn_table() if self.fp8 else None
         # Each row's scale (fp8: a token's n_aux rows share it).
@@ -106,13 +97,6 @@ class Rows:
         values = self.table[np.frombuffer(stored, dtype=np.uint8)]  # type: ignore[index]
         return (values * self.scales[token]).tobytes()  # type: ignore[index]
 
-    def values(self, raw: Any) -> Any:
-        """All rows at once ([tokens x n_aux, hidden] stored) as float32 values."""
-        import numpy as np
-
-        work = np.empty(raw.shape, np.uint32)
-        return np.array(self.block(raw, 0, work)[0], dtype=np.float32)
-
 
 def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[Any, Any, str]:
     """A whole file as values: float32 ``[tokens, n_aux, hidden]``, the token ids
@@ -133,17 +117,18 @@ def read_rows(path: str | os.PathLike[str], tokens: int | None = None) -> tuple[
     n_tokens, n_aux, hidden = rep.n_tokens or 0, rep.n_aux or 0, rep.hidden or 0
     if tokens is not None:
         n_tokens = min(n_tokens, tokens)
-    scales = read_scales(p, tensors, data_start) if rep.format == FP8 else None
+
+    def read(key: str, dtype: str, count: int) -> NDArray[Any]:
+        offset = data_start + tensors[key]["data_offsets"][0]
+        return np.fromfile(p, dtype=dtype, count=count, offset=offset)
+
+    scales = read(SCALES_KEY, "<f4", n_tokens) if rep.format == FP8 else None
     rows = Rows(tensors[HIDDEN_KEY]["dtype"], hidden, n_aux, scales)
-    raw = np.fromfile(
-        p,
-        dtype=rows.raw_dtype,
-        count=n_tokens * n_aux * hidden,
-        offset=data_start + tensors[HIDDEN_KEY]["data_offsets"][0],
-    ).reshape(n_tokens * n_aux, hidden)
-    ti = tensors[TOKEN_KEY]
-    ids = read_token_ids(p, data_start + ti["data_offsets"][0], ti["shape"][0])
-    return rows.values(raw).reshape(n_tokens, n_aux, hidden), ids, rep.format or ""
+    raw = read(HIDDEN_KEY, rows.raw_dtype, n_tokens * n_aux * hidden)
+    ids = read(TOKEN_KEY, "<i8", tensors[TOKEN_KEY]["shape"][0])
+    raw = raw.reshape(n_tokens * n_aux, hidden)
+    values = np.array(rows.block(raw, 0, np.empty(raw.shape, np.uint32))[0], dtype=np.float32)
+    return values.reshape(n_tokens, n_aux, hidden), ids, rep.format or ""
 
 
 # Audits of fewer bytes use numpy: the kernel's load is repaid only past this size.
@@ -189,8 +174,6 @@ def enable(total_bytes: int) -> bool:
     return bool(_kernel)
 
 
-# float32 working block: conversion and the row sums stay in the CPU caches.
-BLOCK_BYTES = 1024 * 1024
 # Rows up to this width get their squared norm from BLAS's dot (one thread up to 10,000
 # values in OpenBLAS); wider rows from einsum.
 DOT_MAX_WIDTH = 8192
@@ -282,29 +265,20 @@ def fill(
     mult: NDArray[Any],
 ) -> None:
     """Fill ``nums`` for stored rows ``raw`` ([n, hidden], rows ``row0``... of the
-    file): fp8 from the kernel where it is on and every row is plain, else block by
-    block, values then the per-row numbers of :func:`_block_rows`."""
+    file): fp8 from the kernel where it is on and every row is plain, else the values,
+    then the per-row numbers of :func:`_block_rows`."""
     import numpy as np
 
     kernel = rows.fp8 and (_kernel or (_allowed and enable(MIN_BYTES)))
     if kernel and _kernel_rows(nums, raw, rows, row0, cols, mult):
         return
-    n_rows, hidden = raw.shape
-    block = max(1, BLOCK_BYTES // (hidden * (8 if rows.dtype == "F64" else 4)))
-    work = np.empty((min(block, n_rows), hidden), np.uint32)
-    stored = None if rows.fp8 else raw.view(HIDDEN_INT[rows.dtype])
-    if stored is not None:  # keys of stored values: the whole window in one go
-        nums.keys[row0 : row0 + n_rows] = row_keys(stored, cols, mult)
     # Overflow is expected and handled (squares past float32 are summed again in
     # float64; F64 values past float32 make an unsound head row): no warnings.
     with np.errstate(all="ignore"):
-        for b in range(0, n_rows, block):
-            e = min(n_rows, b + block)
-            values, ints = rows.block(raw[b:e], row0 + b, work)
-            _keep_head(nums, row0 + b, values)
-            if stored is None:  # fp8: keys of the de-quantized values
-                nums.keys[row0 + b : row0 + e] = row_keys(ints, cols, mult)
-            _block_rows(nums, row0 + b, values)
+        values, ints = rows.block(raw, row0, np.empty(raw.shape, np.uint32))
+        _keep_head(nums, row0, values)
+        nums.keys[row0 : row0 + len(raw)] = row_keys(ints, cols, mult)
+        _block_rows(nums, row0, values)
 
 
 def _kernel_rows(

@@ -160,33 +160,36 @@ def _first_pass(
             pool.submit(run_batch, [files[i] for i in batch], total): batch
             for batch in batches(sizes, workers)
         }
-        for batch, fut in _as_done(pool, futures, files, stall_s):
-            try:
-                reps = fut.result()
-            except Exception:
+        for batch, reps in _as_done(futures, lambda: _abandon(pool), files, stall_s):
+            if isinstance(reps, Exception):
                 failed += batch
                 continue
             for i, rep in zip(batch, reps, strict=True):
                 got += 1
                 on_result(i, rep)
-            del reps, fut
     return failed, got
 
 
 def _as_done(
-    pool: Any, futures: dict[Future, range], files: Sequence[str], stall_s: float
-) -> Iterator[tuple[range, Future]]:
-    """(batch, future) as each finishes; :class:`Stalled` when none does in ``stall_s``."""
+    pending: dict[Future, range], stop: Callable[[], None], files: Sequence[str], stall_s: float
+) -> Iterator[tuple[range, Any]]:
+    """(batch, its reports or its task's exception) as each finishes (pool or Ray);
+    ``stop()`` and :class:`Stalled` when none does in ``stall_s``."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
-    while futures:
-        done, _ = wait(futures, timeout=stall_s or None, return_when=FIRST_COMPLETED)
+    while pending:
+        done, _ = wait(pending, timeout=stall_s or None, return_when=FIRST_COMPLETED)
         if not done:
-            out = sorted(futures.values(), key=lambda b: b.start)
-            _abandon(pool)
+            out = sorted(pending.values(), key=lambda b: b.start)
+            stop()
             raise stalled(out, files, stall_s)
         for fut in done:
-            yield futures.pop(fut), fut
+            batch = pending.pop(fut)
+            try:
+                got = fut.result()
+            except Exception as exc:
+                got = exc
+            yield batch, got
 
 
 def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> FileReport:
@@ -195,8 +198,10 @@ def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> Fi
 
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         futures = {pool.submit(run_batch, [files[i]], total): range(i, i + 1)}
-        _, fut = next(_as_done(pool, futures, files, stall_s))
-        return fut.result()[0]
+        _, got = next(_as_done(futures, lambda: _abandon(pool), files, stall_s))
+    if isinstance(got, Exception):
+        raise got
+    return got[0]
 
 
 def _abandon(pool: Any) -> None:
@@ -256,39 +261,28 @@ def run_ray(
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     total = int(sum(sizes))  # the workers decide on the compiled kernel from it
     task = ray.remote(num_cpus=1, max_retries=RAY_RETRIES)(run_batch)
-    pending = {task.remote([files[i] for i in b], total): b for b in batches(sizes, cpus)}
+    refs = {task.remote([files[i] for i in b], total): b for b in batches(sizes, cpus)}
     singles: list[int] = []
-    for batch, reps in _ray_done(ray, pending, files, stall_s):
+    for batch, reps in _as_done(*_ray_futures(ray, refs), files, stall_s):
         if isinstance(reps, Exception):
             singles += batch  # retries spent: find the file, one task per file
             continue
         for i, rep in zip(batch, reps, strict=True):
             on_result(i, rep)
     alone = ray.remote(num_cpus=1, max_retries=1)(run_batch)
-    pending = {alone.remote([files[i]], total): range(i, i + 1) for i in singles}
-    for batch, reps in _ray_done(ray, pending, files, stall_s):
+    refs = {alone.remote([files[i]], total): range(i, i + 1) for i in singles}
+    for batch, reps in _as_done(*_ray_futures(ray, refs), files, stall_s):
         i = batch[0]
         on_result(i, crashed_report(files[i], reps) if isinstance(reps, Exception) else reps[0])
     return cpus
 
 
-def _ray_done(
-    ray: Any, pending: dict[Any, range], files: Sequence[str], stall_s: float
-) -> Iterator[tuple[range, Any]]:
-    """(batch, its reports or its task's exception) as each task finishes; the tasks
-    still out cancelled and :class:`.parallel.Stalled` raised when none does in time."""
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s or None)
-        if not done:
-            out = sorted(pending.values(), key=lambda b: b.start)
-            for ref in pending:
-                with contextlib.suppress(Exception):  # finished meanwhile: nothing to cancel
-                    ray.cancel(ref, force=True)
-            raise stalled(out, files, stall_s)
-        for ref in done:
-            batch = pending.pop(ref)
-            try:
-                got = ray.get(ref)
-            except Exception as exc:
-                got = exc
-            yield batch, got
+def _ray_futures(ray: Any, refs: dict[Any, range]) -> tuple[dict[Future, range], Callable]:
+    """Ray tasks as futures for :func:`_as_done`, and what cancels those still out."""
+
+    def cancel() -> None:
+        for ref in refs:
+            with contextlib.suppress(Exception):  # finished meanwhile: nothing to cancel
+                ray.cancel(ref, force=True)
+
+    return {ref.future(): batch for ref, batch in refs.items()}, cancel

@@ -238,25 +238,19 @@ class Columns:
             f.close()
 
 
-class Store:
+class Store(dict[tuple[int, int], Columns]):
     """Every file's contribution to the check, by ``[n_aux, hidden]`` shape, as the files
     are judged (the reports themselves can then be dropped): :func:`check` reads it."""
-
-    def __init__(self) -> None:
-        self._shapes: dict[tuple[int, int], Columns] = {}
 
     def add(self, index: int, p: PrefixData | None) -> None:
         """File ``index``'s contribution (None or no token ids: nothing to compare)."""
         if p is not None and p.token_ids:
-            if p.shape_key not in self._shapes:
-                self._shapes[p.shape_key] = Columns(p.shape_key[0])
-            self._shapes[p.shape_key].append(index, p)
-
-    def shapes(self) -> list[Columns]:
-        return list(self._shapes.values())
+            if p.shape_key not in self:
+                self[p.shape_key] = Columns(p.shape_key[0])
+            self[p.shape_key].append(index, p)
 
     def close(self) -> None:
-        for cols in self._shapes.values():
+        for cols in self.values():
             cols.close()
 
     def __enter__(self) -> Store:
@@ -308,7 +302,7 @@ def check(
 
     result = PrefixResult()
     taking = 0
-    for cols in store.shapes():
+    for cols in store.values():
         rows = np.flatnonzero(positions[cols.index[: cols.n]] >= 0)
         taking += len(rows)
         if len(rows) < 2:

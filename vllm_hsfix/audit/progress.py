@@ -76,12 +76,8 @@ def for_stream(stream: IO[str] | None = None, interval: float = DEFAULT_INTERVAL
 
         # ``update(n, nbytes)``: tqdm's own update takes the files; the bytes are dropped.
         made = tqdm(total=total, desc=f"audit {label}", unit="file", file=out, leave=True)
-        made.update = _files_only(made.update)
+        files_only = made.update
+        made.update = lambda n=1, nbytes=0: files_only(n)
         return made
 
     return bar
-
-
-def _files_only(update: Callable[[int], Any]) -> Callable[..., Any]:
-    """tqdm's ``update`` taking (and ignoring) the bytes a pass reports beside files."""
-    return lambda n=1, nbytes=0: update(n)
