@@ -150,6 +150,7 @@ class Follow:
         self.root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
         self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hsfix-take")
         self.taken: list[Future[None]] = []
+        self.lock = threading.Lock()  # the fates and the bar, updated from the pool
         self.bar: Any = None
         self.t0 = self.ready = time.monotonic()
         self.bad_args: list[tuple[str, str]] = []
@@ -206,9 +207,10 @@ class Follow:
         """Decide ``t``'s fate from the file vLLM wrote for it and record it."""
         fate = files.outcome(self.args, t, produced, self.root)
         self.journal.record(t.path, *fate)
-        self.fates[t.path] = fate
-        if self.bar is not None:
-            self.bar.update(1)
+        with self.lock:
+            self.fates[t.path] = fate
+            if self.bar is not None:
+                self.bar.update(1)
 
     def wait(self) -> None:
         """Until every file named so far is taken."""
