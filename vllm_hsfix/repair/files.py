@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,6 +258,7 @@ class Journal:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {
             rec["path"]: rec for rec in store.read(path) if isinstance(rec.get("path"), str)
         }
@@ -282,5 +284,6 @@ class Journal:
         elif kind != "replaced":
             return
         rec = {"path": path, "status": kind, "sha256": detail[0], "size": detail[1]}
-        self.done[path] = rec
-        store.append(self.path, rec, sync=True)
+        with self.lock:
+            self.done[path] = rec
+            store.append(self.path, rec, sync=True)

@@ -16,12 +16,15 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .. import detect
 from . import enginelog, files, guard, settings
 from .engine import SENDERS, signal_name
 from .files import Fates, Journal, Target
+
+THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
 
 
 def stop(problem: str, code: int, *details: str) -> int:
@@ -138,13 +141,16 @@ def message(line: str) -> dict[str, Any]:
 
 class Follow:
     """Reads the vLLM process's messages and acts on them; each file it names is taken
-    (checked, kept or put in place, journaled) as it comes."""
+    (checked, kept or put in place, journaled) on a pool thread."""
 
     def __init__(
         self, args: argparse.Namespace, targets: list[Target], journal: Journal, fates: Fates
     ) -> None:
         self.args, self.targets, self.journal, self.fates = args, targets, journal, fates
         self.root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
+        self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hsfix-take")
+        self.taken: list[Future[None]] = []
+        self.lock = threading.Lock()  # the fates and the bar, updated from the pool
         self.bar: Any = None
         self.t0 = self.ready = time.monotonic()
         self.bad_args: list[tuple[str, str]] = []
@@ -161,6 +167,7 @@ class Follow:
                     return -1
             return proc.wait()
         finally:
+            self.wait()  # every file in place is journaled (an error in one is raised)
             if self.bar is not None:
                 self.bar.close()
             _kill_group(proc)  # no vLLM process outlives the run
@@ -181,8 +188,10 @@ class Follow:
             self.bar = tqdm(total=len(self.targets), desc="repair", unit="file",
                             file=sys.stderr, disable=self.args.no_progress)  # fmt: skip
         elif event == "file":
-            self.take(self.targets[msg["index"]], msg["path"])
+            t = self.targets[msg["index"]]
+            self.taken.append(self.pool.submit(self.take, t, msg["path"]))
         elif event == "done":
+            self.wait()
             self.bar.close()
             # The regeneration's own time, apart from vLLM's shutdown that follows.
             took = max(time.monotonic() - self.ready, 1e-9)
@@ -198,6 +207,13 @@ class Follow:
         """Decide ``t``'s fate from the file vLLM wrote for it and record it."""
         fate = files.outcome(self.args, t, produced, self.root)
         self.journal.record(t.path, *fate)
-        self.fates[t.path] = fate
-        if self.bar is not None:
-            self.bar.update(1)
+        with self.lock:
+            self.fates[t.path] = fate
+            if self.bar is not None:
+                self.bar.update(1)
+
+    def wait(self) -> None:
+        """Until every file named so far is taken."""
+        self.pool.shutdown(wait=True)
+        for fut in self.taken:
+            fut.result()
