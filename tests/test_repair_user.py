@@ -132,7 +132,9 @@ def test_a_file_is_right_after_all_only_when_every_row_agrees(tmp_path: Path) ->
     noisy = write("noisy", base + 0.02 * torch.randn(40, 3, 256, generator=gen))
     d = files.distance(old, noisy)
     assert d is not None and d < 0.05 < files.TOLERANCE
-    # A wrong or zero row in the first positions, and past them.
+    # A wrong or zero row in the first positions, and past them (the comparison reads
+    # the first files.HEAD_TOKENS positions first, then the whole file).
+    assert 7 < files.HEAD_TOKENS < 30
     for token in (7, 30):
         wrong = write(f"wrong{token}", damaged(token, torch.randn(256, generator=gen)))
         assert files.distance(old, wrong) > files.TOLERANCE, token
