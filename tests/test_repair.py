@@ -14,7 +14,7 @@ from support.commands import repair
 from support.digest import digest
 from support.hsfiles import H, hs_file, write_raw
 
-from vllm_hsfix.repair import command, files, guard, session
+from vllm_hsfix.repair import command, files, guard
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -90,7 +90,7 @@ def test_install_replaces_atomically_with_a_backup_or_refuses_a_misfit(
 def test_the_journal_says_done_only_for_an_unchanged_replaced_file(tmp_path: Path) -> None:
     f = hs_file(tmp_path / "x.safetensors", seed=1)
     state = tmp_path / "state.jsonl"
-    files.Journal(str(state)).add(str(f), "replaced", digest(f), f.stat().st_size)
+    files.Journal(str(state)).record(str(f), "replaced", (digest(f), f.stat().st_size))
     with state.open("a") as out:
         out.write('{"path": "/cut sh')  # a killed run's last line
     again = files.Journal(str(state))
@@ -193,13 +193,13 @@ def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
         hs_file(d / f"g{i:02d}.safetensors", seed=i)
     odd = hs_file(d / "odd.safetensors", seed=40, scale=1000.0)
     args = argparse.Namespace(paths=[str(d)], from_audit=None, workers=1, no_progress=True)
-    counts = session.Counts(replaced=[str(odd)])
-    assert command.finish(args, [str(odd)], counts, str(tmp_path / "s.audit")) == 0
+    fates = files.Fates({str(odd): ("replaced", ("", 0))})
+    assert command.finish(args, [str(odd)], fates, str(tmp_path / "s.audit")) == 0
     out = capsys.readouterr().out
     assert f"regenerated, the audit calls it suspect {odd}: norm_outlier: " in out, out
     assert "result: every targeted file is ok (1 regenerated files the audit calls" in out
     hs_file(odd, seed=40, edit=zero_row)  # the same file corrupt after regeneration
-    assert command.finish(args, [str(odd)], counts, str(tmp_path / "s2.audit")) == 1
+    assert command.finish(args, [str(odd)], fates, str(tmp_path / "s2.audit")) == 1
     assert f"still bad {odd}: audit says corrupt after regeneration" in capsys.readouterr().out
 
 

@@ -55,7 +55,7 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
         "time.sleep(2.5); os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     args = argparse.Namespace(paths=["x"], endpoint=None, backup=None, no_progress=True)
-    follow = session.Follow(args, [], files.Journal("/nonexistent"), session.Counts())
+    follow = session.Follow(args, [], files.Journal("/nonexistent"), files.Fates())
     with busy_cores():
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         t0 = time.monotonic()
@@ -67,7 +67,7 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
     assert key == "k" and gone(grandchild)
     assert follow.bar is not None and follow.ready > t0
     assert session.message('{"event": "fi') == {} and session.message("[1]") == {}
-    refused = session.Follow(args, [], files.Journal("/nonexistent"), session.Counts())
+    refused = session.Follow(args, [], files.Journal("/nonexistent"), files.Fates())
     assert not refused.on({"event": "guard", "problems": ["p"]}) and refused.refused == ["p"]
 
 

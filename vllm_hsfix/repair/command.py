@@ -14,8 +14,8 @@ from typing import Any
 
 from .. import detect
 from . import files, settings
-from .files import OK, SUSPECT, Journal, Target
-from .session import Counts, regenerate, stop
+from .files import OK, SUSPECT, Fates, Journal, Target
+from .session import regenerate, stop
 
 DEFAULT_STATE = ".vllm-hsfix-repair.jsonl"
 EPILOG = """\
@@ -153,76 +153,73 @@ def run(args: argparse.Namespace) -> int:
         verdicts = files.audit(args.paths, args, audit_state)
         paths = [p for p, v in verdicts.items() if v in files.wanted(args.include_suspect)]
     paths = shard(paths, args.shard)
-    journal = Journal(args.state)
-    counts = Counts()
-    targets = _targets(paths, journal, counts)
+    journal, fates = Journal(args.state), Fates()
+    targets = _targets(paths, journal, fates)
     aux = _aux(args, targets)
     if isinstance(aux, str):
         return stop(aux, 2)
-    engine, said = _engine(args, targets, aux, counts)
-    _plan(paths, targets, counts, journal)
+    engine, said, targets = _engine(args, targets, aux, fates)
+    _plan(paths, targets, fates, journal)
     if said:
         print(f"repair: {said}", file=sys.stderr)
     if args.dry_run:
         for t in targets:
             print(f"{t.path}\t{t.tokens} tokens")
-        for p, why in counts.skipped.items():
+        for p, why in fates.of("skipped").items():
             print(f"# skip {p}: {why}")
         print(f"would regenerate {len(targets)} files, {sum(t.tokens for t in targets)} tokens")
         return 0
     for fp8 in sorted({t.fp8 for t in targets}):  # one engine per file format
         group = [t for t in targets if t.fp8 == fp8]
-        status = regenerate(args, group, {**engine, "fp8": fp8}, journal, counts)
+        status = regenerate(args, group, {**engine, "fp8": fp8}, journal, fates)
         if status is not None:
             return status
-    return finish(args, paths, counts, audit_state)
+    return finish(args, paths, fates, audit_state)
 
 
-def _targets(paths: list[str], journal: Journal, counts: Counts) -> list[Target]:
-    """The targets to regenerate; those an earlier run finished go to ``counts``."""
+def _targets(paths: list[str], journal: Journal, fates: Fates) -> list[Target]:
+    """The targets to regenerate; those an earlier run finished, or that cannot be
+    regenerated, go to ``fates``."""
     out = []
     for p in paths:
-        if journal.is_done(p):
-            if journal.done[p]["status"] == "right":
-                counts.right[p] = None  # an earlier run found it right and kept it
-            else:
-                counts.earlier.add(p)
+        if journal.is_done(p):  # an earlier run replaced it, or found it right and kept it
+            fates[p] = ("right" if journal.done[p]["status"] == "right" else "earlier", None)
         elif (t := files.read_target(p)).problem:
-            counts.skipped[p] = t.problem
+            fates[p] = ("skipped", t.problem)
         else:
             out.append(t)
     return out
 
 
 def _engine(
-    args: argparse.Namespace, targets: list[Target], aux: tuple[int, ...], counts: Counts
-) -> tuple[dict[str, Any], str | None]:
-    """The engine's settings and where they came from; a target that cannot run under
-    them is skipped."""
+    args: argparse.Namespace, targets: list[Target], aux: tuple[int, ...], fates: Fates
+) -> tuple[dict[str, Any], str | None, list[Target]]:
+    """The engine's settings, where they came from, and the targets that can run under
+    them (the others are skipped)."""
     max_len = args.max_model_len or max(16, max((t.tokens for t in targets), default=0) + 2)
     engine_args: dict[str, Any] = dict(args.engine_arg)
     said = None
     if targets and not args.endpoint:
         cpu_build = bool(detect.detect().cpu_build)
         engine_args, max_len, said = settings.engine_settings(args, targets, cpu_build, max_len)
-    for t in list(targets):
-        why = None
+    kept = []
+    for t in targets:
         if t.n_aux is not None and t.n_aux != len(aux):
-            why = f"the file has {t.n_aux} aux layers, --aux-layers gives {len(aux)}"
+            fates[t.path] = ("skipped", f"the file has {t.n_aux} aux layers, --aux-layers "
+                             f"gives {len(aux)}")  # fmt: skip
         elif t.tokens + 1 > max_len:
-            why = f"{t.tokens} tokens do not fit --max-model-len {max_len}"
-        if why:
-            counts.skipped[t.path] = why
-            targets.remove(t)
-    return {"aux": list(aux), "max_len": max_len, "engine_args": engine_args}, said
+            fates[t.path] = ("skipped", f"{t.tokens} tokens do not fit --max-model-len {max_len}")
+        else:
+            kept.append(t)
+    return {"aux": list(aux), "max_len": max_len, "engine_args": engine_args}, said, kept
 
 
-def _plan(paths: list[str], targets: list[Target], counts: Counts, journal: Journal) -> None:
+def _plan(paths: list[str], targets: list[Target], fates: Fates, journal: Journal) -> None:
     right = journal.count("right")
     print(
         f"repair: {len(paths)} targeted files, {len(targets)} to regenerate "
-        f"({sum(t.tokens for t in targets)} tokens), {len(counts.skipped)} skipped, "
-        f"{len(counts.earlier) + len(counts.right)} already repaired by an earlier run "
+        f"({sum(t.tokens for t in targets)} tokens), {len(fates.of('skipped'))} skipped, "
+        f"{len(fates.of('earlier')) + len(fates.of('right'))} already repaired by an earlier run "
         f"(the journal holds {journal.count('replaced')} replaced files"
         + (f" and {right} right after all" if right else "")
         + ")",
@@ -230,7 +227,7 @@ def _plan(paths: list[str], targets: list[Target], counts: Counts, journal: Jour
     )
 
 
-def finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_state: str) -> int:
+def finish(args: argparse.Namespace, paths: list[str], fates: Fates, audit_state: str) -> int:
     """Audit again (unchanged files come from the audit state) and say how every targeted
     file ended. A file right after all is ok whatever the audit says of it now; so is a
     regenerated file the audit only calls suspect (named, with why)."""
@@ -243,16 +240,17 @@ def finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_sta
             why_suspect[record["path"]] = f"{found[0]['code']}: {found[0]['detail']}"
 
     verdict = files.audit(paths if args.from_audit else args.paths, args, audit_state, note)
-    regenerated = {*counts.replaced, *counts.earlier}
+    right, skipped = fates.of("right"), fates.of("skipped")
+    regenerated = {*fates.of("replaced"), *fates.of("earlier")}
     suspect_now = sorted(p for p in regenerated if verdict.get(p) == SUSPECT)
-    ok = {p for p in targeted if verdict.get(p) == OK or p in counts.right} | set(suspect_now)
-    still_bad = sorted(targeted - ok - counts.skipped.keys())
+    ok = {p for p in targeted if verdict.get(p) == OK or p in right} | set(suspect_now)
+    still_bad = sorted(targeted - ok - skipped.keys())
     print(
-        f"repair: {len(counts.replaced)} regenerated this run, {len(counts.right)} right "
+        f"repair: {len(fates.of('replaced'))} regenerated this run, {len(right)} right "
         f"after all (kept as they were); of {len(targeted)} targeted files {len(ok)} "
-        f"are ok now, {len(still_bad)} still bad, {len(counts.skipped)} skipped",
+        f"are ok now, {len(still_bad)} still bad, {len(skipped)} skipped",
     )
-    for p, dist in sorted(counts.right.items()):
+    for p, dist in sorted(right.items()):
         how = "" if dist is None else f" (largest row difference {dist:.3f} < {files.TOLERANCE})"
         flag = "" if verdict.get(p) == OK else f"; the audit still says {verdict.get(p)}"
         print(
@@ -266,11 +264,11 @@ def finish(args: argparse.Namespace, paths: list[str], counts: Counts, audit_sta
             "wrote; nothing left to repair, worth a look)"
         )
     for p in still_bad:
-        why = counts.refused.get(p) or f"audit says {verdict.get(p)} after regeneration"
+        why = fates.of("refused").get(p) or f"audit says {verdict.get(p)} after regeneration"
         print(f"  still bad {p}: {why}")
-    for p, why in sorted(counts.skipped.items()):
+    for p, why in sorted(skipped.items()):
         print(f"  skipped {p}: {why}")
-    if still_bad or counts.skipped:
+    if still_bad or skipped:
         print("result: NOT every targeted file is ok")
         return 1
     flagged = f" ({len(suspect_now)} regenerated files the audit calls suspect, listed above)"

@@ -5,12 +5,15 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-# "(EngineCore_DP0 pid=123) " / "(Worker pid=456) " / "(Worker_TP0 pid=7) "
-PREFIX = re.compile(r"^\((?P<name>[\w.-]+) pid=(?P<pid>\d+)\) ")
-# vLLM's log header: "ERROR 12-01 23:40:01 [core.py:1000] " (the date form varies).
-HEADER = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] ")
+# "(EngineCore_DP0 pid=123) " then vLLM's header "ERROR 12-01 23:40:01 [core.py:1000] ",
+# each optional (the date form varies).
+LINE = re.compile(
+    r"^(?:\((?P<name>[\w.-]+) pid=(?P<pid>\d+)\) )?"
+    r"(?:(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) [\d-]+ [\d:.]+ \[[^\]]*\] )?(?P<text>.*)"
+)
 # multiprocessing's own line before a dead child's traceback: "Process EngineCore_DP0:"
 PROCESS_LINE = re.compile(r"^Process (?P<name>[\w.-]+):$")
 TRACEBACK = "Traceback (most recent call last):"
@@ -19,10 +22,13 @@ TRACEBACK = "Traceback (most recent call last):"
 EXCEPTION = re.compile(
     r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Warning)\b"
 )
+CHAINED = ("The above exception", "During handling")
 MODEL_PROCESSES = ("EngineCore", "Worker", "VllmWorker")
 # A front end's exception that says the cause is elsewhere in the log: a consequence.
 POINTERS = ("See stack trace (above) for the root cause", "See root cause above")
 MORE_LINES = 4  # continuation lines of a multi-line message kept (pydantic's, vLLM's)
+MAIN = "the main process"
+Line = tuple[str | None, str | None, str]  # (process or None for the main one, level, text)
 
 
 @dataclass(frozen=True)
@@ -34,73 +40,57 @@ class Cause:
         return f"{self.error} [in {self.process}]"
 
 
-def _split(line: str) -> tuple[str | None, str]:
-    """(process of the line or None for the main process, the text without prefixes)."""
-    proc = None
-    m = PREFIX.match(line)
-    if m:
-        proc = f"{m['name']} (pid {m['pid']})"
-        line = line[m.end() :]
-    h = HEADER.match(line)
-    if h:
-        line = line[h.end() :]
-    return proc, line.rstrip()
+def _parse(text: str) -> list[Line]:
+    """Each line's process, level and text without its prefixes."""
+    out: list[Line] = []
+    for raw in text.splitlines():
+        m = LINE.match(raw)
+        assert m is not None  # every part is optional
+        proc = f"{m['name']} (pid {m['pid']})" if m["name"] else None
+        out.append((proc, m["level"], m["text"].rstrip()))
+    return out
 
 
-def _is_model_process(proc: str | None) -> bool:
-    return proc is not None and proc.startswith(MODEL_PROCESSES)
-
-
-def _tracebacks(lines: list[tuple[str | None, str]]) -> list[Cause]:
-    """Every traceback's final exception line, in log order."""
-    out = []
+def _tracebacks(lines: list[Line]) -> Iterator[Cause]:
+    """Every traceback's final exception line (with its continuation lines), in log order."""
     i = 0
     while i < len(lines):
-        proc, text = lines[i]
+        proc, _, text = lines[i]
+        i += 1
         if text.strip() != TRACEBACK:
-            i += 1
             continue
-        if proc is None and i > 0:  # "Process EngineCore_DP0:" just before it
-            m = PROCESS_LINE.match(lines[i - 1][1].strip())
-            if m and lines[i - 1][0] is None:
-                proc = m["name"]
-        j = i + 1
-        while j < len(lines):
-            p, t = lines[j]
-            if p == lines[i][0] and t and not t[0].isspace() and EXCEPTION.match(t):
+        ends = (j for j in range(i, len(lines)) if lines[j][0] == proc and _raised(lines[j][2]))
+        j = next(ends, None)
+        if j is None:
+            return
+        named = None
+        if proc is None and i > 1 and lines[i - 2][0] is None:  # "Process EngineCore_DP0:"
+            named = PROCESS_LINE.match(lines[i - 2][2].strip())
+        message = [lines[j][2]]
+        for p, _, t in lines[j + 1 : j + 1 + MORE_LINES]:
+            if p != proc or t.strip() in ("", TRACEBACK) or t.startswith(CHAINED):
                 break
-            j += 1
-        if j == len(lines):
-            break
-        message = [lines[j][1]]
-        for p, t in lines[j + 1 : j + 1 + MORE_LINES]:
-            if p != lines[i][0] or not t.strip() or t.strip() == TRACEBACK:
-                break
-            if t.startswith(("The above exception", "During handling")) or EXCEPTION.match(t):
+            if EXCEPTION.match(t):
                 break
             message.append(t.strip())
-        out.append(Cause(proc or "the main process", "\n".join(message)))
+        yield Cause(proc or (named["name"] if named else MAIN), "\n".join(message))
         i = j + 1
-    return out
+
+
+def _raised(text: str) -> bool:
+    """The line names an exception (not a traceback's indented source line)."""
+    return bool(text) and not text[0].isspace() and EXCEPTION.match(text) is not None
 
 
 def root_cause(text: str) -> Cause | None:
     """The first exception of a model process, else the first traceback's, else the
     first ``ERROR`` line, else one that only points elsewhere (``POINTERS``)."""
-    lines = [_split(ln) for ln in text.splitlines()]
-    found = _tracebacks(lines)
-    for cause in found:
-        if _is_model_process(cause.process):
-            return cause
+    lines = _parse(text)
+    found = list(_tracebacks(lines))
+    model = [c for c in found if c.process.startswith(MODEL_PROCESSES)]
     own = [c for c in found if not any(p in c.error for p in POINTERS)]
-    if own:
-        return own[0]
-    for raw in text.splitlines():
-        proc, rest = _split(raw)
-        h = HEADER.match(raw[PREFIX.match(raw).end() :] if PREFIX.match(raw) else raw)
-        if h and h["level"] in ("ERROR", "CRITICAL") and rest:
-            return Cause(proc or "the main process", rest)
-    return found[0] if found else None
+    errors = [Cause(p or MAIN, t) for p, lv, t in lines if lv in ("ERROR", "CRITICAL") and t]
+    return next(iter(model + own + errors + found), None)
 
 
 def read(path: str) -> str:

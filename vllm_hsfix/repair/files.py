@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,12 +249,23 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+class Fates(dict[str, tuple[str, Any]]):
+    """What became of each targeted file: path -> (kind, detail). Kinds: ``skipped`` and
+    ``refused`` (why), ``right`` (the distance, None when found by an earlier run),
+    ``replaced`` ((sha256, size)), ``earlier`` (replaced by an earlier run)."""
+
+    def of(self, kind: str) -> dict[str, Any]:
+        """path -> detail of the files of ``kind``."""
+        return {p: detail for p, (k, detail) in self.items() if k == kind}
+
+
 class Journal:
     """``--state``: one JSON Lines record per finished target, appended and fsynced once
     its file is in place; a target whose file still has its digest and size is done."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {
             rec["path"]: rec for rec in store.read(path) if isinstance(rec.get("path"), str)
         }
@@ -271,7 +283,14 @@ class Journal:
     def count(self, status: str) -> int:
         return sum(1 for rec in self.done.values() if rec.get("status") == status)
 
-    def add(self, path: str, status: str, digest: str, size: int) -> None:
-        rec = {"path": path, "status": status, "sha256": digest, "size": size}
-        self.done[path] = rec
-        store.append(self.path, rec, sync=True)
+    def record(self, path: str, kind: str, detail: Any) -> None:
+        """Journal a file put in place (``replaced``: detail its (sha256, size)) or found
+        right (kept as it is); a refused one is not journaled."""
+        if kind == "right":
+            detail = sha256(path), os.path.getsize(path)
+        elif kind != "replaced":
+            return
+        rec = {"path": path, "status": kind, "sha256": detail[0], "size": detail[1]}
+        with self.lock:
+            self.done[path] = rec
+            store.append(self.path, rec, sync=True)

@@ -17,24 +17,14 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import detect
 from . import enginelog, files, guard, settings
 from .engine import SENDERS, signal_name
-from .files import Journal, Target, sha256
+from .files import Fates, Journal, Target
 
 THREADS = 4  # a batch's files are taken on a few threads (reads, numpy, fsync free the GIL)
-
-
-@dataclass
-class Counts:
-    replaced: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # path -> why
-    refused: dict[str, str] = field(default_factory=dict)  # path -> why not installed
-    right: dict[str, float | None] = field(default_factory=dict)  # kept: right after all
-    earlier: set[str] = field(default_factory=set)  # replaced by an earlier run
 
 
 def stop(problem: str, code: int, *details: str) -> int:
@@ -60,7 +50,7 @@ def regenerate(
     targets: list[Target],
     engine: dict[str, Any],
     journal: Journal,
-    counts: Counts,
+    fates: Fates,
 ) -> int | None:
     """Run the engine over ``targets``; None to go on, else the exit code."""
     problems, needed = guard.preflight()
@@ -75,7 +65,7 @@ def regenerate(
     # vLLM's log goes next to the journal, kept if the run fails.
     log = os.path.abspath(os.path.splitext(args.state)[0] + ".vllm.log")
     with tempfile.TemporaryDirectory(prefix="vllm-hsfix-repair-") as work:
-        follow = Follow(args, targets, journal, counts)
+        follow = Follow(args, targets, journal, fates)
         code = follow.run(_start(args, targets, engine, needed, work, log))
     if follow.refused:
         why = "the fix is not active where vLLM runs; nothing written:"
@@ -150,16 +140,17 @@ def message(line: str) -> dict[str, Any]:
 
 
 class Follow:
-    """Reads the vLLM process's messages and acts on them; this thread alone writes the
-    journal and the counts, in order."""
+    """Reads the vLLM process's messages and acts on them; each file it names is taken
+    (checked, kept or put in place, journaled) on a pool thread."""
 
     def __init__(
-        self, args: argparse.Namespace, targets: list[Target], journal: Journal, counts: Counts
+        self, args: argparse.Namespace, targets: list[Target], journal: Journal, fates: Fates
     ) -> None:
-        self.args, self.targets, self.journal, self.counts = args, targets, journal, counts
+        self.args, self.targets, self.journal, self.fates = args, targets, journal, fates
         self.root = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) else None
         self.pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="hsfix-take")
-        self.pending: list[tuple[Target, Future[Any]]] = []
+        self.taken: list[Future[None]] = []
+        self.lock = threading.Lock()  # the fates and the bar, updated from the pool
         self.bar: Any = None
         self.t0 = self.ready = time.monotonic()
         self.bad_args: list[tuple[str, str]] = []
@@ -176,8 +167,7 @@ class Follow:
                     return -1
             return proc.wait()
         finally:
-            self.drain(wait=True)  # every file in place is journaled
-            self.pool.shutdown()
+            self.wait()  # every file in place is journaled (an error in one is raised)
             if self.bar is not None:
                 self.bar.close()
             _kill_group(proc)  # no vLLM process outlives the run
@@ -199,11 +189,9 @@ class Follow:
                             file=sys.stderr, disable=self.args.no_progress)  # fmt: skip
         elif event == "file":
             t = self.targets[msg["index"]]
-            job = (self.args, t, msg["path"], self.root)
-            self.pending.append((t, self.pool.submit(files.outcome, *job)))
-            self.drain()
+            self.taken.append(self.pool.submit(self.take, t, msg["path"]))
         elif event == "done":
-            self.drain(wait=True)
+            self.wait()
             self.bar.close()
             # The regeneration's own time, apart from vLLM's shutdown that follows.
             took = max(time.monotonic() - self.ready, 1e-9)
@@ -215,18 +203,17 @@ class Follow:
             )
         return True
 
-    def drain(self, wait: bool = False) -> None:
-        """Record the files taken whose outcome is known (all, with ``wait``), in order."""
-        while self.pending and (wait or self.pending[0][1].done()):
-            t, fut = self.pending.pop(0)
-            kind, detail = fut.result()
-            if kind == "refused":
-                self.counts.refused[t.path] = detail
-            elif kind == "right":
-                self.counts.right[t.path] = detail
-                self.journal.add(t.path, "right", sha256(t.path), os.path.getsize(t.path))
-            else:
-                self.journal.add(t.path, "replaced", *detail)
-                self.counts.replaced.append(t.path)
+    def take(self, t: Target, produced: str | None) -> None:
+        """Decide ``t``'s fate from the file vLLM wrote for it and record it."""
+        fate = files.outcome(self.args, t, produced, self.root)
+        self.journal.record(t.path, *fate)
+        with self.lock:
+            self.fates[t.path] = fate
             if self.bar is not None:
                 self.bar.update(1)
+
+    def wait(self) -> None:
+        """Until every file named so far is taken."""
+        self.pool.shutdown(wait=True)
+        for fut in self.taken:
+            fut.result()
