@@ -17,6 +17,7 @@ from .codes import Code
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
 from .detect import VllmInstall
 from .patches import PatchSpec
+from .releases import fixed, reached
 
 if TYPE_CHECKING:
     from .shapes import Probe
@@ -31,16 +32,14 @@ class Decision(NamedTuple):
 
 
 def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
-    """Whether ``version`` carries upstream's fix for ``patch``: its public version
-    (``0.25.0rc1`` is below 0.25.0, unlike PEP 440's ``<``) at ``fixed_in`` or above."""
-    return Version(version.public) >= Version(patch.fixed_in)
+    """Whether ``version`` carries upstream's fix for ``patch`` (:func:`releases.fixed`)."""
+    return fixed(str(version), patch.fixed_in)
 
 
 def in_row_range(version: Version, patch: PatchSpec) -> bool:
-    """Whether ``version`` is in the row's releases: its X.Y.Z release (``0.24.0rc1`` is
-    0.24.0's line) from ``first`` on, and below ``fixed_in``."""
-    first = Version(patch.first)
-    return Version(version.base_version) >= first and not is_fixed_release(patch, version)
+    """Whether ``version`` is in the row's releases: from ``first`` on, below ``fixed_in``
+    (:mod:`releases`' bounds)."""
+    return reached(str(version), patch.first) and not is_fixed_release(patch, version)
 
 
 class _NeedsProbe(Exception):
