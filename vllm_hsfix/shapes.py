@@ -22,10 +22,6 @@ class Probe:
     detail: str = ""
     fingerprints: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def known(self) -> bool:
-        return self.shape is not None or self.fixed
-
 
 def parse(src: str) -> ast.Module | None:
     try:
