@@ -139,18 +139,8 @@ def template_of(src: str) -> str:
 
 def attribute_chains(tree: ast.AST) -> set[str]:
     """Dotted names the code reads, e.g. ``{"kv_cache.shape", "self._block_size"}``."""
-    chains: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            parts: list[str] = []
-            cur: ast.AST = node
-            while isinstance(cur, ast.Attribute):
-                parts.append(cur.attr)
-                cur = cur.value
-            if isinstance(cur, ast.Name):
-                parts.append(cur.id)
-                chains.add(".".join(reversed(parts)))
-    return chains
+    found = (ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute))
+    return {chain for chain in found if chain.replace(".", "").isidentifier()}
 
 
 def assigned_attributes(tree: ast.AST) -> set[str]:
