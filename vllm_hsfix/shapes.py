@@ -144,15 +144,11 @@ def attribute_chains(tree: ast.AST) -> set[str]:
 
 
 def assigned_attributes(tree: ast.AST) -> set[str]:
-    """``self.X`` targets assigned anywhere in the code."""
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        targets: list[ast.AST] = []
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            targets = [node.target]
-        for t in targets:
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
-                out.add(f"{t.value.id}.{t.attr}")
-    return out
+    """``self.X`` targets stored to anywhere in the code (any assignment or loop target)."""
+    return {
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+    }
