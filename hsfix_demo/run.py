@@ -122,19 +122,21 @@ def _runs_here(name: str, models: Path) -> tuple[bool, str]:
 
 
 def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
-    from vllm_hsfix import detect
+    from vllm_hsfix import detect, releases
     from vllm_hsfix.patches import by_id
-    from vllm_hsfix.plan import in_row_range
 
     inst = detect.detect()
-    if not inst.present or inst.parsed is None:
+    if not inst.present or inst.version is None:
         print(
             "hsfix_demo: vLLM is not installed here; run `python3 scripts/demo.py` "
             "from the repository to build a pinned environment first",
             file=sys.stderr,
         )
         return 2
-    fixed = not in_row_range(inst.parsed, by_id("scatter-clamp"))  # 0.17.0 up to 0.25.0
+    row = by_id("scatter-clamp")  # 0.17.0 up to 0.25.0
+    fixed = not releases.reached(inst.version, row.first) or releases.fixed(
+        inst.version, row.fixed_in
+    )
     root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
     models = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
     cpu = machine.cpu_info()

@@ -13,6 +13,7 @@ from vllm_hsfix import plan
 from vllm_hsfix.config import Config
 from vllm_hsfix.detect import VllmInstall, from_version
 from vllm_hsfix.patches import PATCHES, PatchSpec, by_id
+from vllm_hsfix.releases import fixed, reached
 from vllm_hsfix.shapes import Probe
 
 ON = Config()
@@ -124,7 +125,8 @@ def test_no_vllm() -> None:
 )
 def test_dev_and_local_builds_compare_by_release(version: str, inside: bool) -> None:
     """A row's lower bound compares the X.Y.Z release, its upper one the public version."""
-    assert plan.in_row_range(Version(version), by_id("scatter-clamp")) is inside
+    row = by_id("scatter-clamp")
+    assert (reached(version, row.first) and not fixed(version, row.fixed_in)) is inside
 
 
 CPU_ZEROING = by_id("cpu-zero-blocks")

@@ -77,4 +77,4 @@ def test_a_target_replaced_by_someone_else_is_refused() -> None:
         probe = scatter.probe(module)
     finally:
         module.basic_cache = original
-    assert not probe.known and "was replaced by" in probe.detail
+    assert probe.shape is None and not probe.fixed and "was replaced by" in probe.detail

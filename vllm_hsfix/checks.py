@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from packaging.version import Version
+from .patches import CONNECTOR, by_id
+from .releases import fixed
 
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def head_major(fn: Any) -> Any:
 
 def live_scatter(module: Any, version: str | None) -> Any:
     """The live ``basic_cache``, adapted to the buffer layout of the installed release."""
-    if version is not None and Version(Version(version).public) >= Version("0.29.0"):
+    if version is not None and fixed(version, "0.29.0"):  # heads moved before block_size
         return head_major(module.basic_cache)
     return module.basic_cache
 
@@ -269,12 +269,14 @@ def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int)
 
 def connector_checks(version: str | None) -> list[dict[str, Any]]:
     """The live connector class resolves a hybrid layout to the hidden group's own
-    block size (skipped before 0.24, which never read with it)."""
+    block size (skipped before the hidden-group-block-size row's first release, as
+    releases before it never read with it)."""
     name = "connector group / block size (hybrid: 528, 528, hidden 22)"
-    if version is None or Version(Version(version).public) < Version("0.24.0"):
-        why = f"vLLM {version}: the connector does not read with its block size before 0.24"
+    first = by_id("hidden-group-block-size").first
+    if version is None or not fixed(version, first):
+        why = f"vLLM {version}: the connector does not read with its block size before {first}"
         return [result(name, [], skipped=why)]
-    cls = importlib.import_module(CONNECTOR_MODULE).ExampleHiddenStatesConnector
+    cls = importlib.import_module(CONNECTOR).ExampleHiddenStatesConnector
     config, want = hybrid_layout()
     problems: list[str] = []
     try:

@@ -33,10 +33,6 @@ class VllmInstall(NamedTuple):
     cpu_build: bool | None = None
     platform_reason: str = ""
 
-    @property
-    def parsed(self) -> Version | None:
-        return Version(self.version) if self.version else None
-
     def as_dict(self) -> dict[str, object]:
         return self._asdict()
 

@@ -15,7 +15,7 @@ from .codes import IN_PLACE, Code
 from .patches import by_id as patch_row
 from .patches._wrap import Replacement, wrap
 from .patches.hooks import ExtraContext
-from .releases import key
+from .releases import fixed, reached
 
 PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
 ACTIONS = (PATCH, REFUSE_CONFIG, DOCUMENTED)
@@ -60,9 +60,11 @@ class Hazard:
         return f">={self.first}" + (f",<{self.until}" if self.until else "")
 
     def affects(self, version: str) -> bool:
-        """Whether release ``version`` has the hazard (labels belong to their X.Y.Z)."""
-        release = key(version)
-        return key(self.first) <= release and (self.until is None or release < key(self.until))
+        """Whether release ``version`` has the hazard (bounded as the patch rows are:
+        :func:`releases.reached` and :func:`releases.fixed`)."""
+        if not reached(version, self.first):
+            return False
+        return self.until is None or not fixed(version, self.until)
 
 
 def range_of(patch_id: str) -> dict[str, Any]:
@@ -176,7 +178,7 @@ def _state(
 ) -> tuple[str, str]:
     """(state, reason) of an affected or unaffected release (see :func:`assess`)."""
     if not hazard.affects(version):
-        if hazard.fixed_in is not None and key(version) >= key(hazard.fixed_in):
+        if hazard.fixed_in is not None and fixed(version, hazard.fixed_in):
             return FIXED_UPSTREAM, f"fixed in {hazard.fixed_in}"
         return NOT_AFFECTED, f"vLLM {version} is not {hazard.releases}"
     if hazard.action == PATCH:

@@ -11,12 +11,11 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from packaging.version import Version
-
 from .codes import Code
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
 from .detect import VllmInstall
 from .patches import PatchSpec
+from .releases import fixed, reached
 
 if TYPE_CHECKING:
     from .shapes import Probe
@@ -28,19 +27,6 @@ class Decision(NamedTuple):
     code: Code
     reason: str
     probe: Probe | None = None
-
-
-def is_fixed_release(patch: PatchSpec, version: Version) -> bool:
-    """Whether ``version`` carries upstream's fix for ``patch``: its public version
-    (``0.25.0rc1`` is below 0.25.0, unlike PEP 440's ``<``) at ``fixed_in`` or above."""
-    return Version(version.public) >= Version(patch.fixed_in)
-
-
-def in_row_range(version: Version, patch: PatchSpec) -> bool:
-    """Whether ``version`` is in the row's releases: its X.Y.Z release (``0.24.0rc1`` is
-    0.24.0's line) from ``first`` on, and below ``fixed_in``."""
-    first = Version(patch.first)
-    return Version(version.base_version) >= first and not is_fixed_release(patch, version)
 
 
 class _NeedsProbe(Exception):
@@ -67,28 +53,26 @@ def decide(
         return Decision(Code.ERROR, install.problem or "vLLM detection failed")
     if not install.present:
         return Decision(Code.NO_VLLM, "vLLM is not installed")
-    parsed = install.parsed
-    if parsed is not None:
-        if is_fixed_release(patch, parsed) and not patch.upstream_fixed:
+    version = install.version
+    if version is not None and fixed(version, patch.fixed_in):
+        if not patch.upstream_fixed:
             return Decision(
                 Code.NOT_NEEDED,
-                f"vLLM {install.version}: not read by this version of vllm-hsfix (the patch "
+                f"vLLM {version}: not read by this version of vllm-hsfix (the patch "
                 f"covers releases before {patch.fixed_in}, no upstream fix is known); left "
                 "alone",
             )
-        if is_fixed_release(patch, parsed):
-            return Decision(
-                Code.UPSTREAM_FIX,
-                f"upstream fix present: vLLM {install.version} >= {patch.fixed_in}",
-            )
-        if not in_row_range(parsed, patch):
-            return Decision(Code.NOT_NEEDED, f"vLLM {install.version}: {patch.not_needed}")
+        return Decision(
+            Code.UPSTREAM_FIX, f"upstream fix present: vLLM {version} >= {patch.fixed_in}"
+        )
+    if version is not None and not reached(version, patch.first):
+        return Decision(Code.NOT_NEEDED, f"vLLM {version}: {patch.not_needed}")
     if not patch.runs_on(install.cpu_build):
         return Decision(Code.NOT_NEEDED, patch.other_platforms)
     if cfg.disabled or patch.id in cfg.disabled_patches:
         switch = f"{DISABLE}=1" if cfg.disabled else f"{DISABLED_PATCHES} names {patch.id}"
         return Decision(Code.DISABLED, f"turned off by {switch}")
-    if parsed is None:
+    if version is None:
         return Decision(
             Code.UNKNOWN_VERSION,
             (install.problem or "vLLM version unknown")
@@ -98,17 +82,17 @@ def decide(
     if result.fixed:
         return Decision(
             Code.UPSTREAM_FIX,
-            f"upstream fix present: vLLM {install.version} code is fixed ({result.detail})",
+            f"upstream fix present: vLLM {version} code is fixed ({result.detail})",
             result,
         )
     if result.shape is None:
         return Decision(
             Code.UNKNOWN_SHAPE,
-            f"vLLM {install.version}: {patch.target} does not look like any known shape; "
+            f"vLLM {version}: {patch.target} does not look like any known shape; "
             f"not patched ({result.detail})",
             result,
         )
-    return Decision(Code.APPLY, f"vLLM {install.version}: shape {result.shape}", result)
+    return Decision(Code.APPLY, f"vLLM {version}: shape {result.shape}", result)
 
 
 def decide_from_file(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision:

@@ -1,5 +1,5 @@
-"""Release strings as comparable keys: ``0.24.0+cpu`` or ``0.24.1.dev12+gabc`` -> the
-release line ``(0, 24, 0)``. Stdlib only: the scripts use it before anything is installed.
+"""Release strings compared: ``key`` as a sort key (stdlib only: the scripts use it before
+anything is installed), ``reached`` and ``fixed`` as the row ranges' bounds (packaging).
 """
 
 from __future__ import annotations
@@ -18,3 +18,19 @@ def key(release: str) -> tuple[int, int, int]:
         raise ValueError(f"not a release: {release!r}")
     major, minor, patch = (*nums, 0, 0)[:3]
     return major, minor, patch
+
+
+def reached(version: str, first: str) -> bool:
+    """Whether ``version``'s X.Y.Z release is ``first`` or later (``0.24.0rc1`` is
+    0.24.0's line). Raises ``ValueError`` on an unreadable version."""
+    from packaging.version import Version
+
+    return Version(Version(version).base_version) >= Version(first)
+
+
+def fixed(version: str, fixed_in: str) -> bool:
+    """Whether ``version``'s public version is ``fixed_in`` or later (``0.25.0rc1`` is
+    below 0.25.0, unlike PEP 440's ``<``). Raises ``ValueError`` on an unreadable one."""
+    from packaging.version import Version
+
+    return Version(Version(version).public) >= Version(fixed_in)

@@ -22,10 +22,6 @@ class Probe:
     detail: str = ""
     fingerprints: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def known(self) -> bool:
-        return self.shape is not None or self.fixed
-
 
 def parse(src: str) -> ast.Module | None:
     try:
@@ -143,30 +139,16 @@ def template_of(src: str) -> str:
 
 def attribute_chains(tree: ast.AST) -> set[str]:
     """Dotted names the code reads, e.g. ``{"kv_cache.shape", "self._block_size"}``."""
-    chains: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            parts: list[str] = []
-            cur: ast.AST = node
-            while isinstance(cur, ast.Attribute):
-                parts.append(cur.attr)
-                cur = cur.value
-            if isinstance(cur, ast.Name):
-                parts.append(cur.id)
-                chains.add(".".join(reversed(parts)))
-    return chains
+    found = (ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute))
+    return {chain for chain in found if chain.replace(".", "").isidentifier()}
 
 
 def assigned_attributes(tree: ast.AST) -> set[str]:
-    """``self.X`` targets assigned anywhere in the code."""
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        targets: list[ast.AST] = []
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            targets = [node.target]
-        for t in targets:
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
-                out.add(f"{t.value.id}.{t.attr}")
-    return out
+    """``self.X`` targets stored to anywhere in the code (any assignment or loop target)."""
+    return {
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+    }
