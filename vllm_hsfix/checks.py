@@ -4,14 +4,12 @@
 
 from __future__ import annotations
 
-import importlib
 import tempfile
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .patches import CONNECTOR, by_id
 from .releases import fixed
 
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
@@ -267,16 +265,14 @@ def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int)
     return conn
 
 
-def connector_checks(version: str | None) -> list[dict[str, Any]]:
-    """The live connector class resolves a hybrid layout to the hidden group's own
-    block size (skipped before the hidden-group-block-size row's first release, as
-    releases before it never read with it)."""
+def connector_checks(cls: Any, version: str | None, first: str) -> list[dict[str, Any]]:
+    """The live connector class ``cls`` resolves a hybrid layout to the hidden group's
+    own block size (skipped before release ``first``, the hidden-group-block-size
+    row's: releases before it never read with it)."""
     name = "connector group / block size (hybrid: 528, 528, hidden 22)"
-    first = by_id("hidden-group-block-size").first
     if version is None or not fixed(version, first):
         why = f"vLLM {version}: the connector does not read with its block size before {first}"
         return [result(name, [], skipped=why)]
-    cls = importlib.import_module(CONNECTOR).ExampleHiddenStatesConnector
     config, want = hybrid_layout()
     problems: list[str] = []
     try:

@@ -12,6 +12,7 @@ from .. import checks
 from ..config import DISABLED_PATCHES
 from ..errors import HsfixError
 from ..shapes import Probe, assigned_attributes, body_template, method, template_of, top_level
+from . import by_id
 from ._probe import class_def, expect, finds, fingerprints, probes
 from ._wrap import Replacement, add, subclasses, wrap
 from .hooks import Hooks
@@ -241,4 +242,5 @@ probe_tree, probe = probes(
 
 def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live class, built on a hybrid layout, reads with block size 22, not 528."""
-    return checks.connector_checks(ctx.version)
+    first = by_id(PATCH_ID).first
+    return checks.connector_checks(module.ExampleHiddenStatesConnector, ctx.version, first)
