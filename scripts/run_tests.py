@@ -199,7 +199,7 @@ def is_fixed(release: str) -> bool:
     from vllm_hsfix.releases import key
 
     return all(
-        key(release) >= key(by_id(pid).fixed_in)
+        key(release) >= key(by_id(pid).fixed_in or "99")
         for pid in ("scatter-clamp", "hidden-group-block-size")
     )
 

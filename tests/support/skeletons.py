@@ -15,10 +15,12 @@ import pytest
 from conftest import CACHE
 
 from support.commands import cli
+from vllm_hsfix import releases
 
 SKELETONS = CACHE / "cuda-skeletons"
 CONN = Path("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py")
-RELEASES = [f"0.{minor}.0" for minor in range(17, 34)]  # 0.17.0 ... 0.33.0
+# 0.17.0 ... the last release read
+RELEASES = [f"0.{minor}.0" for minor in range(17, releases.key(releases.LAST_READ)[1] + 1)]
 
 
 def cuda_skeleton(release: str) -> Path:
