@@ -47,8 +47,11 @@ def static_status() -> dict[str, Any]:
     cfg = config.load(known_patches=PATCH_IDS)
     inst = detect.detect(cfg.vllm_version_override)
     patches: dict[str, Any] = {}
+    by_shape: list[str] = []  # past the last release read, decided by the code alone
     for patch in PATCHES:
         decision = plan.decide_from_file(patch, inst, cfg)
+        if decision.probe is not None and plan.by_shape(patch, inst.version or ""):
+            by_shape.append(patch.id)
         patches[patch.id] = {
             "code": decision.code.value,
             "reason": decision.reason,
@@ -63,7 +66,6 @@ def static_status() -> dict[str, Any]:
     ep = _entry_point()
     codes = {pid: p["code"] for pid, p in patches.items()}
     newer = bool(inst.version) and releases.newer_than_read(inst.version or "")
-    by_shape = [p.id for p in PATCHES if newer and plan.by_shape(p, inst.version or "")]
     return {
         "vllm_hsfix": __version__,
         "vllm": inst.as_dict(),
