@@ -71,9 +71,9 @@ def raised_overlay(tmp_path: Path) -> Path:
 def test_an_engine_run_on_the_next_release_writes_right_files(tmp_path: Path) -> None:
     """The connector's save path on the CPU build dies at the first save unless
     ``cpu-connector-save`` is applied there: every row right, every patch in place."""
+    raised = raised_overlay(tmp_path)
     from hsfix_demo import e2e
 
-    raised = raised_overlay(tmp_path)
     r = e2e.run_case(
         e2e.CASES["dense-mp"],
         patched=True,
@@ -93,11 +93,11 @@ def test_an_engine_run_on_the_next_release_writes_right_files(tmp_path: Path) ->
 def test_vllm_serve_starts_on_the_next_release(tmp_path: Path) -> None:
     """``vllm serve`` reads version("vllm") before any plugin: it starts (cpu-dist-name
     applied) and a request's hidden states are saved."""
+    raised = raised_overlay(tmp_path)
     from support.abort import compare_files, model_dir, prompts, right, serving
     from support.lockfile import written
     from support.serve import post
 
-    raised = raised_overlay(tmp_path)
     path = os.pathsep.join([str(raised), clean_env().get("PYTHONPATH", "")])
     with serving(tmp_path, PYTHONPATH=path) as s:
         ids = prompts()[0]
