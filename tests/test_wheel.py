@@ -36,25 +36,18 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_release(tmp_path_factory.mktemp("release"))
 
 
-@pytest.fixture(scope="module")
-def wheel_files(dist: dict[str, Path]) -> list[str]:
-    return zipfile.ZipFile(dist["wheel"]).namelist()
-
-
-def test_the_wheel_holds_no_harness_code(wheel_files: list[str]) -> None:
-    code = [n for n in wheel_files if not n.split("/", 1)[0].endswith(".dist-info")]
+def test_the_wheel_holds_what_users_run_and_no_harness_code(dist: dict[str, Path]) -> None:
+    files = zipfile.ZipFile(dist["wheel"]).namelist()
+    code = [n for n in files if not n.split("/", 1)[0].endswith(".dist-info")]
     assert [n for n in code if harness(n)] == []
     assert {n.split("/", 1)[0] for n in code} == {
         "vllm_hsfix", "_vllm_hsfix_dist.py", "vllm_hsfix_dist.pth",
     }  # fmt: skip
-
-
-def test_the_wheel_holds_what_users_run(wheel_files: list[str]) -> None:
     for name in ("vllm_hsfix/plugin.py", "vllm_hsfix/tested.json", "vllm_hsfix/cli.py",
                  "vllm_hsfix/_bootstrap/sitecustomize.py", "vllm_hsfix/audit/command.py",
                  "vllm_hsfix/repair/command.py", "vllm_hsfix_dist.pth"):  # fmt: skip
-        assert name in wheel_files
-    assert {p.impl.replace(".", "/") + ".py" for p in PATCHES} <= set(wheel_files)
+        assert name in files
+    assert {p.impl.replace(".", "/") + ".py" for p in PATCHES} <= set(files)
 
 
 def test_the_sdist_carries_what_a_rebuild_needs_and_no_tests(dist: dict[str, Path]) -> None:

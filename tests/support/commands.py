@@ -40,8 +40,7 @@ def repair(
 
 
 def checkout_copy(dest: Path) -> Path:
-    """A copy in ``dest`` of the checkout's files that git tracks or would add (no stale
-    ``build/`` or ``*.egg-info``)."""
+    """A copy in ``dest`` of the files git tracks or would add (no stale ``build/``)."""
     listed = run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard"], dict(os.environ))
     assert listed.returncode == 0, listed.stderr
     for name in listed.stdout.split():
