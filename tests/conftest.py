@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.children import CONNECTOR_MODULE, MODEL_MODULE
 
 from vllm_hsfix import detect, releases
 from vllm_hsfix.patches.hooks import Hooks
@@ -23,8 +24,6 @@ from vllm_hsfix.patches.hooks import Hooks
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = detect.detect()
 RELEASE = INSTALL.release
-MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
 
 

@@ -1,32 +1,42 @@
 """Running the child programs of ``support/children`` by path, in a fresh interpreter
-(``conftest.run_py``: a session of its own, killed whole afterwards), and what is left
+(``conftest.run``: a session of its own, killed whole afterwards), and what is left
 of a run that leads its own session."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import run_py
+from conftest import clean_env, run
 
 CHILDREN = Path(__file__).resolve().parent / "children"
 TESTS = CHILDREN.parent.parent
 
 
+def child(
+    script: str,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    merge: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``support/children/<script> ARGS`` (``python path args``; default environment
+    ``clean_env()``), ``tests/`` on its ``PYTHONPATH``; ``merge``: one pipe for both."""
+    env = dict(clean_env() if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
+    return run([sys.executable, CHILDREN / script, *args], env, timeout, merge=merge)
+
+
 def run_child(
     script: str, args: dict[str, Any], work: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``support/children/<script>`` as ``__main__`` with ``args`` (written to
-    ``work/args.json``, its one argument), ``tests/`` on its ``sys.path``."""
+    """``child(script)`` with ``args`` written to ``work/args.json``, its one argument."""
     (work / "args.json").write_text(json.dumps(args))
-    argv = [str(CHILDREN / script), str(work / "args.json")]
-    code = (
-        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(TESTS)!r})\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    return run_py(code, env=env, timeout=timeout)
+    return child(script, work / "args.json", env=env, timeout=timeout)
 
 
 def marked(text: str, marker: str) -> Any:
