@@ -1,4 +1,4 @@
-"""``vllm-hsfix audit`` at the size of real datasets (issue 20): split verdicts, ``--list``,
+"""``vllm-hsfix audit`` at the size of real datasets: split verdicts, ``--list``,
 ``--show``, streaming ``--jsonl``, progress fit for where it runs, ``--state``, pending
 files, and the Python API. The checks themselves are ``test_audit*.py``'s: here the
 expectations come from how the crafted files were damaged, never from the auditor.

