@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -195,17 +194,6 @@ def run(
         if proc.returncode is None:
             proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def run_py(
-    code: str,
-    env: dict[str, str] | None = None,
-    timeout: float = 300,
-    cwd: str | None = None,
-    merge: bool = False,
-) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (``run``; ``merge``: one pipe for both)."""
-    return run([sys.executable, "-c", textwrap.dedent(code)], env, timeout, cwd, merge)
 
 
 def last_json(stdout: str, objects_only: bool = False) -> Any:
