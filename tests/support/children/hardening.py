@@ -122,7 +122,7 @@ def reload_targets() -> list[Any]:
     def statuses() -> dict[str, list[str]]:
         return {k: [v["status"], v["code"]] for k, v in vllm_hsfix.status()["patches"].items()}
 
-    stamped = vllm_hsfix.status()["provenance"]
+    stamped = [vllm_hsfix.status()["provenance"], hasattr(conn, "save_file")]
     importlib.reload(conn)
     after_conn = statuses()
     importlib.reload(model)
