@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 from support.hsfiles import A, hs_file, make_mixed
-from support.procs import CHILDREN
+from support.procs import audit_child
 
 from vllm_hsfix.audit import command
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # ----------------------------------------------------------------- CLI
 
@@ -123,24 +117,13 @@ def test_add_parser_wires_into_a_cli(tmp_path: Path) -> None:
     assert args.fn(args) == 1
 
 
-def run_audit(case: str, arg: Path) -> subprocess.CompletedProcess[str]:
-    """``support/children/audit_runs.py CASE ARG`` in a fresh interpreter; output
-    decoded by hand so ``\r`` survives."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (ROOT, CHILDREN.parents[1]))))
-    cmd = [sys.executable, CHILDREN / "audit_runs.py", case, arg]
-    out = subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, env=env)
-    return subprocess.CompletedProcess(
-        cmd, out.returncode, out.stdout.decode(), out.stderr.decode()
-    )
-
-
 def test_standalone_process_exit_code_and_progress(tmp_path: Path) -> None:
     """A real process: exit code, progress fit for a log (stderr is a pipe here: plain
     lines with rates, no ``\r`` frames), and no torch/vllm."""
     for i in range(51):
         hs_file(tmp_path / f"f{i:02d}.safetensors", tokens=8, hidden=32, seed=i)
     hs_file(tmp_path / "bad.safetensors", tokens=8, hidden=32, edit=lambda h, i: h[1].zero_())
-    out = run_audit("standalone", tmp_path)
+    out = audit_child("standalone", tmp_path)
     assert out.returncode == 0, out.stderr
     code, light, heavy = json.loads(out.stdout.strip().splitlines()[-1])
     assert code == 1
@@ -197,7 +180,7 @@ def test_memory_stays_bounded_on_a_200mb_file(tmp_path: Path) -> None:
     assert size > 200_000_000
     with safe_open(str(path), framework="numpy") as f:  # the hand-written file is valid
         assert f.get_slice("hidden_states").get_shape() == [tokens, n_aux, hidden]
-    out = run_audit("peaks", path)
+    out = audit_child("peaks", path)
     assert out.returncode == 0, out.stderr
     base, audited, control, verdict, counts = json.loads(out.stdout.strip().splitlines()[-1])
     assert verdict == "ok" and counts == [tokens] * n_aux
@@ -209,7 +192,7 @@ def test_memory_stays_bounded_on_a_200mb_file(tmp_path: Path) -> None:
 def test_missing_numpy_is_a_one_line_usage_error_not_corrupt(tmp_path: Path) -> None:
     """On a bare data box without numpy: the install command, exit 2 (1 means corrupt)."""
     hs_file(tmp_path / "f.safetensors", tokens=4, hidden=8)
-    out = run_audit("without_numpy", tmp_path)
+    out = audit_child("without", "numpy", "audit", tmp_path)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert lines == [

@@ -31,6 +31,18 @@ def child(
     return run([sys.executable, CHILDREN / script, *args], env, timeout, merge=merge)
 
 
+def audit_child(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``support/children/audit_runs.py ARGS`` from the checkout (``env``: default this
+    process's), decoded by hand so a ``\r`` in its output survives."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(map(str, (TESTS.parent, TESTS)))
+    cmd = [sys.executable, CHILDREN / "audit_runs.py", *map(str, args)]
+    got = subprocess.run(cmd, capture_output=True, timeout=300, cwd=TESTS.parent, env=env)
+    return subprocess.CompletedProcess(
+        cmd, got.returncode, got.stdout.decode(), got.stderr.decode()
+    )
+
+
 def run_child(
     script: str, args: dict[str, Any], work: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
