@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from conftest import clean_env, declared_all, last_json
-from support.procs import child
+from support.procs import child, child_json
 
 from vllm_hsfix._version import __version__
 
-# The children assert 0.24.0's answers (every target of TARGETS wrapped once,
-# `_zero_block_ids` and `register_kv_caches` included): the releases where
-# hidden-group-block-size applies, not every release of the clamp.
+# The children assert 0.24.0's answers (each target of support/children/activation.py
+# wrapped once, `_zero_block_ids` and `register_kv_caches` included): the releases
+# where hidden-group-block-size applies, not every release of the clamp.
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("hidden-group-block-size")]
 
 
-def run_case(case: str, *args: str, **env: str | None) -> Any:
-    """``support/children/activation.py CASE``: its output (``env``: on ``clean_env()``)."""
-    return child("activation.py", case, *args, env=clean_env(**env))
+def strict_env(strict: bool) -> dict[str, str]:
+    return clean_env(VLLM_HSFIX_STRICT="1" if strict else None)
 
 
 # Each target wrapped exactly once, by us.
@@ -26,7 +23,7 @@ ONCE = dict.fromkeys(["basic_cache", "__init__", "register_kv_caches", "_zero_bl
 
 
 def test_status_after_import_shows_both_patches_applied_and_one_log_line() -> None:
-    out = run_case("after_import")
+    out = child("activation.py", "after_import")
     statuses, depths, sources = last_json(out.stdout)
     assert statuses == declared_all()
     assert depths == ONCE
@@ -44,8 +41,7 @@ def test_import_plugin_bootstrap_and_apply_patch_once(order: str) -> None:
     from vllm_hsfix.cli import BOOTSTRAP_DIR
 
     env = clean_env(PYTHONPATH=f"{BOOTSTRAP_DIR}:" + clean_env()["PYTHONPATH"])
-    out = child("activation.py", "every_path", order, env=env)
-    depths, sources, statuses = last_json(out.stdout)
+    depths, sources, statuses = child_json("activation.py", "every_path", order, env=env)
     assert depths == ONCE
     assert sources[0] == "bootstrap"
     # `import vllm_hsfix` after the bootstrap finds the module already imported: no event.
@@ -54,12 +50,11 @@ def test_import_plugin_bootstrap_and_apply_patch_once(order: str) -> None:
 
 
 def test_concurrent_activation_from_threads_patches_once() -> None:
-    out = run_case("threads")
-    assert last_json(out.stdout) == ONCE
+    assert child_json("activation.py", "threads") == ONCE
 
 
 def test_disable_switches() -> None:
-    off = last_json(run_case("codes", VLLM_HSFIX_DISABLE="1").stdout)
+    off = child_json("activation.py", "codes", env=clean_env(VLLM_HSFIX_DISABLE="1"))
     assert off == [
         dict.fromkeys(ONCE, 0),
         {
@@ -67,7 +62,8 @@ def test_disable_switches() -> None:
             for pid, st in declared_all().items()
         },
     ]
-    one = last_json(run_case("codes", VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp").stdout)
+    env = clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")
+    one = child_json("activation.py", "codes", env=env)
     assert one == [
         {**ONCE, "basic_cache": 0},
         {
@@ -82,7 +78,7 @@ def test_disable_switches() -> None:
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_failure_inside_activation_escapes_only_in_strict_mode(strict: bool) -> None:
-    out = run_case("failing_detect", VLLM_HSFIX_STRICT="1" if strict else None)
+    out = child("activation.py", "failing_detect", env=strict_env(strict))
     if strict:
         # the status() call itself would re-raise, so only the import result is checked
         raised = last_json(out.stdout)[0]
@@ -97,6 +93,6 @@ def test_a_failure_inside_activation_escapes_only_in_strict_mode(strict: bool) -
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_plugin_never_raises_into_vllm_unless_strict(strict: bool) -> None:
-    out = run_case("failing_plugin", VLLM_HSFIX_STRICT="1" if strict else None)
+    out = child("activation.py", "failing_plugin", env=strict_env(strict))
     assert last_json(out.stdout) == ("HsfixError" if strict else None)
     assert "forced failure in the plugin" in out.stderr

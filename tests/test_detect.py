@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import INSTALL, clean_env, last_json
-from support.procs import child
+from conftest import INSTALL, clean_env
+from support.procs import child_json
 
 from vllm_hsfix import detect
 
@@ -25,19 +25,16 @@ def test_reads_the_real_installed_distribution() -> None:
 
 @pytest.mark.needs_vllm
 def test_detection_does_not_import_vllm_or_torch() -> None:
-    data = last_json(child("lookups.py", "detected").stdout)
+    data = child_json("lookups.py", "detected")
     assert (data["version"], data["imported"]) == (INSTALL.version, [])
 
 
 def test_no_vllm_is_a_normal_state() -> None:
     # The same interpreter with the vLLM overlay taken off PYTHONPATH: no vllm at all.
     env = clean_env(PYTHONPATH=None)
-    found = child("lookups.py", "detected", env=env)
-    codes = child("lookups.py", "codes", env=env)
-    assert codes.returncode == 0, codes.stderr
-    data = last_json(found.stdout)
+    data = child_json("lookups.py", "detected", env=env)
     assert data["present"] is False and data["problem"] is None
-    assert set(last_json(codes.stdout).values()) == {"waiting-for-import"}
+    assert set(child_json("lookups.py", "codes", env=env).values()) == {"waiting-for-import"}
 
 
 @pytest.mark.parametrize(
@@ -68,12 +65,9 @@ def source_tree(root: Path) -> Path:
 
 def test_source_tree_without_metadata_is_reported(tmp_path: Path) -> None:
     source_tree(tmp_path)
-    found = child("lookups.py", "detected", env=clean_env(PYTHONPATH=str(tmp_path)))
-    present, version, problem = (
-        last_json(found.stdout)[k] for k in ("present", "version", "problem")
-    )
-    assert present is True and version is None
-    assert "no installed distribution provides it" in problem
+    data = child_json("lookups.py", "detected", env=clean_env(PYTHONPATH=str(tmp_path)))
+    assert data["present"] is True and data["version"] is None
+    assert "no installed distribution provides it" in data["problem"]
 
 
 @pytest.mark.needs_vllm
@@ -86,7 +80,7 @@ def test_source_tree_or_editable_install_reads_vllms_own_version_file(
     fake = source_tree(tmp_path)
     shutil.copyfile(Path(INSTALL.location).parent / "_version.py", fake / "_version.py")
     env = clean_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    data = last_json(child("lookups.py", "detected", env=env).stdout)
+    data = child_json("lookups.py", "detected", env=env)
     present, source, imported = data["present"], data["source"], data["imported"]
     release, version, location = data["release"], data["version"], data["location"]
     assert present and source == "package" and imported == []

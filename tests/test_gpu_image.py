@@ -15,7 +15,7 @@ import pytest
 from conftest import INSTALL, RELEASE, clean_env, last_json
 from support import skeletons as sk
 from support.commands import cli
-from support.procs import child
+from support.procs import child, child_json
 
 # A skipif mark, not a module-level skip: the other rows deselect these by their marker.
 pytestmark = [
@@ -42,8 +42,8 @@ def stated() -> dict[str, str]:
 def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
     """cpu-dist-name stays out of the way on the CUDA wheel: the lookup vLLM's CLI makes
     finds the real ``vllm`` distribution, and no alias is offered beside it."""
-    proc = child("lookups.py", "distributions", timeout=60)
-    assert last_json(proc.stdout) == [["vllm", INSTALL.version, False]], proc.stdout
+    found = child_json("lookups.py", "distributions", timeout=60)
+    assert found == [["vllm", INSTALL.version, False]], found
 
 
 def test_status_text_on_the_cuda_wheel() -> None:

@@ -6,11 +6,10 @@ in a fresh interpreter but for the revert test of every patch."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import CONNECTOR_MODULE, MODEL_MODULE, clean_env, declared_all, last_json
-from support.procs import child
+from support.procs import child, child_json
 
 from vllm_hsfix.patches import by_id
 
@@ -19,18 +18,11 @@ needs_connector_patch = pytest.mark.applies("hidden-group-block-size")
 MODULES = (MODEL_MODULE, CONNECTOR_MODULE)
 
 
-def run_case(case: str, *args: str, **env: str) -> Any:
-    """``support/children/hardening.py CASE``'s JSON line (``env``: on ``clean_env()``)."""
-    out = child("hardening.py", case, *args, env=clean_env(**env), timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return last_json(out.stdout)
-
-
 @needs_connector_patch
 def test_connector_init_fails_closed_on_an_unexpected_error() -> None:
     """An unexpected error while resolving the group must stop the connector, not
     leave it reading with the global block size (the bug) behind a log line."""
-    raised, status, reason = run_case("fails_closed")
+    raised, status, reason = child_json("hardening.py", "fails_closed")
     assert raised is not None, "the connector was built despite the failed resolution"
     assert raised[0] == "HsfixError"
     assert "VLLM_HSFIX_DISABLED_PATCHES=hidden-group-block-size" in raised[1]
@@ -41,7 +33,7 @@ def test_connector_init_fails_closed_on_an_unexpected_error() -> None:
 @pytest.mark.applies("scatter-clamp")
 def test_unapply_before_vllm_is_imported_sticks() -> None:
     """Neither the import watcher nor vLLM's plugin call undoes unapply()."""
-    before, after_apply, problems = run_case("unapply_before_import")
+    before, after_apply, problems = child_json("hardening.py", "unapply_before_import")
     sources, statuses, wrapped, release_bug_visible = before
     assert "vllm-import" in sources and "plugin" in sources
     assert set(statuses.values()) == {"reverted"}, statuses
@@ -53,7 +45,7 @@ def test_unapply_before_vllm_is_imported_sticks() -> None:
 def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
     """After importlib.reload a record must not say "applied"; apply() fixes it. A
     reload of the connector alone leaves the clamp's record (another module) applied."""
-    got = run_case("reload_targets", VLLM_HSFIX_PROVENANCE="1")
+    got = child_json("hardening.py", "reload_targets", env=clean_env(VLLM_HSFIX_PROVENANCE="1"))
     stamped, after_conn, after_both, bug_back, repaired, provenance, problems = got
     assert after_conn["scatter-clamp"][0] == "applied", after_conn
     # Every row the table applies on the two reloaded modules (the clamp, and on 0.24.x
@@ -72,7 +64,7 @@ def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
 @needs_connector_patch
 def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
     """A connector built before activation is re-resolved, and status says so."""
-    before, after, status, reason = run_case("apply_after_connector")
+    before, after, status, reason = child_json("hardening.py", "apply_after_connector")
     assert (before, after) == (528, 22)
     assert status == "applied"
     assert "1 connector(s) built before activation re-resolved (block size 528 -> 22)" in reason
@@ -81,7 +73,7 @@ def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
 def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -> None:
     """``_lazy.when_imported``: after the body, once, not on reload; at once for a
     module already imported; an exception in a hook reaches the import."""
-    seen, raised, loader, errors = run_case("post_import_hooks", str(tmp_path))
+    seen, raised, loader, errors = child_json("hardening.py", "post_import_hooks", str(tmp_path))
     assert seen == [["a", 1], ["a2", 1], ["late", 1]]
     assert raised == "'from the hook'"
     assert loader == "SourceFileLoader"  # no trace of the watcher's loader is left
@@ -90,7 +82,7 @@ def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -
 
 def test_find_spec_does_not_activate_a_real_import_does() -> None:
     """transformers and TRL look for vLLM with find_spec: that must not load us."""
-    found, after_find, after_import, sources, *loaders = run_case("find_spec_then_import")
+    found, after_find, after_import, sources, *loaders = child_json("hardening.py", "find_spec")
     assert found and after_find == [False, False]
     assert after_import and sources == ["import", "vllm-import"]
     assert not any("Activating" in name for name in loaders), loaders
@@ -98,13 +90,13 @@ def test_find_spec_does_not_activate_a_real_import_does() -> None:
 
 def test_an_error_inside_the_watcher_never_breaks_import_vllm() -> None:
     """E.g. a broken install of our runtime's dependencies."""
-    imported, errors = run_case("broken_runtime")
+    imported, errors = child_json("hardening.py", "broken_runtime")
     assert imported and errors and "vllm_hsfix.runtime" in errors[0]
 
 
 def test_a_fork_while_another_thread_holds_the_lock_does_not_hang_the_child() -> None:
     """Locks held by a thread at fork() are fresh in the child."""
-    assert run_case("fork_with_lock_held") == [0]
+    assert child_json("hardening.py", "fork_with_lock_held") == [0]
 
 
 @pytest.mark.applies("scatter-clamp")
@@ -120,7 +112,7 @@ def test_the_summary_line_goes_through_the_applications_logging() -> None:
 @needs_connector_patch
 def test_verify_goes_through_the_live_connector_class() -> None:
     """A wrapper that is installed but does nothing must not verify."""
-    code, ok, problems = run_case("verify_broken_wrapper")
+    code, ok, problems = child_json("hardening.py", "verify_broken_wrapper")
     assert code == 1 and not ok
     assert "'block_size': 528" in problems[0]
 
@@ -142,7 +134,7 @@ def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_b
     """Re-resolving a connector built before activation raises (ambiguous
     groups); the patch reports failed AND its wrappers are no longer on the class:
     never "failed" while live."""
-    result = run_case("late_apply_ambiguous")
+    result = child_json("hardening.py", "late_apply_ambiguous")
     assert result[0] != "init-raised", result
     status, reason, wrappers = result
     assert status == "failed" and "cannot identify the hidden-states KV-cache group" in reason
@@ -155,7 +147,7 @@ def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_b
 def test_verify_fails_when_the_cpu_zeroing_patch_is_refused() -> None:
     """``verify`` covers every patch in range: someone else's no-op on the
     CPU runner makes the gate refuse cpu-zero-blocks, and verify is NOT verified."""
-    code, error, status = run_case("foreign_cpu_zeroing")
+    code, error, status = child_json("hardening.py", "foreign_cpu_zeroing")
     assert (code, status) == (1, "refused"), error
     assert "cpu-zero-blocks" in error
 

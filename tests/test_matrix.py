@@ -9,8 +9,8 @@ import importlib.util
 import os
 
 import pytest
-from conftest import INSTALL, RELEASE, last_json
-from support.procs import child
+from conftest import INSTALL, RELEASE
+from support.procs import child_json
 
 from vllm_hsfix import tested
 from vllm_hsfix.patches import PATCHES
@@ -57,8 +57,7 @@ def test_live_target_matches_the_pinned_shape_and_fingerprint(patch: object) -> 
 
 
 def test_activation_decides_what_the_table_says_and_calls_it_tested() -> None:
-    out = child("lookups.py", "activation")
-    codes, tested_build = last_json(out.stdout)
+    codes, tested_build = child_json("lookups.py", "activation")
     want = {k: ("applied" if v == "would-apply" else v) for k, v in pinned()["expected"].items()}
     assert codes == want
     assert tested_build["tested"] is True, tested_build

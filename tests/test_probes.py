@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MODEL_MODULE, clean_env, last_json
-from support.procs import child
+from support.procs import child, child_json
 
 from vllm_hsfix import shapes
 from vllm_hsfix.patches import scatter_clamp as scatter
@@ -46,8 +46,7 @@ def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     assert "does not look like any known shape" in reason and "none of the known stores" in reason
     assert "scatter-clamp refused" in out.stderr  # the warning a user sees
     # Strict mode: the same refusal stops the process at activation.
-    strict = child("lookups.py", "altered_target", path, env=clean_env(VLLM_HSFIX_STRICT="1"))
-    strict = last_json(strict.stdout)
+    strict = child_json("lookups.py", "altered_target", path, env=clean_env(VLLM_HSFIX_STRICT="1"))
     assert strict.startswith("HsfixError: strict mode: scatter-clamp refused"), strict
 
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import INSTALL, clean_env, last_json
-from support.procs import child
+from conftest import INSTALL, clean_env
+from support.procs import child_json
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
 
 def _write(tmp_path: Path, env: dict[str, str]) -> tuple[dict, str]:
     target = tmp_path / "req-0.safetensors"
-    out = child("lookups.py", "saved", target, env=env)
-    meta, wrapped, after = last_json(out.stdout)
+    meta, wrapped, after = child_json("lookups.py", "saved", target, env=env)
     assert after is None  # unapply restored the module's own save_file
     return meta, wrapped
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import clean_env, run
+from conftest import clean_env, last_json, run
 
 CHILDREN = Path(__file__).resolve().parent / "children"
 TESTS = CHILDREN.parent.parent
@@ -29,6 +29,14 @@ def child(
     env = dict(clean_env() if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
     return run([sys.executable, CHILDREN / script, *args], env, timeout, merge=merge)
+
+
+def child_json(script: str, *args: Any, **kw: Any) -> Any:
+    """``child(script, *args, **kw)``'s last JSON line; fails with its stderr when it
+    does not exit 0."""
+    out = child(script, *args, **kw)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-4000:])
+    return last_json(out.stdout)
 
 
 def audit_child(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

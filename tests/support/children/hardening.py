@@ -184,7 +184,7 @@ def post_import_hooks(folder: str) -> list[Any]:
     return [seen, raised, type(a.__loader__).__name__, _lazy.errors()]
 
 
-def find_spec_then_import() -> list[Any]:
+def find_spec() -> list[Any]:
     import importlib.util
 
     import vllm_hsfix
