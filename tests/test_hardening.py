@@ -63,7 +63,8 @@ def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
 
 @needs_connector_patch
 def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
-    """A connector built before activation is re-resolved, and status says so."""
+    """A connector built before ``apply()`` (vllm-hsfix unapplied: an ``LLM`` made
+    before it) is re-resolved, and status says so."""
     before, after, status, reason = child_json("hardening.py", "apply_after_connector")
     assert (before, after) == (528, 22)
     assert status == "applied"
@@ -131,9 +132,9 @@ def test_unapply_leaves_a_later_wrapper_in_place_and_passes_through() -> None:
 
 @needs_connector_patch
 def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_back() -> None:
-    """Re-resolving a connector built before activation raises (ambiguous
-    groups); the patch reports failed AND its wrappers are no longer on the class:
-    never "failed" while live."""
+    """Re-resolving a connector built before ``apply()`` raises (ambiguous groups); the
+    patch reports failed AND its wrappers are no longer on the class: never "failed"
+    while live."""
     result = child_json("hardening.py", "late_apply_ambiguous")
     assert result[0] != "init-raised", result
     status, reason, wrappers = result

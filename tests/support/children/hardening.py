@@ -27,49 +27,19 @@ def scatter_problems(model: Any) -> list[str]:
     return checks.check_scatter(model.basic_cache, checks.scratch_case("cpu", torch.float32))
 
 
-def early_connector(layout: Any) -> Any:
-    """A worker connector built from ``layout`` while vllm_hsfix is not imported yet."""
-    import tempfile
-    from types import SimpleNamespace as NS
+def built_unapplied(hidden_groups: int = 1) -> Any:
+    """A connector built on the release's own code (vllm-hsfix imported, unapplied)
+    from ``checks.hybrid_layout``; two hidden-states groups make the fix's own error
+    (it cannot tell which one). The release's ``__init__`` may raise already."""
+    import vllm_hsfix
+    from vllm_hsfix import checks
 
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    _, conn = targets()
-    transfer = KVTransferConfig(
-        kv_connector="ExampleHiddenStatesConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()},
-    )
-    vcfg = NS(
-        kv_transfer_config=transfer,
-        cache_config=NS(block_size=528),
-        speculative_config=NS(draft_model_config=NS(hf_config=NS())),
-    )
-    return conn.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, layout)
-
-
-def early_layout(hidden_groups: int = 1) -> Any:
-    """``checks.hybrid_layout``'s groups, built here: importing ``vllm_hsfix.checks``
-    would activate vllm-hsfix before the connector exists. Two hidden-states groups
-    make the fix's own ValueError (it cannot tell which one)."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        HiddenStateCacheSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MambaSpec,
-    )
-
-    attention = FullAttentionSpec(528, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    mamba = MambaSpec(528, shapes=((4, 8),), dtypes=(torch.float32,))
-    hidden = HiddenStateCacheSpec(22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
-    groups = [
-        KVCacheGroupSpec(["model.layers.3.self_attn"], attention),
-        KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba),
-    ] + [KVCacheGroupSpec([f"cache_only_layers.{i}"], hidden) for i in range(hidden_groups)]
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    vllm_hsfix.unapply()
+    layout, _ = checks.hybrid_layout()
+    group, spec = type(layout.kv_cache_groups[2]), layout.kv_cache_groups[2].kv_cache_spec
+    for i in range(1, hidden_groups):
+        layout.kv_cache_groups.append(group([f"cache_only_layers.{i}"], spec))
+    return checks.construct_connector(targets()[1].ExampleHiddenStatesConnector, layout, 528)
 
 
 def fails_closed() -> list[Any]:
@@ -133,26 +103,26 @@ def reload_targets() -> list[Any]:
 
 
 def apply_after_connector() -> list[Any]:
-    conn = early_connector(early_layout())
+    conn = built_unapplied()
     before = conn._block_size
-    import vllm_hsfix  # vLLM is imported: activates now, late
+    import vllm_hsfix
 
+    vllm_hsfix.apply()
     rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
-    conn._executor.shutdown(wait=False)
     return [before, conn._block_size, rec["status"], rec["reason"]]
 
 
 def late_apply_ambiguous() -> list[Any]:
     try:
-        conn = early_connector(early_layout(hidden_groups=2))
-    except Exception as exc:  # the release's own __init__ may reject it already
+        conn = built_unapplied(hidden_groups=2)  # noqa: F841  (kept alive for apply)
+    except Exception as exc:
         return ["init-raised", repr(exc)]
-    import vllm_hsfix  # vLLM is imported: activates now, late
+    import vllm_hsfix
     from vllm_hsfix.patches._wrap import patch_id_of
 
+    vllm_hsfix.apply()
     rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
     cls = vars(targets()[1].ExampleHiddenStatesConnector)
-    conn._executor.shutdown(wait=False)
     wrappers = [patch_id_of(cls["__init__"]), patch_id_of(cls["register_kv_caches"])]
     return [rec["status"], rec["reason"], wrappers]
 
