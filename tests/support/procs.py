@@ -25,10 +25,19 @@ def child(
     merge: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``support/children/<script> ARGS`` (``python path args``; default environment
-    ``clean_env()``), ``tests/`` on its ``PYTHONPATH``; ``merge``: one pipe for both."""
+    ``clean_env()``), this checkout and ``tests/`` first on its ``PYTHONPATH`` (a
+    script's own folder is on its path, the working directory is not); ``merge``: one
+    pipe for both."""
+    return run([sys.executable, CHILDREN / script, *args], on_path(env), timeout, merge=merge)
+
+
+def on_path(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default ``clean_env()``) with this checkout and ``tests/`` first on
+    ``PYTHONPATH``."""
     env = dict(clean_env() if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
-    return run([sys.executable, CHILDREN / script, *args], env, timeout, merge=merge)
+    paths = (str(TESTS.parent), str(TESTS), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
 
 
 def child_json(script: str, *args: Any, **kw: Any) -> Any:
@@ -42,13 +51,11 @@ def child_json(script: str, *args: Any, **kw: Any) -> Any:
 def audit_child(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``support/children/audit_runs.py ARGS`` from the checkout (``env``: default this
     process's), decoded by hand so a ``\r`` in its output survives."""
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(map(str, (TESTS.parent, TESTS)))
+    env = on_path(dict(os.environ) if env is None else env)
     cmd = [sys.executable, CHILDREN / "audit_runs.py", *map(str, args)]
     got = subprocess.run(cmd, capture_output=True, timeout=300, cwd=TESTS.parent, env=env)
-    return subprocess.CompletedProcess(
-        cmd, got.returncode, got.stdout.decode(), got.stderr.decode()
-    )
+    out, err = got.stdout.decode(), got.stderr.decode()
+    return subprocess.CompletedProcess(cmd, got.returncode, out, err)
 
 
 def run_child(
