@@ -24,7 +24,8 @@ def scatter_problems(model: Any) -> list[str]:
 
     from vllm_hsfix import checks
 
-    return checks.check_scatter(model.basic_cache, checks.scratch_case("cpu", torch.float32))
+    case = checks.scratch_case(device="cpu", dtype=torch.float32)
+    return checks.check_scatter(model.basic_cache, case)
 
 
 def built_unapplied(hidden_groups: int = 1) -> Any:

