@@ -164,14 +164,9 @@ def find_spec() -> list[Any]:
     after_find = ["vllm_hsfix.runtime" in sys.modules, "vllm" in sys.modules]
     import vllm
 
-    return [
-        found,
-        after_find,
-        "vllm_hsfix.runtime" in sys.modules,
-        vllm_hsfix.status()["activated_by"],
-        type(vllm.__loader__).__name__,
-        type(vllm.__spec__.loader).__name__,
-    ]
+    loaders = [type(vllm.__loader__).__name__, type(vllm.__spec__.loader).__name__]
+    sources = vllm_hsfix.status()["activated_by"]
+    return [found, after_find, "vllm_hsfix.runtime" in sys.modules, sources, *loaders]
 
 
 def broken_runtime() -> list[Any]:
