@@ -10,12 +10,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.children import CONNECTOR_MODULE, MODEL_MODULE
 
 from vllm_hsfix import detect, releases
 from vllm_hsfix.patches.hooks import Hooks
@@ -23,8 +22,6 @@ from vllm_hsfix.patches.hooks import Hooks
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = detect.detect()
 RELEASE = INSTALL.release
-MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
-CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 CACHE = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))
 
 
@@ -193,17 +190,6 @@ def run(
         if proc.returncode is None:
             proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def run_py(
-    code: str,
-    env: dict[str, str] | None = None,
-    timeout: float = 300,
-    cwd: str | None = None,
-    merge: bool = False,
-) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter (``run``; ``merge``: one pipe for both)."""
-    return run([sys.executable, "-c", textwrap.dedent(code)], env, timeout, cwd, merge)
 
 
 def last_json(stdout: str, objects_only: bool = False) -> Any:

@@ -3,53 +3,27 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CONNECTOR_MODULE, MODEL_MODULE, clean_env, declared_all, last_json, run_py
+from conftest import clean_env, declared_all, last_json
+from support.procs import child, child_json
 
 from vllm_hsfix._version import __version__
 
-# The children assert 0.24.0's answers (every target of TARGETS wrapped once,
-# `_zero_block_ids` and `register_kv_caches` included): the releases where
-# hidden-group-block-size applies, not every release of the clamp.
+# The children assert 0.24.0's answers (each target of support/children/activation.py
+# wrapped once, `_zero_block_ids` and `register_kv_caches` included): the releases
+# where hidden-group-block-size applies, not every release of the clamp.
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("hidden-group-block-size")]
 
-TARGETS = f"""
-import importlib
-MODEL = importlib.import_module("{MODEL_MODULE}")
-CONN = importlib.import_module("{CONNECTOR_MODULE}")
-RUNNER = importlib.import_module("vllm.v1.worker.cpu_model_runner")
-CLI = importlib.import_module("vllm.entrypoints.cli.main")
-"""
 
-WRAP_REPORT = """
-from vllm_hsfix.patches._wrap import patch_id_of
-def depth(obj):
-    n = 0
-    while patch_id_of(obj) is not None:
-        n, obj = n + 1, obj.__wrapped__
-    return n
-C = CONN.ExampleHiddenStatesConnector.__dict__
-REPORT = {
-    "basic_cache": depth(MODEL.basic_cache),
-    "__init__": depth(C["__init__"]),
-    "register_kv_caches": depth(C["register_kv_caches"]),
-    "_zero_block_ids": depth(RUNNER.CPUModelRunner.__dict__["_zero_block_ids"]),
-}
-"""
+def strict_env(strict: bool) -> dict[str, str]:
+    return clean_env(VLLM_HSFIX_STRICT="1" if strict else None)
+
+
 # Each target wrapped exactly once, by us.
 ONCE = dict.fromkeys(["basic_cache", "__init__", "register_kv_caches", "_zero_block_ids"], 1)
 
 
 def test_status_after_import_shows_both_patches_applied_and_one_log_line() -> None:
-    out = run_py(
-        "import json, vllm_hsfix\n"
-        + TARGETS
-        + WRAP_REPORT
-        + """
-st = vllm_hsfix.status()
-print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
-                  st["activated_by"]]))
-"""
-    )
+    out = child("activation.py", "after_import")
     statuses, depths, sources = last_json(out.stdout)
     assert statuses == declared_all()
     assert depths == ONCE
@@ -66,26 +40,8 @@ print(json.dumps([{k: v["status"] for k, v in st["patches"].items()}, REPORT,
 def test_import_plugin_bootstrap_and_apply_patch_once(order: str) -> None:
     from vllm_hsfix.cli import BOOTSTRAP_DIR
 
-    activate = """
-import vllm_hsfix
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-vllm_hsfix.apply(); vllm_hsfix.apply()
-import vllm_hsfix.plugin; vllm_hsfix.plugin.register()
-"""
-    body = (TARGETS + activate) if order == "targets-first" else (activate + TARGETS)
     env = clean_env(PYTHONPATH=f"{BOOTSTRAP_DIR}:" + clean_env()["PYTHONPATH"])
-    out = run_py(
-        "import json\n"
-        + body
-        + WRAP_REPORT
-        + """
-st = vllm_hsfix.status()
-print(json.dumps([REPORT, st["activated_by"], {k: v["status"] for k, v in st["patches"].items()}]))
-""",
-        env=env,
-    )
-    depths, sources, statuses = last_json(out.stdout)
+    depths, sources, statuses = child_json("activation.py", "every_path", order, env=env)
     assert depths == ONCE
     assert sources[0] == "bootstrap"
     # `import vllm_hsfix` after the bootstrap finds the module already imported: no event.
@@ -94,35 +50,11 @@ print(json.dumps([REPORT, st["activated_by"], {k: v["status"] for k, v in st["pa
 
 
 def test_concurrent_activation_from_threads_patches_once() -> None:
-    out = run_py(
-        "import json, threading\n"
-        + TARGETS
-        + """
-import vllm_hsfix
-barrier = threading.Barrier(8)
-def go():
-    barrier.wait()
-    vllm_hsfix.apply()
-ts = [threading.Thread(target=go) for _ in range(8)]
-[t.start() for t in ts]; [t.join() for t in ts]
-"""
-        + WRAP_REPORT
-        + "print(json.dumps(REPORT))"
-    )
-    assert last_json(out.stdout) == ONCE
+    assert child_json("activation.py", "threads") == ONCE
 
 
 def test_disable_switches() -> None:
-    code = (
-        "import json, vllm_hsfix\n"
-        + TARGETS
-        + WRAP_REPORT
-        + """
-st = vllm_hsfix.status()
-print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
-"""
-    )
-    off = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLE="1")).stdout)
+    off = child_json("activation.py", "codes", env=clean_env(VLLM_HSFIX_DISABLE="1"))
     assert off == [
         dict.fromkeys(ONCE, 0),
         {
@@ -130,7 +62,8 @@ print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
             for pid, st in declared_all().items()
         },
     ]
-    one = last_json(run_py(code, env=clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")).stdout)
+    env = clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")
+    one = child_json("activation.py", "codes", env=env)
     assert one == [
         {**ONCE, "basic_cache": 0},
         {
@@ -143,34 +76,9 @@ print(json.dumps([REPORT, {k: v["code"] for k, v in st["patches"].items()}]))
     ]
 
 
-FORCE_FAILURE = """
-import vllm_hsfix.detect as d
-def broken(*a, **k):
-    raise RuntimeError("forced failure inside activation")
-d.detect = broken
-"""
-
-
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_failure_inside_activation_escapes_only_in_strict_mode(strict: bool) -> None:
-    code = (
-        "import json\n"
-        + FORCE_FAILURE
-        + """
-import vllm_hsfix
-try:
-"""
-        + "\n".join("    " + ln for ln in TARGETS.strip().splitlines())
-        + """
-    raised = None
-except Exception as exc:
-    raised = type(exc).__name__ + ": " + str(exc)
-st = vllm_hsfix.status() if raised is None else None
-print(json.dumps([raised, st and {k: v["code"] for k, v in st["patches"].items()}]))
-"""
-    )
-    env = clean_env(VLLM_HSFIX_STRICT="1" if strict else None)
-    out = run_py(code, env=env)
+    out = child("activation.py", "failing_detect", env=strict_env(strict))
     if strict:
         # the status() call itself would re-raise, so only the import result is checked
         raised = last_json(out.stdout)[0]
@@ -185,20 +93,6 @@ print(json.dumps([raised, st and {k: v["code"] for k, v in st["patches"].items()
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_plugin_never_raises_into_vllm_unless_strict(strict: bool) -> None:
-    code = """
-import json
-import vllm_hsfix._lazy as lazy
-def broken(*args):
-    raise RuntimeError("forced failure in the plugin")
-lazy.activate = broken
-import vllm_hsfix.plugin
-try:
-    vllm_hsfix.plugin.register()
-    raised = None
-except BaseException as exc:
-    raised = type(exc).__name__
-print(json.dumps(raised))
-"""
-    out = run_py(code, env=clean_env(VLLM_HSFIX_STRICT="1" if strict else None))
+    out = child("activation.py", "failing_plugin", env=strict_env(strict))
     assert last_json(out.stdout) == ("HsfixError" if strict else None)
     assert "forced failure in the plugin" in out.stderr

@@ -1,4 +1,4 @@
-"""The package's structure, read from its source (issue 13): no import cycle, nothing
+"""The package's structure, read from its source: no import cycle, nothing
 imports upward, no private name is used across modules, no module assigns another's
 globals. Static: no torch, no vLLM (runs on Python 3.10-3.13).
 
@@ -301,7 +301,7 @@ def test_no_core_module_is_over_500_lines() -> None:
     assert over == {}
 
 
-@pytest.mark.xfail(strict=False, reason="issue 37, open: the core is still over its 5,000 lines")
+@pytest.mark.xfail(strict=False, reason="the core is still over its 5,000 lines")
 def test_the_core_is_at_most_5000_lines() -> None:
     total = sum(_lines(p) for p in core_modules().values())
     assert total <= MAX_CORE, f"the core is {total} lines"

@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 from support.hsfiles import A, hs_file, make_mixed
+from support.procs import audit_child
 
 from vllm_hsfix.audit import command
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # ----------------------------------------------------------------- CLI
 
@@ -123,37 +117,13 @@ def test_add_parser_wires_into_a_cli(tmp_path: Path) -> None:
     assert args.fn(args) == 1
 
 
-def run_py(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter; output decoded by hand so ``\r`` survives."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-    )
-    return subprocess.CompletedProcess(
-        out.args, out.returncode, out.stdout.decode(), out.stderr.decode()
-    )
-
-
 def test_standalone_process_exit_code_and_progress(tmp_path: Path) -> None:
     """A real process: exit code, progress fit for a log (stderr is a pipe here: plain
     lines with rates, no ``\r`` frames), and no torch/vllm."""
     for i in range(51):
         hs_file(tmp_path / f"f{i:02d}.safetensors", tokens=8, hidden=32, seed=i)
     hs_file(tmp_path / "bad.safetensors", tokens=8, hidden=32, edit=lambda h, i: h[1].zero_())
-    out = run_py(
-        f"""
-        import json, sys
-        from vllm_hsfix.audit.command import main
-        light = "numpy" not in sys.modules
-        code = main([{str(tmp_path)!r}, "--workers", "2"])
-        heavy = sorted(m for m in ("torch", "vllm", "safetensors") if m in sys.modules)
-        print(json.dumps([code, light, heavy]))
-        """
-    )
+    out = audit_child("standalone", tmp_path)
     assert out.returncode == 0, out.stderr
     code, light, heavy = json.loads(out.stdout.strip().splitlines()[-1])
     assert code == 1
@@ -210,33 +180,7 @@ def test_memory_stays_bounded_on_a_200mb_file(tmp_path: Path) -> None:
     assert size > 200_000_000
     with safe_open(str(path), framework="numpy") as f:  # the hand-written file is valid
         assert f.get_slice("hidden_states").get_shape() == [tokens, n_aux, hidden]
-    out = run_py(
-        f"""
-        import json, resource
-        import numpy as np
-        from vllm_hsfix.audit.scan import audit_file
-
-        def peak():
-            # Peak RSS of this process. On Linux getrusage's ru_maxrss also carries the
-            # peak of the process that forked us (pytest, with torch loaded) across
-            # exec, so the per-address-space VmHWM is read where it exists.
-            try:
-                with open("/proc/self/status") as f:
-                    line = next(x for x in f if x.startswith("VmHWM:"))
-                return int(line.split()[1]) * 1024
-            except OSError:
-                return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-        base = peak()
-        rep = audit_file({str(path)!r})
-        audited = peak()
-        # Control: the same measurement does see a whole-file mapping being read.
-        mm = np.memmap({str(path)!r}, dtype=np.uint8, mode="r")
-        int(mm[::4096].sum())
-        control = peak()
-        print(json.dumps([base, audited, control, rep.verdict, [s.count for s in rep.layers]]))
-        """
-    )
+    out = audit_child("peaks", path)
     assert out.returncode == 0, out.stderr
     base, audited, control, verdict, counts = json.loads(out.stdout.strip().splitlines()[-1])
     assert verdict == "ok" and counts == [tokens] * n_aux
@@ -248,14 +192,7 @@ def test_memory_stays_bounded_on_a_200mb_file(tmp_path: Path) -> None:
 def test_missing_numpy_is_a_one_line_usage_error_not_corrupt(tmp_path: Path) -> None:
     """On a bare data box without numpy: the install command, exit 2 (1 means corrupt)."""
     hs_file(tmp_path / "f.safetensors", tokens=4, hidden=8)
-    out = run_py(
-        f"""
-        import sys
-        sys.modules["numpy"] = None  # as if numpy were not installed
-        from vllm_hsfix.cli import main
-        sys.exit(main(["audit", {str(tmp_path)!r}]))
-        """
-    )
+    out = audit_child("without", "numpy", "audit", tmp_path)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert lines == [

@@ -47,7 +47,7 @@ def test_norm_outlier_among_good_files(tmp_path: Path) -> None:
     ratios = re.findall(r"is (\S+)x the dataset median", by["scaled.safetensors"].reason())
     assert len(ratios) == A and all(900 < float(r) < 1100 for r in ratios)
     assert all(f.verdict == "ok" for n, f in by.items() if n != "scaled.safetensors")
-    # A heuristic's verdict is "look", never "regenerate" (issue 20).
+    # A heuristic's verdict is "look", never "regenerate": it may be wrong.
     assert report.suspect == [str(off)] and report.regenerate == []
     refs = report.dataset["norm_reference"]
     assert [r["aux"] for r in refs] == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""``vllm-hsfix audit`` on the files speculators' ``fp8`` backend writes (issue 28).
+"""``vllm-hsfix audit`` on the files speculators' ``fp8`` backend writes.
 
 hs-connectors' ``FP8HiddenStatesConnector`` saves ``hidden_states`` as float8_e4m3fn
 with one fp32 scale per token (``hidden_states_scales``); the audit de-quantizes them
@@ -8,8 +8,9 @@ the tiny Qwen3.5 hybrid, with aux layers 1-4 (4 = num_hidden_layers, which specu
 always appends). Expected values come from torch (its own float8 conversion, the
 forward itself) and from how each file was damaged, never from the audit.
 
-Before issue 28 every right fp8 file here was called corrupt (``wrong_dtype``
-F8_E4M3, ``extra_keys``); formats the audit does not know were called corrupt too.
+Read without the de-quantization, every right fp8 file here looks corrupt
+(``wrong_dtype`` F8_E4M3, ``extra_keys``); a format the audit does not know must not
+be called corrupt either.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ asserted here.
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from support import hsrows
 from support.hsfiles import hs_file
+from support.procs import audit_child
 
 from vllm_hsfix.audit import decode, scan
 from vllm_hsfix.audit.decode import fp8_e4m3fn_table
@@ -149,20 +149,17 @@ def test_every_finding_is_the_same_with_the_kernel(
     }  # fmt: skip
 
 
-def _enabled(env: dict[str, str], total: int) -> str:
-    code = f"from vllm_hsfix.audit import decode; print(decode.enable({total}))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
+def _enabled(env: dict[str, str], total: int) -> bool:
+    out = audit_child("kernel_enabled", total, env=env)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    return json.loads(out.stdout)
 
 
 def test_the_kernel_is_used_only_past_min_bytes_and_can_be_switched_off() -> None:
     env = {k: v for k, v in os.environ.items() if k != decode.KERNEL_ENV}
-    assert _enabled(env, decode.MIN_BYTES - 1) == "False"
-    assert _enabled(env, decode.MIN_BYTES) == "True"
-    assert _enabled({**env, decode.KERNEL_ENV: "0"}, decode.MIN_BYTES) == "False"
+    assert _enabled(env, decode.MIN_BYTES - 1) is False
+    assert _enabled(env, decode.MIN_BYTES) is True
+    assert _enabled({**env, decode.KERNEL_ENV: "0"}, decode.MIN_BYTES) is False
 
 
 def test_a_large_audit_loads_the_kernel_at_its_first_fp8_file_only(tmp_path: Path) -> None:
@@ -171,20 +168,10 @@ def test_a_large_audit_loads_the_kernel_at_its_first_fp8_file_only(tmp_path: Pat
     bf16 = hs_file(tmp_path / "bf16.safetensors", tokens=20)
     rows = torch.randn(20, 3, 64, generator=torch.Generator().manual_seed(1))
     fp8 = hsrows.write_fp8(tmp_path / "fp8.safetensors", rows, list(range(20)))
-    code = f"""if True:
-        import sys
-        from vllm_hsfix.audit import decode, parallel
-        reps = parallel.run_batch([{str(bf16)!r}], decode.MIN_BYTES)
-        print(reps[0].verdict, "numba" in sys.modules)
-        reps = parallel.run_batch([{str(fp8)!r}], decode.MIN_BYTES)
-        print(reps[0].verdict, "numba" in sys.modules, bool(decode._kernel))
-    """
     env = {k: v for k, v in os.environ.items() if k != decode.KERNEL_ENV}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
+    out = audit_child("kernel_loads", bf16, fp8, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["ok", "False", "ok", "True", "True"], out.stdout
+    assert json.loads(out.stdout) == [["ok", False, False], ["ok", True, True]], out.stdout
 
 
 def test_the_fp8_kernel_squares_every_byte_value() -> None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import errno
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from support.hsfiles import PREFIX_AUX as A
 from support.hsfiles import dataset
+from support.procs import audit_child
 
 from vllm_hsfix.audit import pipeline, prefix, reports, scan
 
@@ -203,27 +202,9 @@ def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None
     """The thread pools are looked up again after new imports: a BLAS that comes with a
     later import (torch's, in a fresh interpreter) is limited as well, and given back
     its threads after."""
-    program = """if True:
-        import json
-        from threadpoolctl import threadpool_info
-        from vllm_hsfix.audit import prefix
-
-        def blas():
-            return [x["num_threads"] for x in threadpool_info() if x["user_api"] == "blas"]
-
-        with prefix.single_blas_thread():
-            pass
-        import torch  # noqa: F401  (its BLAS is loaded now, after the first batch)
-        before = blas()
-        with prefix.single_blas_thread() as on:
-            inside = blas()
-        print(json.dumps({"on": on, "before": before, "inside": inside, "after": blas()}))
-    """
-    out = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
-    )
+    out = audit_child("blas_threads")
     assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout)
     assert got["on"] and got["before"] and set(got["inside"]) == {1}, got
     assert got["after"] == got["before"], got
 

@@ -147,9 +147,9 @@ def test_reference_aux_id_num_hidden_layers_is_the_pre_norm_last_layer(
     tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Right files (vLLM's convention for aux id 4) are ok, and the report says which
-    convention it compared with. Before issue 28 the audit compared aux id 4 with
-    transformers' ``hidden_states[4]`` (after the final norm) and called them corrupt:
-    those states differ from the right rows by far more than the threshold."""
+    convention it compared with. Compared with transformers' ``hidden_states[4]``
+    (after the final norm) they would be called corrupt: those states differ from the
+    right rows by far more than the threshold."""
     model_dir = tiny_models["hybrid"]
     files = last_layer_files(model_dir, tmp_path, "pre")
     code, doc, err = audit_last_layer(model_dir, tmp_path, capsys)

@@ -1,4 +1,4 @@
-"""``vllm-hsfix audit`` at the size of real datasets (issue 20): split verdicts, ``--list``,
+"""``vllm-hsfix audit`` at the size of real datasets: split verdicts, ``--list``,
 ``--show``, streaming ``--jsonl``, progress fit for where it runs, ``--state``, pending
 files, and the Python API. The checks themselves are ``test_audit*.py``'s: here the
 expectations come from how the crafted files were damaged, never from the auditor.
@@ -15,12 +15,12 @@ import struct
 import subprocess
 import sys
 import termios
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.hsfiles import dataset, hs_file, make_mixed, write_raw
+from support.procs import audit_child
 
 import vllm_hsfix.audit as audit_api
 from vllm_hsfix.audit import command, pipeline, progress
@@ -336,25 +336,7 @@ def test_python_api_is_the_package_surface(tmp_path: Path) -> None:
 
 def test_ray_without_ray_installed_says_how_and_exits_2(tmp_path: Path) -> None:
     hs_file(tmp_path / "g.safetensors")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys
-                sys.modules["ray"] = None
-                from vllm_hsfix.cli import main
-                sys.exit(main(["audit", {str(tmp_path)!r}, "--ray"]))
-                """
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        timeout=120,
-    )
+    out = audit_child("without", "ray", "audit", tmp_path, "--ray")
     assert out.returncode == 2, out.stderr
     assert re.fullmatch(
         r"vllm-hsfix audit --ray needs Ray, which is not installed here: "

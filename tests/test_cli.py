@@ -55,7 +55,7 @@ def test_status_exit_code_is_nonzero_when_the_fix_cannot_apply(
 
 
 def test_status_without_vllm_exits_2() -> None:
-    # A check run in the wrong virtualenv must not pass (issue 11.11).
+    # A check run in the wrong virtualenv (no vLLM there) must not pass.
     out = cli("status", "--json", env=clean_env(PYTHONPATH=None))
     report = json.loads(out.stdout)
     assert out.returncode == 2 and report["vllm"]["present"] is False

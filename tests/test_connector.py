@@ -221,7 +221,7 @@ def distributed(vllm_config: Any) -> Any:
 
 # A buffer in the hidden-states group's layout with its block size is taken; another
 # block size is named; 0.29's head-major layout ([blocks, heads, block_size, head])
-# under 0.24's connector is named as such, not as a plain size mismatch (issue 18.7).
+# under 0.24's connector is named as such, not as a plain size mismatch.
 BUFFERS = {
     "block-22": ((4, 22, 3, 256), None),
     "block-528": ((4, 528, 3, 256), "block dimension 528"),

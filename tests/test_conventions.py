@@ -1,5 +1,5 @@
-"""Every wrapper behaves like the function it replaces, however it is called (issue 26.3),
-and the patched classes carry upstream's interface (issue 26.2), on the real classes.
+"""Every wrapper behaves like the function it replaces, however it is called, and the
+patched classes carry upstream's interface (its fix's helpers), on the real classes.
 
 1. Every attribute an applied patch replaces or adds: the same calls (bound, through
    the class, ``super()``, a subclass, construction, subscription, through a module)
@@ -176,7 +176,8 @@ def test_every_replacement_binds_like_the_original(patched: Any) -> None:
 
 @pytest.mark.applies("hidden-group-block-size")
 def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
-    """Names, kinds, signatures and answers of 0.25.0's helpers (issue 26.2)."""
+    """Names, kinds, signatures and answers of 0.25.0's helpers: code written against
+    upstream's fix runs on the patched class."""
     cls = connector().ExampleHiddenStatesConnector
     config, want = checks.hybrid_layout()
     find = inspect.getattr_static(cls, "_find_cache_kv_group_id")

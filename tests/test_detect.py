@@ -7,7 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import INSTALL, clean_env, last_json, run_py
+from conftest import INSTALL, clean_env
+from support.procs import child_json
 
 from vllm_hsfix import detect
 
@@ -24,37 +25,16 @@ def test_reads_the_real_installed_distribution() -> None:
 
 @pytest.mark.needs_vllm
 def test_detection_does_not_import_vllm_or_torch() -> None:
-    out = run_py(
-        """
-        import json, sys
-        from vllm_hsfix import detect
-        inst = detect.detect()
-        print(json.dumps({"version": inst.version, "mods": sorted(
-            m for m in ("vllm", "torch") if m in sys.modules)}))
-        """
-    )
-    data = last_json(out.stdout)
-    assert data == {"version": INSTALL.version, "mods": []}
+    data = child_json("lookups.py", "detected")
+    assert (data["version"], data["imported"]) == (INSTALL.version, [])
 
 
 def test_no_vllm_is_a_normal_state() -> None:
     # The same interpreter with the vLLM overlay taken off PYTHONPATH: no vllm at all.
     env = clean_env(PYTHONPATH=None)
-    out = run_py(
-        """
-        import json
-        from vllm_hsfix import detect, status
-        inst = detect.detect()
-        st = status()
-        print(json.dumps({"present": inst.present, "problem": inst.problem,
-                          "codes": {k: v["code"] for k, v in st["patches"].items()}}))
-        """,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr
-    data = last_json(out.stdout)
+    data = child_json("lookups.py", "detected", env=env)
     assert data["present"] is False and data["problem"] is None
-    assert set(data["codes"].values()) == {"waiting-for-import"}
+    assert set(child_json("lookups.py", "codes", env=env).values()) == {"waiting-for-import"}
 
 
 @pytest.mark.parametrize(
@@ -85,33 +65,24 @@ def source_tree(root: Path) -> Path:
 
 def test_source_tree_without_metadata_is_reported(tmp_path: Path) -> None:
     source_tree(tmp_path)
-    out = run_py(
-        "import json; from vllm_hsfix import detect; d = detect.detect();"
-        "print(json.dumps([d.present, d.version, d.problem]))",
-        env=clean_env(PYTHONPATH=str(tmp_path)),
-    )
-    present, version, problem = last_json(out.stdout)
-    assert present is True and version is None
-    assert "no installed distribution provides it" in problem
+    data = child_json("lookups.py", "detected", env=clean_env(PYTHONPATH=str(tmp_path)))
+    assert data["present"] is True and data["version"] is None
+    assert "no installed distribution provides it" in data["problem"]
 
 
 @pytest.mark.needs_vllm
 def test_source_tree_or_editable_install_reads_vllms_own_version_file(
     tmp_path: Path,
 ) -> None:
-    """Issue 11.5: a source checkout on sys.path (or an editable install, whose files no
+    """A source checkout on sys.path (or an editable install, whose files no
     distribution owns) is identified from the ``_version.py`` vLLM's build writes."""
     assert INSTALL.location is not None
     fake = source_tree(tmp_path)
     shutil.copyfile(Path(INSTALL.location).parent / "_version.py", fake / "_version.py")
     env = clean_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    out = run_py(
-        "import json, sys; from vllm_hsfix import detect; d = detect.detect();"
-        "print(json.dumps([d.present, d.version, d.release, d.source, d.location,"
-        " 'vllm' in sys.modules]))",
-        env=env,
-    )
-    present, version, release, source, location, imported = last_json(out.stdout)
-    assert present and source == "package" and not imported
+    data = child_json("lookups.py", "detected", env=env)
+    present, source, imported = data["present"], data["source"], data["imported"]
+    release, version, location = data["release"], data["version"], data["location"]
+    assert present and source == "package" and imported == []
     assert release == INSTALL.release and version == INSTALL.version.split("+")[0]
     assert location == os.path.realpath(fake / "__init__.py")

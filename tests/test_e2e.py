@@ -173,7 +173,7 @@ def _audit(files: list[str]) -> dict[str, str]:
 
 @pytest.mark.applies("scatter-clamp")
 def test_audit_flags_every_unpatched_file_with_zero_rows_and_no_good_file(workdir: Path) -> None:
-    """`vllm-hsfix audit` on what the real vLLM wrote (issue: find the corrupted files)."""
+    """`vllm-hsfix audit` on what the real vLLM wrote (it finds the corrupted files)."""
     from safetensors.torch import load_file
 
     bad, good = result("hybrid-mp", False, workdir), result("hybrid-mp", True, workdir)

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_py
+from support.procs import child_json
 from support.scatter_check import (
     RELEASE_SHAPES,
     assert_original_overwrites_live_slot,
@@ -182,10 +182,4 @@ def test_flat_view_release_and_replacement_refuse_a_strided_view(version: str) -
 @cuda_only
 def test_activation_and_plugin_do_not_initialise_cuda() -> None:
     """Initialising CUDA in vLLM's process 0 would force its workers into spawn."""
-    code = (
-        "import torch, vllm_hsfix, vllm_hsfix.plugin\n"
-        "vllm_hsfix.plugin.register(); vllm_hsfix.apply(); vllm_hsfix.status()\n"
-        "print(torch.cuda.is_initialized())"
-    )
-    out = run_py(code, env=dict(os.environ))
-    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+    assert child_json("startup.py", "cuda_untouched", env=dict(os.environ)) is False

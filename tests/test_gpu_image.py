@@ -12,17 +12,10 @@ import json
 import re
 
 import pytest
-from conftest import (
-    CONNECTOR_MODULE,
-    INSTALL,
-    MODEL_MODULE,
-    RELEASE,
-    clean_env,
-    last_json,
-    run_py,
-)
+from conftest import INSTALL, RELEASE, clean_env, last_json
 from support import skeletons as sk
 from support.commands import cli
+from support.procs import child, child_json
 
 # A skipif mark, not a module-level skip: the other rows deselect these by their marker.
 pytestmark = [
@@ -35,7 +28,6 @@ pytestmark = [
     ),
 ]
 
-WORKER_MODULES = (MODEL_MODULE, CONNECTOR_MODULE, "vllm.v1.worker.gpu_model_runner")
 MARK = "HSFIX-TEST-MARK first print of the process"
 
 
@@ -50,14 +42,8 @@ def stated() -> dict[str, str]:
 def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
     """cpu-dist-name stays out of the way on the CUDA wheel: the lookup vLLM's CLI makes
     finds the real ``vllm`` distribution, and no alias is offered beside it."""
-    code = (
-        "import importlib.metadata as m, json\n"
-        "found = list(m.distributions(name='vllm'))\n"
-        "print(json.dumps([[d.metadata['Name'], d.version, hasattr(d, 'hsfix_alias_of')]"
-        " for d in found]))"
-    )
-    proc = run_py(code, timeout=60)
-    assert json.loads(proc.stdout) == [["vllm", INSTALL.version, False]], proc.stdout
+    found = child_json("lookups.py", "distributions", timeout=60)
+    assert found == [["vllm", INSTALL.version, False]], found
 
 
 def test_status_text_on_the_cuda_wheel() -> None:
@@ -86,30 +72,8 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
     says what will be patched and that the CPU block zeroing is not needed; after the
     imports the patches are live; vLLM's platform here is not its CPU platform."""
     want = stated()
-    out = run_py(
-        f"""
-        import importlib, json, sys
-        from vllm.plugins import load_general_plugins
-        assert "vllm_hsfix" not in sys.modules
-        load_general_plugins()
-        early = sys.modules["vllm_hsfix"].status()
-        print({MARK!r}, flush=True)
-        for m in {WORKER_MODULES!r}:
-            importlib.import_module(m)
-        from vllm.platforms import current_platform
-        st = sys.modules["vllm_hsfix"].status()
-        print(json.dumps({{
-            "by": early["activated_by"],
-            "vllm": early["vllm"],
-            "early": {{k: v["code"] for k, v in early["patches"].items()}},
-            "codes": {{k: v["code"] for k, v in st["patches"].items()}},
-            "cpu_runner_imported": "vllm.v1.worker.cpu_model_runner" in sys.modules,
-            "platform": type(current_platform).__name__,
-        }}))
-        """,
-        clean_env(PYTHONUNBUFFERED="1"),  # one pipe, in the order things happened
-        merge=True,
-    )
+    env = clean_env(PYTHONUNBUFFERED="1")  # one pipe, in the order things happened
+    out = child("startup.py", "gpu_worker", MARK, env=env, merge=True)
     assert out.returncode == 0, out.stdout[-3000:]
     text = out.stdout
     assert MARK in text, text[-3000:]

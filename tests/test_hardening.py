@@ -1,4 +1,4 @@
-"""Issue 11: the patcher fails closed, reverts for good, reports the truth, and survives
+"""The patcher fails closed, reverts for good, reports the truth, and survives
 fork, reload, late activation, other people's wrappers and logging; its post-import
 hooks fire once, after the module body. Each test asserts on what the live objects do,
 in a fresh interpreter but for the revert test of every patch."""
@@ -8,85 +8,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import RELEASE, clean_env, declared_all, last_json, run_py
+from conftest import CONNECTOR_MODULE, MODEL_MODULE, clean_env, declared_all, last_json
+from support.procs import child, child_json
 
 from vllm_hsfix.patches import by_id
 
 pytestmark = pytest.mark.needs_vllm
 needs_connector_patch = pytest.mark.applies("hidden-group-block-size")
-
-MODULES = (
-    "vllm.model_executor.models.extract_hidden_states",
-    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
-)
-IMPORT_TARGETS = f"""
-import importlib
-MODEL, CONN = (importlib.import_module(m) for m in {MODULES!r})
-"""
-
-# The scatter check on the live basic_cache: [] when padding goes to the null block.
-SCATTER_OK = """
-import torch
-from vllm_hsfix import checks
-def scatter_problems():
-    case = checks.scratch_case(device="cpu", dtype=torch.float32)
-    return checks.check_scatter(MODEL.basic_cache, case)
-"""
-
-HYBRID = """
-import torch
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, HiddenStateCacheSpec,
-    KVCacheConfig, KVCacheGroupSpec, MambaSpec)
-def hybrid():
-    groups = [
-        KVCacheGroupSpec(["model.layers.3.self_attn"], FullAttentionSpec(
-            block_size=528, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)),
-        KVCacheGroupSpec(["model.layers.0.linear_attn"], MambaSpec(
-            block_size=528, shapes=((4, 8),), dtypes=(torch.float32,))),
-        KVCacheGroupSpec(["cache_only_layers.0"], HiddenStateCacheSpec(
-            block_size=22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)),
-    ]
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-"""
-
-# A connector built before vllm-hsfix activates: vLLM imported, vllm_hsfix not yet.
-EARLY_CONNECTOR = """
-import json, tempfile
-from types import SimpleNamespace as NS
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-transfer = KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_both",
-    kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
-vcfg = NS(kv_transfer_config=transfer, cache_config=NS(block_size=528),
-          speculative_config=NS(draft_model_config=NS(hf_config=NS())))
-"""
+MODULES = (MODEL_MODULE, CONNECTOR_MODULE)
 
 
 @needs_connector_patch
 def test_connector_init_fails_closed_on_an_unexpected_error() -> None:
-    """11.2: an unexpected error while resolving the group must stop the connector, not
+    """An unexpected error while resolving the group must stop the connector, not
     leave it reading with the global block size (the bug) behind a log line."""
-    out = run_py(
-        IMPORT_TARGETS
-        + HYBRID
-        + """
-import json
-import vllm_hsfix
-from vllm_hsfix import checks
-from vllm_hsfix.patches import hidden_group_block_size as connector
-def broken(config):
-    raise RuntimeError("injected fault in group resolution")
-connector.find_hidden_group = broken
-try:
-    checks.construct_connector(CONN.ExampleHiddenStatesConnector, hybrid(), 528)
-    raised = None
-except Exception as exc:
-    raised = [type(exc).__name__, str(exc)]
-rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
-print(json.dumps([raised, rec["status"], rec["reason"]]))
-"""
-    )
-    raised, status, reason = last_json(out.stdout)
+    raised, status, reason = child_json("hardening.py", "fails_closed")
     assert raised is not None, "the connector was built despite the failed resolution"
     assert raised[0] == "HsfixError"
     assert "VLLM_HSFIX_DISABLED_PATCHES=hidden-group-block-size" in raised[1]
@@ -96,28 +32,8 @@ print(json.dumps([raised, rec["status"], rec["reason"]]))
 
 @pytest.mark.applies("scatter-clamp")
 def test_unapply_before_vllm_is_imported_sticks() -> None:
-    """11.3: neither the import watcher nor vLLM's plugin call undoes unapply()."""
-    out = run_py(
-        """
-import json, sys
-import vllm_hsfix
-vllm_hsfix.unapply()
-"""
-        + IMPORT_TARGETS
-        + SCATTER_OK
-        + """
-from vllm.plugins import load_general_plugins
-load_general_plugins()  # what every vLLM process does: calls our entry point
-from vllm_hsfix.patches._wrap import ours_in
-st = vllm_hsfix.status()
-before = [st["activated_by"], {k: v["status"] for k, v in st["patches"].items()},
-          ours_in(MODEL.basic_cache) is not None, bool(scatter_problems())]
-vllm_hsfix.apply()
-st = vllm_hsfix.status()["patches"]
-print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
-"""
-    )
-    before, after_apply, problems = last_json(out.stdout)
+    """Neither the import watcher nor vLLM's plugin call undoes unapply()."""
+    before, after_apply, problems = child_json("hardening.py", "unapply_before_import")
     sources, statuses, wrapped, release_bug_visible = before
     assert "vllm-import" in sources and "plugin" in sources
     assert set(statuses.values()) == {"reverted"}, statuses
@@ -127,32 +43,10 @@ print(json.dumps([before, st["scatter-clamp"]["status"], scatter_problems()]))
 
 @pytest.mark.applies("scatter-clamp")
 def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
-    """11.3: after importlib.reload a record must not say "applied"; apply() fixes it. A
+    """After importlib.reload a record must not say "applied"; apply() fixes it. A
     reload of the connector alone leaves the clamp's record (another module) applied."""
-    out = run_py(
-        """
-import json, importlib
-import vllm_hsfix
-"""
-        + IMPORT_TARGETS
-        + SCATTER_OK
-        + """
-def statuses():
-    return {k: [v["status"], v["code"]] for k, v in vllm_hsfix.status()["patches"].items()}
-stamped = vllm_hsfix.status()["provenance"]
-importlib.reload(CONN)
-after_conn = statuses()
-importlib.reload(MODEL)
-after_both, bug_back = statuses(), bool(scatter_problems())
-vllm_hsfix.apply()
-print(json.dumps([stamped, after_conn, after_both, bug_back, statuses(),
-                  vllm_hsfix.status()["provenance"], scatter_problems()]))
-""",
-        env=clean_env(VLLM_HSFIX_PROVENANCE="1"),
-    )
-    stamped, after_conn, after_both, bug_back, repaired, provenance, problems = last_json(
-        out.stdout
-    )
+    got = child_json("hardening.py", "reload_targets", env=clean_env(VLLM_HSFIX_PROVENANCE="1"))
+    stamped, after_conn, after_both, bug_back, repaired, provenance, problems = got
     assert after_conn["scatter-clamp"][0] == "applied", after_conn
     # Every row the table applies on the two reloaded modules (the clamp, and on 0.24.x
     # the connector's rows): overwritten by the reloads, applied again by apply().
@@ -163,28 +57,15 @@ print(json.dumps([stamped, after_conn, after_both, bug_back, statuses(),
         assert after_both[p] == ["reverted", "overwritten"], p
         assert repaired[p][0] == "applied", (p, repaired[p])
     assert bug_back and problems == []
-    # Provenance wraps the connector module's save_file, which 0.17-0.21 do not have.
-    has_save_file = tuple(map(int, (RELEASE or "0.0.0").split(".")[:3])) >= (0, 22, 0)
-    assert provenance is stamped and stamped is has_save_file
+    # Provenance wraps the connector module's save_file where it has one (0.22.0 on).
+    assert stamped == [provenance, provenance], (stamped, provenance)
 
 
 @needs_connector_patch
 def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
-    """11.3: a connector built before activation is re-resolved, and status says so."""
-    out = run_py(
-        IMPORT_TARGETS
-        + HYBRID
-        + EARLY_CONNECTOR
-        + """
-conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, hybrid())
-before = conn._block_size
-import vllm_hsfix  # vLLM is imported: activates now, late
-rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
-print(json.dumps([before, conn._block_size, rec["status"], rec["reason"]]))
-conn._executor.shutdown(wait=False)
-"""
-    )
-    before, after, status, reason = last_json(out.stdout)
+    """A connector built before ``apply()`` (vllm-hsfix unapplied: an ``LLM`` made
+    before it) is re-resolved, and status says so."""
+    before, after, status, reason = child_json("hardening.py", "apply_after_connector")
     assert (before, after) == (528, 22)
     assert status == "applied"
     assert "1 connector(s) built before activation re-resolved (block size 528 -> 22)" in reason
@@ -193,34 +74,7 @@ conn._executor.shutdown(wait=False)
 def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -> None:
     """``_lazy.when_imported``: after the body, once, not on reload; at once for a
     module already imported; an exception in a hook reaches the import."""
-    out = run_py(
-        f"""
-        import importlib, json, pathlib, sys
-        pkg = pathlib.Path({str(tmp_path)!r})
-        (pkg / "hsfix_target_a.py").write_text("VALUE = 1\\n")
-        (pkg / "hsfix_target_b.py").write_text("VALUE = 2\\n")
-        sys.path.insert(0, str(pkg))
-        from vllm_hsfix import _lazy
-        seen = []
-        _lazy.when_imported("hsfix_target_a", lambda m: seen.append(("a", m.VALUE)))
-        _lazy.when_imported("hsfix_target_a", lambda m: seen.append(("a2", m.VALUE)))
-        import hsfix_target_a
-        importlib.reload(hsfix_target_a)
-        _lazy.when_imported("hsfix_target_a", lambda m: seen.append(("late", m.VALUE)))
-        def boom(m):
-            raise KeyError("from the hook")
-        _lazy.when_imported("hsfix_target_b", boom)
-        try:
-            import hsfix_target_b
-            raised = None
-        except KeyError as exc:
-            raised = str(exc)
-        loader = type(hsfix_target_a.__loader__).__name__
-        print(json.dumps([seen, raised, loader, _lazy.errors()]))
-        """
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    seen, raised, loader, errors = last_json(out.stdout)
+    seen, raised, loader, errors = child_json("hardening.py", "post_import_hooks", str(tmp_path))
     assert seen == [["a", 1], ["a2", 1], ["late", 1]]
     assert raised == "'from the hook'"
     assert loader == "SourceFileLoader"  # no trace of the watcher's loader is left
@@ -228,79 +82,29 @@ def test_post_import_hooks_fire_once_after_the_module_body_ran(tmp_path: Path) -
 
 
 def test_find_spec_does_not_activate_a_real_import_does() -> None:
-    """11.6: transformers/TRL test for vLLM with find_spec; that must not load us."""
-    out = run_py(
-        """
-import json, sys, importlib.util
-import vllm_hsfix
-found = importlib.util.find_spec("vllm") is not None
-after_find = ["vllm_hsfix.runtime" in sys.modules, "vllm" in sys.modules]
-import vllm
-print(json.dumps([found, after_find, "vllm_hsfix.runtime" in sys.modules,
-                  vllm_hsfix.status()["activated_by"],
-                  type(vllm.__loader__).__name__, type(vllm.__spec__.loader).__name__]))
-"""
-    )
-    found, after_find, after_import, sources, loader, spec_loader = last_json(out.stdout)
+    """transformers and TRL look for vLLM with find_spec: that must not load us."""
+    found, after_find, after_import, sources, *loaders = child_json("hardening.py", "find_spec")
     assert found and after_find == [False, False]
     assert after_import and sources == ["import", "vllm-import"]
-    assert "Activating" not in loader and "Activating" not in spec_loader
+    assert not any("Activating" in name for name in loaders), loaders
 
 
 def test_an_error_inside_the_watcher_never_breaks_import_vllm() -> None:
-    """11.6: e.g. a broken install of our runtime's dependencies."""
-    out = run_py(
-        """
-import json, sys
-import vllm_hsfix
-sys.modules["vllm_hsfix.runtime"] = None  # importing it now raises ImportError
-import vllm
-from vllm_hsfix import _lazy
-print(json.dumps(["vllm" in sys.modules, _lazy.errors()]))
-"""
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    imported, errors = last_json(out.stdout)
+    """E.g. a broken install of our runtime's dependencies."""
+    imported, errors = child_json("hardening.py", "broken_runtime")
     assert imported and errors and "vllm_hsfix.runtime" in errors[0]
 
 
 def test_a_fork_while_another_thread_holds_the_lock_does_not_hang_the_child() -> None:
-    """11.7: locks held by a thread at fork() are fresh in the child."""
-    out = run_py(
-        """
-import json, os, threading
-from vllm_hsfix import _lazy
-from vllm_hsfix.state import LOCK
-held, release = threading.Event(), threading.Event()
-def holder():
-    with LOCK, _lazy._LOCK:
-        held.set()
-        release.wait(10)
-threading.Thread(target=holder, daemon=True).start()
-held.wait(5)
-pid = os.fork()
-if pid == 0:
-    ok = LOCK.acquire(timeout=3) and _lazy._LOCK.acquire(timeout=3)
-    os._exit(0 if ok else 7)
-_, status = os.waitpid(pid, 0)
-release.set()
-print(json.dumps([os.waitstatus_to_exitcode(status)]))
-""",
-        timeout=60,
-    )
-    assert last_json(out.stdout) == [0], out.stderr[-2000:]
+    """Locks held by a thread at fork() are fresh in the child."""
+    assert child_json("hardening.py", "fork_with_lock_held") == [0]
 
 
 @pytest.mark.applies("scatter-clamp")
 def test_the_summary_line_goes_through_the_applications_logging() -> None:
-    """11.8: an app's handler gets the line (once, its format), stderr does not; without
+    """An app's handler gets the line (once, its format), stderr does not; without
     a handler stderr gets it once (test_activation.py's first test)."""
-    setup = (
-        "import logging, sys\n"
-        "logging.basicConfig(stream=sys.stdout, level=logging.INFO,"
-        " format='APP|%(name)s|%(message)s')\n"
-    )
-    out = run_py(setup + "import vllm_hsfix\n" + IMPORT_TARGETS + "print('done')\n")
+    out = child("hardening.py", "app_logging")
     ours = [ln for ln in out.stdout.splitlines() if "vllm-hsfix 0." in ln and "pid=" in ln]
     assert len(ours) == 1 and ours[0].startswith("APP|vllm_hsfix"), out.stdout[-2000:]
     assert "[vllm-hsfix] vllm-hsfix" not in out.stderr, out.stderr[-2000:]
@@ -308,55 +112,16 @@ def test_the_summary_line_goes_through_the_applications_logging() -> None:
 
 @needs_connector_patch
 def test_verify_goes_through_the_live_connector_class() -> None:
-    """11.9: a wrapper that is installed but does nothing must not verify."""
-    out = run_py(
-        """
-import json
-import vllm_hsfix
-"""
-        + IMPORT_TARGETS
-        + """
-from vllm_hsfix import verify
-from vllm_hsfix.patches._wrap import HsfixWrapper
-# A broken wrapper: carries our mark, wraps once, but never resolves the group.
-cls = CONN.ExampleHiddenStatesConnector
-original = cls.__dict__["__init__"].__wrapped__
-cls.__init__ = HsfixWrapper(original, lambda w, i, a, k: w(*a, **k), "hidden-group-block-size")
-code, report = verify.run("cpu")
-conn = [c for c in report["checks"] if c["check"].startswith("connector")][0]
-print(json.dumps([code, conn["ok"], conn["problems"]]))
-"""
-    )
-    code, ok, problems = last_json(out.stdout)
+    """A wrapper that is installed but does nothing must not verify."""
+    code, ok, problems = child_json("hardening.py", "verify_broken_wrapper")
     assert code == 1 and not ok
     assert "'block_size': 528" in problems[0]
 
 
 @pytest.mark.applies("scatter-clamp")
 def test_unapply_leaves_a_later_wrapper_in_place_and_passes_through() -> None:
-    """11.12: someone wrapped basic_cache after us; unapply must not clobber them."""
-    out = run_py(
-        """
-import json, functools
-import vllm_hsfix
-"""
-        + IMPORT_TARGETS
-        + SCATTER_OK
-        + """
-calls = []
-ours = MODEL.basic_cache
-@functools.wraps(ours)
-def theirs(*args, **kwargs):
-    calls.append(1)
-    return ours(*args, **kwargs)
-MODEL.basic_cache = theirs
-vllm_hsfix.unapply()
-after_unapply = [MODEL.basic_cache is theirs, bool(scatter_problems()), len(calls),
-                 vllm_hsfix.status()["patches"]["scatter-clamp"]["reason"]]
-vllm_hsfix.apply()
-print(json.dumps([after_unapply, MODEL.basic_cache is theirs, scatter_problems(), len(calls)]))
-"""
-    )
+    """Someone wrapped basic_cache after us; unapply must not clobber them."""
+    out = child("hardening.py", "later_wrapper")
     after_unapply, still_theirs, problems, calls = last_json(out.stdout)
     kept, release_bug, n_calls, reason = after_unapply
     assert kept and release_bug and n_calls == 1  # theirs ran, ours passed through
@@ -365,41 +130,12 @@ print(json.dumps([after_unapply, MODEL.basic_cache is theirs, scatter_problems()
     assert still_theirs and problems == [] and calls == 2
 
 
-AMBIGUOUS = """
-def ambiguous():
-    # Two hidden-states groups: the fix's own ValueError (cannot tell which one).
-    cfg = hybrid()
-    cfg.kv_cache_groups.append(KVCacheGroupSpec(["cache_only_layers.1"], HiddenStateCacheSpec(
-        block_size=22, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)))
-    return cfg
-"""
-
-
 @needs_connector_patch
 def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_back() -> None:
-    """Issue 18.7: re-resolving a connector built before activation raises (ambiguous
-    groups); the patch reports failed AND its wrappers are no longer on the class:
-    never "failed" while live."""
-    out = run_py(
-        IMPORT_TARGETS
-        + HYBRID
-        + AMBIGUOUS
-        + EARLY_CONNECTOR
-        + """
-try:
-    conn = CONN.ExampleHiddenStatesConnector(vcfg, KVConnectorRole.WORKER, ambiguous())
-except Exception as exc:  # 0.24.0's own __init__ may reject it already
-    print(json.dumps(["init-raised", repr(exc)])); raise SystemExit(0)
-import vllm_hsfix  # vLLM is imported: activates now, late
-from vllm_hsfix.patches._wrap import patch_id_of
-rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
-C = CONN.ExampleHiddenStatesConnector.__dict__
-print(json.dumps([rec["status"], rec["reason"],
-                  [patch_id_of(C["__init__"]), patch_id_of(C["register_kv_caches"])]]))
-conn._executor.shutdown(wait=False)
-"""
-    )
-    result = last_json(out.stdout)
+    """Re-resolving a connector built before ``apply()`` raises (ambiguous groups); the
+    patch reports failed AND its wrappers are no longer on the class: never "failed"
+    while live."""
+    result = child_json("hardening.py", "late_apply_ambiguous")
     assert result[0] != "init-raised", result
     status, reason, wrappers = result
     assert status == "failed" and "cannot identify the hidden-states KV-cache group" in reason
@@ -410,22 +146,10 @@ conn._executor.shutdown(wait=False)
 
 @pytest.mark.applies("cpu-zero-blocks")
 def test_verify_fails_when_the_cpu_zeroing_patch_is_refused() -> None:
-    """Issue 18.7: ``verify`` covers every patch in range: someone else's no-op on the
+    """``verify`` covers every patch in range: someone else's no-op on the
     CPU runner makes the gate refuse cpu-zero-blocks, and verify is NOT verified."""
-    out = run_py(
-        """
-import json
-import vllm.v1.worker.cpu_model_runner as runner_module
-def _zero_block_ids(self, block_ids):  # a foreign no-op, defined outside vLLM
-    return None
-runner_module.CPUModelRunner._zero_block_ids = _zero_block_ids
-from vllm_hsfix import verify
-code, report = verify.run("cpu")
-print(json.dumps([code, report.get("error"), report["patches"]["cpu-zero-blocks"]["status"]]))
-"""
-    )
-    code, error, status = last_json(out.stdout)
-    assert (code, status) == (1, "refused"), out.stderr[-2000:]
+    code, error, status = child_json("hardening.py", "foreign_cpu_zeroing")
+    assert (code, status) == (1, "refused"), error
     assert "cpu-zero-blocks" in error
 
 

@@ -269,9 +269,6 @@ def test_the_mark_travels_with_the_metadata() -> None:
     assert getattr(back, abort_unscheduled.NOT_HELD) == frozenset({"r1"})
 
 
-KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_writer.py"
-
-
 # ---------------------------------------------------------------------------
 # atomic-writes: the release's writer killed mid-write
 
@@ -285,14 +282,11 @@ def test_a_writer_killed_mid_write_leaves_no_truncated_file(tmp_path: Path) -> N
     path then holds a truncated file a waiting reader cannot load. Patched: the older
     file is intact, only a temporary file is left. With the installed safetensors the
     release's own result is reported as measured (0.8.0 renames into place itself)."""
-    from conftest import clean_env, last_json, run_py
+    from conftest import clean_env, last_json
+    from support.procs import child
 
-    argv = [str(KILL_CHILD), str(tmp_path), CONNECTOR_MODULE]
-    code = (
-        f"import runpy, sys\nsys.argv = {argv!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    proc = run_py(code, env=clean_env(VLLM_HSFIX_DISABLE="1"), timeout=300)
+    env = clean_env(VLLM_HSFIX_DISABLE="1")
+    proc = child("killed_writer.py", tmp_path, CONNECTOR_MODULE, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = last_json(proc.stdout)
     print(out)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from conftest import INSTALL, ROOT, cli_rows_as_declared, declared_all, run
 from support.commands import build_release
+from support.procs import CHILDREN
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import vllm_env
@@ -36,16 +37,7 @@ TARGETS = (
 # Floors declared in pyproject.toml, tested here (wrapt 1.14.0 has no wheel for
 # Python 3.11+, so the floor is 1.14.1).
 FLOORS = ("wrapt==1.14.1", "packaging==21.0")
-
-SNAPSHOT = """
-import hashlib, importlib.metadata as md, json
-out = {}
-for d in md.distributions():
-    name = d.metadata["Name"].lower().replace("_", "-")
-    record = d.read_text("RECORD") or ""
-    out[name] = [d.version, hashlib.sha256(record.encode()).hexdigest()]
-print(json.dumps(out))
-"""
+PROBE = CHILDREN / "image_probe.py"
 
 
 def sh(
@@ -90,12 +82,15 @@ class Image:
     def pip(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
         return self.run("-m", "pip", "--disable-pip-version-check", *args, env=env)
 
+    def probe(self, *args: str, env: dict[str, str] | None = None) -> Any:
+        """``support/children/image_probe.py ARGS`` in the image: its JSON line."""
+        return json.loads(self.run(PROBE, *args, env=env).strip().splitlines()[-1])
+
     def snapshot(self) -> dict[str, list[str]]:
-        return json.loads(self.run("-c", SNAPSHOT).strip().splitlines()[-1])
+        return self.probe("snapshot")
 
     def mtime(self, module: str) -> float:
-        code = f"import importlib.util as u; print(u.find_spec({module!r}).origin)"
-        return Path(self.run("-c", code).strip()).stat().st_mtime
+        return Path(self.probe("origin", module)).stat().st_mtime
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +145,7 @@ def _check_installed(img: Image, how: str) -> None:
             assert after[name] == img.base[name], f"{how} touched {name}'s files"
     assert {m: img.mtime(m) for m in img.base_mtimes} == img.base_mtimes, how
     # The entry point vLLM loads in every process.
-    eps = img.run(
-        "-c",
-        "import importlib.metadata as m; "
-        "print([e.value for e in m.entry_points(group='vllm.general_plugins')])",
-    )
+    eps = img.probe("plugins")
     assert "vllm_hsfix.plugin:register" in eps, (how, eps)
     # The image build's check, and what it says.
     status = img.tool("status")
@@ -170,14 +161,7 @@ def _check_installed(img: Image, how: str) -> None:
 def _check_process_patched(img: Image, how: str) -> None:
     """No code change: only vLLM's own plugin loading, then the targets' imports."""
     status_dir = img.root / f"status-{how.replace(' ', '-')}"
-    code = (
-        "import importlib\n"
-        "from vllm.plugins import load_general_plugins\n"
-        "load_general_plugins()\n"
-        f"for m in {TARGETS!r}:\n"
-        "    importlib.import_module(m)\n"
-    )
-    img.run("-c", code, env=image_env(VLLM_HSFIX_STATUS_DIR=str(status_dir)))
+    img.probe("worker", *TARGETS, env=image_env(VLLM_HSFIX_STATUS_DIR=str(status_dir)))
     (record,) = [json.loads(f.read_text()) for f in status_dir.glob("*.json")]
     statuses = {k: v["status"] for k, v in record["patches"].items()}
     assert record["activated_by"][0] == "plugin", record["activated_by"]
@@ -189,7 +173,7 @@ def _uninstall(img: Image) -> None:
     img.pip("uninstall", "-y", "-q", "vllm-hsfix")
     after = img.snapshot()
     assert "vllm-hsfix" not in after
-    site = Path(img.run("-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+    site = Path(img.probe("purelib"))
     assert (
         not (site / "vllm_hsfix_dist.pth").exists() and not (site / "_vllm_hsfix_dist.py").exists()
     )
@@ -234,9 +218,7 @@ def test_declared_floors_work(image: Image, dist: dict[str, Path]) -> None:
     """The lowest wrapt and packaging pyproject.toml allows: status and the live checks."""
     image.pip("install", "-q", *FLOORS)
     image.pip("install", "-q", "--no-deps", dist["wheel"])
-    got = image.run(
-        "-c", "import wrapt, packaging; print(wrapt.__version__, packaging.__version__)"
-    ).split()
+    got = image.probe("versions", "wrapt", "packaging")
     assert got == [f.split("==")[1] for f in FLOORS]
     status = image.tool("status")
     assert status.returncode == 0, status.stdout + status.stderr

@@ -9,7 +9,8 @@ import importlib.util
 import os
 
 import pytest
-from conftest import INSTALL, RELEASE, last_json, run_py
+from conftest import INSTALL, RELEASE
+from support.procs import child_json
 
 from vllm_hsfix import tested
 from vllm_hsfix.patches import PATCHES
@@ -56,19 +57,7 @@ def test_live_target_matches_the_pinned_shape_and_fingerprint(patch: object) -> 
 
 
 def test_activation_decides_what_the_table_says_and_calls_it_tested() -> None:
-    out = run_py(
-        """
-        import importlib, importlib.util, json
-        import vllm_hsfix
-        from vllm_hsfix.patches import PATCHES
-        for p in PATCHES:
-            if importlib.util.find_spec(p.module) is not None:  # absent in older releases
-                importlib.import_module(p.module)
-        st = vllm_hsfix.status()
-        print(json.dumps([{k: v["code"] for k, v in st["patches"].items()}, st["tested_build"]]))
-        """
-    )
-    codes, tested_build = last_json(out.stdout)
+    codes, tested_build = child_json("lookups.py", "activation")
     want = {k: ("applied" if v == "would-apply" else v) for k, v in pinned()["expected"].items()}
     assert codes == want
     assert tested_build["tested"] is True, tested_build

@@ -5,31 +5,10 @@ from that list: a reader of the table sees every method a patch touches."""
 from __future__ import annotations
 
 import pytest
-from conftest import INSTALL, clean_env, declared, last_json, run_py
+from conftest import INSTALL, clean_env, declared
+from support.procs import child_json
 
 from vllm_hsfix.patches import PATCHES
-
-APPLY_EACH_ROW = """
-import importlib, json
-from vllm_hsfix.patches import PATCHES
-from vllm_hsfix.patches._wrap import ABSENT
-from vllm_hsfix.patches.hooks import Hooks
-hooks = Hooks(on_failure=lambda *a: None, after_register=lambda c: None)
-out = {}
-for row in {ids}:
-    row = [p for p in PATCHES if p.id == row][0]
-    module = importlib.import_module(row.module)
-    impl = row.implementation()
-    reps = impl.apply(module, impl.probe(module).shape, hooks)
-    out[row.id] = sorted(
-        (r.name if isinstance(r.owner, type(module)) else f"{r.owner.__name__}.{r.name}")
-        + (" (added)" if r.original is ABSENT else "")
-        for r in reps
-    )
-    for r in reversed(reps):
-        r.restore()
-print(json.dumps(out))
-"""
 
 
 @pytest.mark.needs_vllm
@@ -41,12 +20,8 @@ def test_a_row_wraps_exactly_the_names_it_lists() -> None:
     rows = [p for p in PATCHES if declared(p) == "applied"]
     if not rows:
         pytest.skip(f"no row applies on vLLM {INSTALL.release}")
-    proc = run_py(
-        APPLY_EACH_ROW.replace("{ids}", repr([p.id for p in rows])),
-        env=clean_env(VLLM_HSFIX_DISABLE="1"),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)
+    ids = [p.id for p in rows]
+    got = child_json("lookups.py", "wraps", *ids, env=clean_env(VLLM_HSFIX_DISABLE="1"))
     assert set(got) == {p.id for p in rows}
     for row in rows:
         assert got[row.id], f"{row.id} replaced nothing on {INSTALL.release}"

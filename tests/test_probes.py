@@ -9,7 +9,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_MODULE, clean_env, last_json, run_py
+from conftest import MODEL_MODULE, clean_env, last_json
+from support.procs import child, child_json
 
 from vllm_hsfix import shapes
 from vllm_hsfix.patches import scatter_clamp as scatter
@@ -39,28 +40,13 @@ def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     )
     path = tmp_path / "ehs.py"
     path.write_text(src.replace(old, new, 1))
-    code = f"""
-        import importlib.util, json, sys
-        spec = importlib.util.spec_from_file_location({MODEL_MODULE!r}, {str(path)!r})
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[{MODEL_MODULE!r}] = mod
-        spec.loader.exec_module(mod)
-        original = mod.basic_cache
-        try:
-            import vllm_hsfix
-        except Exception as exc:
-            print(json.dumps(type(exc).__name__ + ": " + str(exc)))
-            raise SystemExit(0)
-        st = vllm_hsfix.status()["patches"]["scatter-clamp"]
-        print(json.dumps([st["status"], st["reason"], mod.basic_cache is original]))
-        """
-    out = run_py(code)
+    out = child("lookups.py", "altered_target", path)
     status, reason, untouched = last_json(out.stdout)
     assert status == "refused" and untouched
     assert "does not look like any known shape" in reason and "none of the known stores" in reason
     assert "scatter-clamp refused" in out.stderr  # the warning a user sees
     # Strict mode: the same refusal stops the process at activation.
-    strict = last_json(run_py(code, env=clean_env(VLLM_HSFIX_STRICT="1")).stdout)
+    strict = child_json("lookups.py", "altered_target", path, env=clean_env(VLLM_HSFIX_STRICT="1"))
     assert strict.startswith("HsfixError: strict mode: scatter-clamp refused"), strict
 
 

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, cli_rows_as_declared, declared_all, last_json, run_py
+from conftest import clean_env, cli_rows_as_declared, declared_all, last_json
 from support.commands import cli
+from support.procs import child
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
@@ -60,18 +61,7 @@ def test_a_broken_user_sitecustomize_is_reported_and_activation_goes_on(tmp_path
 
 
 def test_vllm_plugins_leaving_us_out_is_said_once_and_the_plugin_does_not_load() -> None:
-    out = run_py(
-        f"""
-        import json, sys
-        sys.path.insert(0, {str(HERE)!r})
-        import vllm_hsfix
-        from vllm.plugins import load_general_plugins
-        load_general_plugins()
-        from support.children import processes as _children
-        print(json.dumps(_children.report()))
-        """,
-        env=clean_env(VLLM_PLUGINS="some_other_plugin"),
-    )
+    out = child("startup.py", "plugins", env=clean_env(VLLM_PLUGINS="some_other_plugin"))
     data = last_json(out.stdout)
     assert "plugin" not in data["sources"]  # vLLM honoured the allow-list
     assert out.stderr.count("VLLM_PLUGINS='some_other_plugin' leaves out 'vllm_hsfix'") == 1

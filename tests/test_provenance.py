@@ -5,38 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env, last_json, run_py
+from conftest import INSTALL, clean_env
+from support.procs import child_json
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
-
-WRITE = f"""
-import importlib, json, sys, torch
-import vllm_hsfix
-from vllm_hsfix.patches._wrap import patch_id_of
-importlib.import_module({MODEL_MODULE!r})
-conn = importlib.import_module({CONNECTOR_MODULE!r})
-path = sys.argv[1] if len(sys.argv) > 1 else None
-"""
 
 
 def _write(tmp_path: Path, env: dict[str, str]) -> tuple[dict, str]:
     target = tmp_path / "req-0.safetensors"
-    out = run_py(
-        WRITE
-        + f"""
-tensors = {{"hidden_states": torch.randn(5, 3, 16).to(torch.bfloat16),
-            "token_ids": torch.arange(5)}}
-conn.save_file(tensors, {str(target)!r}, metadata={{"user": "kept"}})
-from safetensors import safe_open
-with safe_open({str(target)!r}, "pt") as f:
-    meta = f.metadata()
-wrapped = patch_id_of(conn.save_file)
-vllm_hsfix.unapply()
-print(json.dumps([meta, wrapped, patch_id_of(conn.save_file)]))
-""",
-        env=env,
-    )
-    meta, wrapped, after = last_json(out.stdout)
+    meta, wrapped, after = child_json("lookups.py", "saved", target, env=env)
     assert after is None  # unapply restored the module's own save_file
     return meta, wrapped
 

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import CACHE, RELEASE, clean_env, last_json, run_py
+from conftest import CACHE, RELEASE, clean_env, last_json
 from support.commands import cli
+from support.procs import child
 
 from vllm_hsfix import hazards
 
@@ -178,73 +179,21 @@ def test_prefix_cache_slicing_is_prefix_caching() -> None:
 # ---------------------------------------------------------------------------
 # The real connector, a real VllmConfig, on the installed release
 
-CASE = """
-import json, logging, sys, traceback
-import vllm_hsfix
-vllm_hsfix.apply()
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-records = []
-class Keep(logging.Handler):
-    def emit(self, r):
-        if r.levelno >= logging.WARNING:
-            records.append(r.getMessage())
-logging.getLogger("vllm_hsfix").addHandler(Keep())
-
-def build(max_len, prefix, role):
-    config = EngineArgs(
-        model=MODEL, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-        enable_chunked_prefill=False, enable_prefix_caching=prefix, block_size=16,
-        max_model_len=max_len,
-        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}},
-        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": OUT}},
-    ).create_engine_config()
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
-    del records[:]
-    error = None
-    try:
-        conn = m.ExampleHiddenStatesConnector(vllm_config=config, role=role, kv_cache_config=kv)
-        ex = getattr(conn, "_executor", None)
-        if ex is not None:
-            ex.shutdown(wait=False)
-    except Exception as exc:
-        error = {"type": type(exc).__name__, "message": str(exc)}
-    return {"warnings": list(records), "error": error,
-            "prefix": config.cache_config.enable_prefix_caching}
-
-S, W = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
-CASES = {__CASES__}
-out = {case: build(*args) for case, args in CASES.items()}
-out["status"] = vllm_hsfix.status()["config_checks"]
-vllm_hsfix.unapply()  # the check's wrapper goes with the patches
-out["after-unapply"] = build(66, True, S)
-print(json.dumps(out))
-"""
-
 ALL_CASES = {
-    "trigger": (66, True, "S"),  # 66 - 2 = 64 = four blocks of 16, prefix caching on
-    "trigger-worker": (66, True, "W"),
-    "no-prefix-caching": (66, False, "S"),
-    "other-length": (65, True, "S"),
+    "trigger": (66, True, "SCHEDULER"),  # 66 - 2 = 64 = four blocks of 16, prefix caching on
+    "trigger-worker": (66, True, "WORKER"),
+    "no-prefix-caching": (66, False, "SCHEDULER"),
+    "other-length": (65, True, "SCHEDULER"),
 }
 
 
 def run_case(tmp_path: Any, cases: dict[str, tuple[int, bool, str]], **env: str) -> Any:
+    """``support/children/connector_start.py``'s connectors, one per case."""
     from hsfix_demo import tiny_model
 
     model = tiny_model.build(CACHE / "models" / "dense", "dense")
-    spelled = ", ".join(f"{k!r}: ({a}, {b}, {r})" for k, (a, b, r) in cases.items())
-    code = f"MODEL = {str(model)!r}\nOUT = {str(tmp_path)!r}\n" + CASE
-    code = code.replace("__CASES__", spelled)
-    proc = run_py(code, env=clean_env(**env), timeout=300)
+    args = (model, tmp_path, json.dumps(cases))
+    proc = child("connector_start.py", *args, env=clean_env(**env), timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     return last_json(proc.stdout)
 

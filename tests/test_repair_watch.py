@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import clean_env
 from support.load import busy_cores
-from support.procs import gone, marked_json, run_child
+from support.procs import CHILDREN, gone, marked_json, run_child
 
 from vllm_hsfix.repair import engine, enginelog, files, session
 
@@ -45,19 +45,11 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
     its engine core (a grandchild) still holding the pipe, every core busy: the reader
     acts on the two, ignores the cut line, and ends once the process is gone, killing
     what it left."""
-    code = (
-        "import json, os, signal, subprocess, sys, time\n"
-        "os.setpgrp()\n"  # as the repair's vLLM process does
-        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "print(json.dumps({'event': 'bad_arg', 'key': 'k', 'why': g.pid}), flush=True)\n"
-        "print(json.dumps({'event': 'guard', 'problems': []}), flush=True)\n"
-        'sys.stdout.write(\'{"event": "fi\'); sys.stdout.flush()\n'
-        "time.sleep(2.5); os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
     args = argparse.Namespace(paths=["x"], endpoint=None, backup=None, no_progress=True)
     follow = session.Follow(args, [], files.Journal("/nonexistent"), files.Fates())
     with busy_cores():
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        cmd = [sys.executable, CHILDREN / "dying_vllm.py"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         t0 = time.monotonic()
         assert follow.run(proc) == -signal.SIGKILL and 2 < time.monotonic() - t0 < 30
     [(key, grandchild)] = follow.bad_args

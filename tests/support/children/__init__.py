@@ -1,3 +1,19 @@
 """Child programs: real files, run by path in a fresh interpreter (``support.procs``)
 or imported by child processes (``processes``). They import the ``support`` package,
-so the ``tests`` directory is on their ``sys.path``."""
+so the ``tests`` directory is on their ``sys.path``. Nothing here imports vllm_hsfix:
+importing it activates it, and each child decides when that happens."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+
+
+def main(cases: dict[str, Callable[..., Any]]) -> Any:
+    """A child's entry point: the case named by ``sys.argv[1]``, called with the
+    arguments after it; its result (the child prints it as JSON)."""
+    return cases[sys.argv[1]](*sys.argv[2:])

@@ -21,13 +21,11 @@ from typing import Any
 
 from vllm_hsfix.repair.engine import EngineWatch
 
-WORKER = "import time\ntime.sleep(600)\n"
-
 
 def core(conn: Any) -> None:
     """The engine core: starts its worker (not holding the test's pipes), sends its pid,
     sleeps."""
-    w = subprocess.Popen([sys.executable, "-c", WORKER], stdout=-3, stderr=-3)
+    w = subprocess.Popen(["sleep", "600"], stdout=-3, stderr=-3)
     conn.send(w.pid)
     time.sleep(600)
 
@@ -39,7 +37,7 @@ def main(args: dict) -> None:
     engine_core.start()
     worker = ours.recv()
     # Ends on its own while the engine runs: must raise no alarm.
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    subprocess.Popen(["sleep", "0.3"])
     watch = EngineWatch(grace_s=args["grace_s"])
     watch.start()
     watched = [p.pid for p in watch.watched]
