@@ -33,7 +33,7 @@ LAYERS: list[set[str]] = [
         "tested",
         "backends",
     },
-    {"patches._probe", "patches._observer", "provenance", "checks", "hazards"},
+    {"patches._probe", "provenance", "checks", "hazards"},
     PATCH_MODULES,
     {"plan", "state", "audit"},
     {"report"},

@@ -31,7 +31,7 @@ def test_register_rows_are_complete() -> None:
     refuse = {h.id for h in hazards.HAZARDS if h.action == hazards.REFUSE_CONFIG}
     assert set(hazards.CHECKS) == refuse == {"drafter-skip", "prefix-cache-slicing"}
     for h in hazards.HAZARDS:
-        assert h.action in hazards.ACTIONS, h.id
+        assert h.action in {"patch", "refuse-config", "documented"}, h.id  # docs/hazards.md
         assert h.loses in (hazards.PROCESS, hazards.DATA), h.id
         assert h.upstream, h.id
         assert f"### `{h.id}`" in EVIDENCE, f"{h.id}: no evidence in docs/hazards.md"

@@ -14,11 +14,9 @@ from typing import Any
 from .codes import IN_PLACE, Code
 from .patches import by_id as patch_row
 from .patches._wrap import Replacement, wrap
-from .patches.hooks import ExtraContext
 from .releases import fixed, reached
 
 PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
-ACTIONS = (PATCH, REFUSE_CONFIG, DOCUMENTED)
 PROCESS, DATA = "process", "data"  # what is lost
 NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, CHECKED, OPEN, EXPOSED, UNKNOWN = (
     "not-affected",
@@ -360,12 +358,15 @@ def _installed(
     return __init__
 
 
-def install(module: object, ctx: ExtraContext) -> Replacement | None:
-    """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the
-    rows of ``ctx.release`` (None: nothing to check, or no connector class)."""
-    rows, version = refuse_config(ctx.release), ctx.release
-    on_trigger, on_error = ctx.on_config_hazard, ctx.on_config_error
-    cls = getattr(module, ATTRIBUTE, None)
+def install(
+    module: object,
+    release: str,
+    on_trigger: Callable[[Hazard, str], None],
+    on_error: Callable[[BaseException], None],
+) -> Replacement | None:
+    """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the rows
+    of ``release`` (None: nothing to check, or no connector class)."""
+    rows, cls = refuse_config(release), getattr(module, ATTRIBUTE, None)
     if not rows or not isinstance(cls, type):
         return None
-    return wrap(cls, "__init__", _installed(rows, version, on_trigger, on_error), EXTRA_ID)
+    return wrap(cls, "__init__", _installed(rows, release, on_trigger, on_error), EXTRA_ID)

@@ -71,8 +71,8 @@ def process_role() -> str:
 
 
 def _extra_live(extra_id: str) -> bool:
-    rec = STATE.extras.get(extra_id)
-    return rec is not None and rec.live()
+    rep = STATE.extras.get(extra_id)
+    return rep is not None and rep.live()
 
 
 def _config_checked(release: str | None) -> list[str]:

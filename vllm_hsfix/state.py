@@ -13,7 +13,7 @@ from .codes import Code
 if TYPE_CHECKING:
     from .config import Config
     from .detect import VllmInstall
-    from .patches import ExtraSpec, PatchSpec
+    from .patches import PatchSpec
     from .patches._wrap import Replacement
 
 
@@ -70,17 +70,6 @@ class Record:
         }
 
 
-@dataclass(eq=False)
-class ExtraRecord:
-    """What an extra (``patches.EXTRAS``) did in this process: its wrapper, if installed."""
-
-    spec: ExtraSpec
-    replacement: Replacement | None = None
-
-    def live(self) -> bool:
-        return self.replacement is not None and self.replacement.live()
-
-
 class State:
     """This process's state (one instance, :data:`STATE`)."""
 
@@ -88,7 +77,7 @@ class State:
         self.config: Config | None = None
         self.install: VllmInstall | None = None
         self.records: dict[str, Record] = {}
-        self.extras: dict[str, ExtraRecord] = {}
+        self.extras: dict[str, Replacement | None] = {}  # extra id -> its wrapper
         self.hooks_registered = False
         self.enabled = False
         self.logged = False

@@ -18,7 +18,6 @@ from ._wrap import Replacement, add, subclasses, wrap
 from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
-CALLS_AFTER_REGISTER = True  # its register_kv_caches wrapper runs the in-situ check
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 
 
