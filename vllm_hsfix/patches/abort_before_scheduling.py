@@ -101,8 +101,7 @@ def guard_missing_group(
     """Upstream's ``request_finished_all_groups``: no group block table is a no-op."""
     request = arg(args, kwargs, 0, "request")
     block_ids = arg(args, kwargs, 1, "block_ids")
-    group = getattr(instance, "_cache_kv_group_id", None)
-    group = instance._hs_group_idx if group is None else group
+    group = checks.hidden_group(instance)
     if not 0 <= group < len(block_ids):
         return False, None
     return instance.request_finished(request, block_ids[group])
