@@ -265,23 +265,25 @@ print(json.dumps(["vllm" in sys.modules, _lazy.errors()]))
 
 
 def test_a_fork_while_another_thread_holds_the_lock_does_not_hang_the_child() -> None:
-    """11.7: locks held by a thread at fork() are fresh in the child."""
+    """11.7: the lock held by a thread at fork() is fresh in the child."""
     out = run_py(
         """
 import json, os, threading
-from vllm_hsfix import _lazy
-from vllm_hsfix.state import LOCK
-held, release = threading.Event(), threading.Event()
+from vllm_hsfix._lazy import LOCK
+held, release, taken = threading.Event(), threading.Event(), threading.Event()
 def holder():
-    with LOCK, _lazy._LOCK:
+    with LOCK:
         held.set()
         release.wait(10)
 threading.Thread(target=holder, daemon=True).start()
 held.wait(5)
 pid = os.fork()
 if pid == 0:
-    ok = LOCK.acquire(timeout=3) and _lazy._LOCK.acquire(timeout=3)
-    os._exit(0 if ok else 7)
+    def take():
+        with LOCK:
+            taken.set()
+    threading.Thread(target=take, daemon=True).start()
+    os._exit(0 if taken.wait(3) else 7)
 _, status = os.waitpid(pid, 0)
 release.set()
 print(json.dumps([os.waitstatus_to_exitcode(status)]))

@@ -15,10 +15,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lazy, config, detect, plan, report
+from ._lazy import LOCK
 from .codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
 from .errors import HsfixError
 from .patches import CONNECTOR, EXTRAS, MODULES, PATCH_IDS, PATCHES
-from .state import LOCK, STATE, Record
+from .state import STATE, Record
 
 if TYPE_CHECKING:
     from collections.abc import Callable

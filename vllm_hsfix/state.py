@@ -1,10 +1,8 @@
-"""Per-process records; one lock guards them (hooks, plugin, bootstrap and user calls
-may race or nest)."""
+"""Per-process records; the package's one lock (``_lazy.LOCK``) guards them (hooks,
+plugin, bootstrap and user calls may race or nest)."""
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,30 +13,6 @@ if TYPE_CHECKING:
     from .detect import VllmInstall
     from .patches import PatchSpec
     from .patches._wrap import Replacement
-
-
-class ForkSafeRLock:
-    """An ``RLock`` that a forked child gets back unlocked: a lock held by another
-    thread at ``fork()`` would stay held forever there (vLLM and data loaders fork)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._lock = threading.RLock()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-LOCK = ForkSafeRLock()
 
 
 @dataclass(eq=False)
