@@ -21,10 +21,9 @@ CLI = importlib.import_module("vllm.entrypoints.cli.main")
 """
 
 WRAP_REPORT = """
-from vllm_hsfix.patches._wrap import patch_id_of
 def depth(obj):
     n = 0
-    while patch_id_of(obj) is not None:
+    while getattr(obj, "hsfix_patch", None) is not None:
         n, obj = n + 1, obj.__wrapped__
     return n
 C = CONN.ExampleHiddenStatesConnector.__dict__

@@ -393,11 +393,10 @@ try:
 except Exception as exc:  # 0.24.0's own __init__ may reject it already
     print(json.dumps(["init-raised", repr(exc)])); raise SystemExit(0)
 import vllm_hsfix  # vLLM is imported: activates now, late
-from vllm_hsfix.patches._wrap import patch_id_of
 rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
 C = CONN.ExampleHiddenStatesConnector.__dict__
-print(json.dumps([rec["status"], rec["reason"],
-                  [patch_id_of(C["__init__"]), patch_id_of(C["register_kv_caches"])]]))
+ids = [getattr(C[n], "hsfix_patch", None) for n in ("__init__", "register_kv_caches")]
+print(json.dumps([rec["status"], rec["reason"], ids]))
 conn._executor.shutdown(wait=False)
 """
     )

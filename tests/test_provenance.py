@@ -12,7 +12,6 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 WRITE = f"""
 import importlib, json, sys, torch
 import vllm_hsfix
-from vllm_hsfix.patches._wrap import patch_id_of
 importlib.import_module({MODEL_MODULE!r})
 conn = importlib.import_module({CONNECTOR_MODULE!r})
 path = sys.argv[1] if len(sys.argv) > 1 else None
@@ -30,9 +29,9 @@ conn.save_file(tensors, {str(target)!r}, metadata={{"user": "kept"}})
 from safetensors import safe_open
 with safe_open({str(target)!r}, "pt") as f:
     meta = f.metadata()
-wrapped = patch_id_of(conn.save_file)
+wrapped = getattr(conn.save_file, "hsfix_patch", None)
 vllm_hsfix.unapply()
-print(json.dumps([meta, wrapped, patch_id_of(conn.save_file)]))
+print(json.dumps([meta, wrapped, getattr(conn.save_file, "hsfix_patch", None)]))
 """,
         env=env,
     )

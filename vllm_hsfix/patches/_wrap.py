@@ -93,11 +93,6 @@ def ours_in(obj: object, patch_id: str | None = None) -> Any:
     return None
 
 
-def patch_id_of(obj: object) -> str | None:
-    """The patch id when ``obj`` itself is one of our wrappers."""
-    return obj.hsfix_patch if type(obj) is HsfixWrapper else None
-
-
 def original_of(obj: object) -> object:
     """What our wrappers in ``obj``'s chain wrap (``obj`` when there is none)."""
     ours = ours_in(obj)
