@@ -167,7 +167,7 @@ def test_every_replacement_binds_like_the_original(patched: Any) -> None:
     applied = {pid for pid, rec in STATE.records.items() if rec.status == "applied"}
     assert applied <= {rep.patch for rep in reps}
     # and put every wrapper back (the check swaps spies in and out)
-    assert [rep.name for rep in reps if not rep.live()] == []
+    assert [rep.name for rep in reps if not rep.in_effect()] == []
 
 
 # ---------------------------------------------------------------------------

@@ -265,9 +265,9 @@ def test_the_mark_travels_with_the_metadata() -> None:
     """The multiprocessing executor pickles the scheduler output to the workers."""
     module = connector()
     meta = module.ExampleHiddenStatesConnectorMetadata()
-    setattr(meta, abort_unscheduled.NOT_HELD, frozenset({"r1"}))
+    setattr(meta, abort_unscheduled.DECLINED_IDS, frozenset({"r1"}))
     back = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
-    assert getattr(back, abort_unscheduled.NOT_HELD) == frozenset({"r1"})
+    assert getattr(back, abort_unscheduled.DECLINED_IDS) == frozenset({"r1"})
 
 
 KILL_CHILD = Path(__file__).resolve().parent / "support" / "children" / "killed_writer.py"

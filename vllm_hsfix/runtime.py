@@ -189,7 +189,7 @@ def _reachable(rep: Any) -> bool:
     else:
         module = sys.modules.get(getattr(owner, "__module__", ""))
         current = getattr(module, getattr(owner, "__name__", ""), None)
-    return current is owner and bool(rep.live())
+    return current is owner and bool(rep.in_effect())
 
 
 def _refresh() -> None:
@@ -305,7 +305,7 @@ def _install_extras() -> None:
 
 def _install(extra_id: str, install: Callable[[], Replacement | None]) -> None:
     rep = STATE.extras.get(extra_id)
-    if rep is not None and rep.live():
+    if rep is not None and rep.in_effect():
         return
     try:
         STATE.extras[extra_id] = install()

@@ -119,7 +119,7 @@ class Replacement:
     def patch(self) -> str:
         return self.wrapper.hsfix_patch
 
-    def live(self) -> bool:
+    def in_effect(self) -> bool:
         """Our wrapper is reachable through the attribute and switched on."""
         ours = ours_in(raw_attribute(self.owner, self.name), self.wrapper.hsfix_patch)
         return ours is self.wrapper and self.wrapper.hsfix_active
@@ -175,11 +175,11 @@ class FunctionSwap:
     def patch(self) -> str:
         return str(self.replacement.__dict__[SWAPPED])
 
-    def live(self) -> bool:
+    def in_effect(self) -> bool:
         return self.owner.__dict__.get(self.name) is self.replacement
 
     def restore(self) -> str:
-        if self.live():
+        if self.in_effect():
             setattr(self.owner, self.name, self.original)
             return "restored"
         log.warning(
