@@ -70,7 +70,7 @@ import vllm_hsfix
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 vllm_hsfix.apply(); vllm_hsfix.apply()
-import vllm_hsfix.plugin; vllm_hsfix.plugin.register()
+import _vllm_hsfix_plugin; _vllm_hsfix_plugin.register()
 """
     body = (TARGETS + activate) if order == "targets-first" else (activate + TARGETS)
     env = clean_env(PYTHONPATH=f"{BOOTSTRAP_DIR}:" + clean_env()["PYTHONPATH"])
@@ -190,9 +190,9 @@ import vllm_hsfix._lazy as lazy
 def broken(*args):
     raise RuntimeError("forced failure in the plugin")
 lazy.activate = broken
-import vllm_hsfix.plugin
+import _vllm_hsfix_plugin
 try:
-    vllm_hsfix.plugin.register()
+    _vllm_hsfix_plugin.register()
     raised = None
 except BaseException as exc:
     raised = type(exc).__name__

@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"report"},
     {"runtime"},
     {"activation", "verify", "repair"},
-    {"plugin", "__init__", "cli"},
+    {"__init__", "cli"},
     {"__main__", "_bootstrap"},
 ]
 GROUPS = ("audit", "repair", "_bootstrap")

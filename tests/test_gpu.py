@@ -183,8 +183,8 @@ def test_flat_view_release_and_replacement_refuse_a_strided_view(version: str) -
 def test_activation_and_plugin_do_not_initialise_cuda() -> None:
     """Initialising CUDA in vLLM's process 0 would force its workers into spawn."""
     code = (
-        "import torch, vllm_hsfix, vllm_hsfix.plugin\n"
-        "vllm_hsfix.plugin.register(); vllm_hsfix.apply(); vllm_hsfix.status()\n"
+        "import torch, vllm_hsfix, _vllm_hsfix_plugin\n"
+        "_vllm_hsfix_plugin.register(); vllm_hsfix.apply(); vllm_hsfix.status()\n"
         "print(torch.cuda.is_initialized())"
     )
     out = run_py(code, env=dict(os.environ))

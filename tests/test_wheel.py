@@ -42,12 +42,12 @@ def test_the_wheel_holds_no_harness_code(wheel_files: list[str]) -> None:
     code = [n for n in wheel_files if not n.split("/", 1)[0].endswith(".dist-info")]
     assert [n for n in code if harness(n)] == []
     assert {n.split("/", 1)[0] for n in code} == {
-        "vllm_hsfix", "_vllm_hsfix_dist.py", "vllm_hsfix_dist.pth",
+        "vllm_hsfix", "_vllm_hsfix_dist.py", "_vllm_hsfix_plugin.py", "vllm_hsfix_dist.pth",
     }  # fmt: skip
 
 
 def test_the_wheel_holds_what_users_run(wheel_files: list[str]) -> None:
-    for name in ("vllm_hsfix/plugin.py", "vllm_hsfix/tested.json", "vllm_hsfix/cli.py",
+    for name in ("_vllm_hsfix_plugin.py", "vllm_hsfix/tested.json", "vllm_hsfix/cli.py",
                  "vllm_hsfix/_bootstrap/sitecustomize.py", "vllm_hsfix/audit/command.py",
                  "vllm_hsfix/repair/command.py", "vllm_hsfix_dist.pth"):  # fmt: skip
         assert name in wheel_files
