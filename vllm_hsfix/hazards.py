@@ -336,7 +336,7 @@ def _installed(
     rows: tuple[Hazard, ...],
     version: str,
     on_trigger: Callable[[Hazard, str], None],
-    on_error: Callable[[BaseException], None],
+    on_error: Callable[[str, BaseException], None],
 ) -> Any:
     def __init__(
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -350,7 +350,7 @@ def _installed(
                     instance._vllm_config, getattr(instance, "_kv_cache_config", None)
                 )
             except Exception as exc:  # a check never stops an engine by accident
-                on_error(exc)
+                on_error(f"{EXTRA_ID} check failed: {exc!r}", exc)
                 continue
             if found is not None:
                 on_trigger(hazard, message(hazard, version, found))  # raises in strict mode
@@ -362,7 +362,7 @@ def install(
     module: object,
     release: str,
     on_trigger: Callable[[Hazard, str], None],
-    on_error: Callable[[BaseException], None],
+    on_error: Callable[[str, BaseException], None],
 ) -> Replacement | None:
     """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the rows
     of ``release`` (None: nothing to check, or no connector class)."""

@@ -281,8 +281,8 @@ SELF_CHECKING = "hidden-group-block-size"
 
 def _install_extras() -> None:
     """Install each extra (``patches.EXTRAS``: ``when``) whose condition holds, once the
-    connector module is imported, unless its wrapper is live. A failure is logged: an
-    extra never stops a patch."""
+    connector module is imported, unless its wrapper is in effect. A failure is logged:
+    an extra never stops a patch."""
     module, cfg = sys.modules.get(CONNECTOR), STATE.config
     if module is None or cfg is None:
         return
@@ -297,10 +297,8 @@ def _install_extras() -> None:
     if cfg.provenance and applied:
         _install("provenance", lambda: provenance.install(module, report.provenance_metadata))
     if release:
-        _install(
-            "refuse-config",
-            lambda: hazards.install(module, release, _on_config_hazard, _on_config_check_error),
-        )
+        on_hazard, on_error = _on_config_hazard, internal_error
+        _install("refuse-config", lambda: hazards.install(module, release, on_hazard, on_error))
 
 
 def _install(extra_id: str, install: Callable[[], Replacement | None]) -> None:
@@ -349,10 +347,6 @@ def _on_config_hazard(hazard: Hazard, message: str) -> None:
         f"strict mode ({config.STRICT}=1): refusing to start: {message} "
         f"(or run without {config.STRICT}=1 to start with this WARNING)"
     )
-
-
-def _on_config_check_error(exc: BaseException) -> None:
-    internal_error(f"refuse-config check failed: {exc!r}", exc)
 
 
 def unapply() -> None:

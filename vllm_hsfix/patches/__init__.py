@@ -349,8 +349,8 @@ class Extra(NamedTuple):
 
 EXTRAS: tuple[Extra, ...] = (
     Extra(
-        id="in-situ-verify",
-        wraps="ExampleHiddenStatesConnector.register_kv_caches",
+        "in-situ-verify",
+        "ExampleHiddenStatesConnector.register_kv_caches",
         when=(
             "VLLM_HSFIX_VERIFY is on (the default), an applied patch has an in-situ check, "
             "and no row that runs the check itself applies (0.17-0.23: the clamp only)"
@@ -358,8 +358,8 @@ EXTRAS: tuple[Extra, ...] = (
         why="run the in-situ check once per worker when it registers its KV caches",
     ),
     Extra(
-        id="provenance",
-        wraps="save_file",
+        "provenance",
+        "save_file",
         when="VLLM_HSFIX_PROVENANCE=1 and a patch is applied in the process",
         why=(
             "stamp each saved file with the patches, releases and engine settings it was "
@@ -367,8 +367,8 @@ EXTRAS: tuple[Extra, ...] = (
         ),
     ),
     Extra(
-        id="refuse-config",
-        wraps="ExampleHiddenStatesConnector.__init__",
+        "refuse-config",
+        "ExampleHiddenStatesConnector.__init__",
         when="the release has hazards whose trigger is a setting (hazards.refuse_config)",
         why=(
             "check those settings when the scheduler builds its connector: one WARNING, or "

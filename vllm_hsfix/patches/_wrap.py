@@ -115,10 +115,6 @@ class Replacement:
     original: object
     wrapper: HsfixWrapper
 
-    @property
-    def patch(self) -> str:
-        return self.wrapper.hsfix_patch
-
     def in_effect(self) -> bool:
         """Our wrapper is reachable through the attribute and switched on."""
         ours = ours_in(raw_attribute(self.owner, self.name), self.wrapper.hsfix_patch)
@@ -170,10 +166,6 @@ class FunctionSwap:
     name: str
     original: Any
     replacement: Any
-
-    @property
-    def patch(self) -> str:
-        return str(self.replacement.__dict__[SWAPPED])
 
     def in_effect(self) -> bool:
         return self.owner.__dict__.get(self.name) is self.replacement
