@@ -135,7 +135,7 @@ def main(cases: list[str], as_json: bool, workdir: str | None = None) -> int:
         return 2
     row = by_id("scatter-clamp")  # 0.17.0 up to 0.25.0
     fixed = not releases.reached(inst.version, row.first) or releases.fixed(
-        inst.version, row.fixed_in
+        inst.version, row.fixed_in or "99"
     )
     root = Path(workdir or tempfile.mkdtemp(prefix="vllm-hsfix-demo-"))
     models = Path(os.environ.get("VLLM_HSFIX_CACHE", Path.home() / ".cache" / "vllm-hsfix"))

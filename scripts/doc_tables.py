@@ -39,17 +39,19 @@ def _wraps(module: str, names: tuple[str, ...]) -> str:
     return ", ".join(f"`{n}`" for n in names) + f" (`{SHORT.get(module, module)}`)"
 
 
-def _last(release: str) -> str:
-    """The last release line before ``fixed_in`` (0.25.0 -> 0.24.x, 0.34.0 -> 0.33.x)."""
-    major, minor, _ = (int(p) for p in release.split("."))
-    return f"{major}.{minor - 1}.x"
+def _span(p: PatchSpec) -> str:
+    """``0.17.0 - 0.24.x`` (the line before ``fixed_in``), or ``0.22.0 on`` (no fix known)."""
+    if p.fixed_in is None:
+        return f"{p.first} on"
+    major, minor, _ = (int(x) for x in p.fixed_in.split("."))
+    return f"{p.first} - {major}.{minor - 1}.x"
 
 
 def row(p: PatchSpec) -> str:
     platform = "vLLM's CPU build" if p.platform == "cpu" else "any"
     why = p.why.replace("|", "\\|")
     return (
-        f"| `{p.id}` | {p.first} - {_last(p.fixed_in)} | {platform} | "
+        f"| `{p.id}` | {_span(p)} | {platform} | "
         f"{_wraps(p.module, p.wraps)} | {p.upstream} | {why} |"
     )
 

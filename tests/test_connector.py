@@ -12,6 +12,7 @@ from conftest import MODEL_MODULE, connector
 from support.extraction import kv_transfer_config, speculative_config
 from support.serve import free_port
 
+from vllm_hsfix.patches import by_id
 from vllm_hsfix.patches import hidden_group_block_size as patch
 
 
@@ -170,6 +171,17 @@ def test_real_connector_uses_the_hidden_groups_block_size(
     assert patched.status()["patches"]["hidden-group-block-size"]["status"] == "applied"
     assert (conn._hs_group_idx, conn._block_size) == (1, 22)
     conn._executor.shutdown(wait=False)
+
+
+@needs_connector_patch
+def test_verify_checks_the_connector_on_a_pre_release_plan_patches(patched: Any) -> None:
+    """0.24.0rc1 is in the row's range for ``plan``, so ``verify`` checks the connector
+    there too (it skipped it, reading 0.24.0rc1 as a release before 0.24.0)."""
+    from vllm_hsfix import checks
+
+    cls, first = connector().ExampleHiddenStatesConnector, by_id(patch.PATCH_ID).first
+    (got,) = checks.connector_checks(cls, "0.24.0rc1", first)
+    assert "skipped" not in got and got["ok"], got
 
 
 @needs_connector_patch

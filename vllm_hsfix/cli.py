@@ -40,15 +40,18 @@ def _entry_point() -> dict[str, Any]:
 def static_status() -> dict[str, Any]:
     """What activation would do here, from metadata and source files (vLLM is not
     imported), decided by ``plan.decide`` as the runtime decides."""
-    from . import backends, config, detect, hazards, plan, tested
+    from . import backends, config, detect, hazards, plan, releases, tested
     from ._version import __version__
     from .patches import PATCH_IDS, PATCHES
 
     cfg = config.load(known_patches=PATCH_IDS)
     inst = detect.detect(cfg.vllm_version_override)
     patches: dict[str, Any] = {}
+    by_shape: list[str] = []  # past the last release read, decided by the code alone
     for patch in PATCHES:
         decision = plan.decide_from_file(patch, inst, cfg)
+        if decision.probe is not None and plan.by_shape(patch, inst.version or ""):
+            by_shape.append(patch.id)
         patches[patch.id] = {
             "code": decision.code.value,
             "reason": decision.reason,
@@ -62,6 +65,7 @@ def static_status() -> dict[str, Any]:
         }
     ep = _entry_point()
     codes = {pid: p["code"] for pid, p in patches.items()}
+    newer = bool(inst.version) and releases.newer_than_read(inst.version or "")
     return {
         "vllm_hsfix": __version__,
         "vllm": inst.as_dict(),
@@ -69,6 +73,7 @@ def static_status() -> dict[str, Any]:
             inst, {pid: p["fingerprints"] for pid, p in patches.items()}
         ),
         "patches": patches,
+        "releases_read": {"last": releases.LAST_READ, "newer": newer, "by_shape": by_shape},
         "hazards": hazards.assess_all(
             inst.release if inst.present else None, codes, active=not cfg.disabled
         ),
@@ -105,7 +110,9 @@ def status_exit_code(
         problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
     if "applied" in require and not affected:
         problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
-    if "fixed" in require and codes - {Code.NOT_NEEDED} != {Code.UPSTREAM_FIX}:
+    if "fixed" in require and (
+        codes - {Code.NOT_NEEDED} != {Code.UPSTREAM_FIX} or report["releases_read"]["by_shape"]
+    ):
         problems.append("--require fixed: this vLLM does not carry the upstream fix")
     if "tested" in require and not report["tested_build"]["tested"]:
         problems.append(f"--require tested: {report['tested_build']['reason']}")
@@ -148,6 +155,12 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
         f"tested build: {'yes' if report['tested_build']['tested'] else 'no'} "
         f"({report['tested_build']['reason']})"
     )
+    read = report["releases_read"]
+    if read["newer"]:
+        print(
+            f"release: newer than {read['last']}, the last one read; decided by code shape: "
+            + (", ".join(read["by_shape"]) or "none")
+        )
     for pid, p in report["patches"].items():
         print(f"  {pid:<24} {p['code']:<22} {p['reason']}")
     if v["present"]:
@@ -178,7 +191,8 @@ def _print_status(report: dict[str, Any], problems: list[str]) -> None:
 def _what_happens(report: dict[str, Any]) -> str:
     """One line an image builder can read: what vllm-hsfix will do with this vLLM."""
     codes = {p["code"] for p in report["patches"].values()}
-    if codes - {Code.NOT_NEEDED} == {Code.UPSTREAM_FIX}:
+    shaped = report["releases_read"]["by_shape"]
+    if codes - {Code.NOT_NEEDED} == {Code.UPSTREAM_FIX} and not shaped:
         return "fixed upstream, nothing to do"
     if Code.APPLY in codes:
         applied = [pid for pid, p in report["patches"].items() if p["code"] == Code.APPLY]

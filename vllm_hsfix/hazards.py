@@ -65,21 +65,19 @@ class Hazard:
         return self.until is None or not fixed(version, self.until)
 
 
-def range_of(patch_id: str) -> dict[str, Any]:
-    """A patch's hazard spans the patch row's releases: from its ``first`` to
-    upstream's fix (None where upstream has none)."""
+def patched(hazard_id: str, patch_id: str, **fields: Any) -> Hazard:
+    """A hazard a patch row covers: its releases are the row's, from its ``first`` to
+    upstream's fix (open-ended where none is known)."""
     row = patch_row(patch_id)
-    return {"first": row.first, "fixed_in": row.fixed_in if row.upstream_fixed else None}
+    return Hazard(hazard_id, row.first, row.fixed_in, action=PATCH, patch=patch_id, **fields)
 
 
 HAZARDS: tuple[Hazard, ...] = (
-    Hazard(
-        id="abort-before-scheduling",
-        **range_of("abort-before-scheduling"),
+    patched(
+        "abort-before-scheduling",
+        "abort-before-scheduling",
         loses=PROCESS,
         upstream="vllm-project/vllm#56841 (merged 2026-09-14)",
-        action=PATCH,
-        patch="abort-before-scheduling",
     ),
     Hazard(
         id="drafter-skip",
@@ -106,9 +104,9 @@ HAZARDS: tuple[Hazard, ...] = (
         action=REFUSE_CONFIG,
         setting="enable_prefix_caching=False (--no-enable-prefix-caching)",
     ),
-    Hazard(
-        id="aux-final-layer-dropped",
-        **range_of("aux-final-layer"),
+    patched(
+        "aux-final-layer-dropped",
+        "aux-final-layer",
         models=(
             "models on vLLM's DeepseekV2Model backbone (model_executor/models/deepseek_v2.py): "
             "DeepSeek V2/V3/V3.2, Kimi K2 (and the text stacks of Kimi K2.5 and Kimi-VL), "
@@ -116,16 +114,12 @@ HAZARDS: tuple[Hazard, ...] = (
         ),
         loses=DATA,
         upstream="vllm-project/vllm#46973 (first released in 0.25.0)",
-        action=PATCH,
-        patch="aux-final-layer",
     ),
-    Hazard(
-        id="torn-files",
-        **range_of("atomic-writes"),
+    patched(
+        "torn-files",
+        "atomic-writes",
         loses=DATA,
         upstream="none in vLLM; safetensors PR 764 (0.8.0) makes save_file rename into place",
-        action=PATCH,
-        patch="atomic-writes",
     ),
     Hazard(
         id="torn-files-in-step",
@@ -141,10 +135,9 @@ HAZARDS: tuple[Hazard, ...] = (
         ),
         workaround="safetensors >= 0.8.0, which renames into place itself",
     ),
-    Hazard(
-        id="cpu-amx-gdn-conv-state",
-        first="0.22.0",
-        fixed_in="0.26.0",
+    patched(
+        "cpu-amx-gdn-conv-state",
+        "cpu-gdn-wide-conv-state",
         models=(
             "hybrid models with GDN layers (gated delta net: Qwen3-Next, Qwen3.5/3.6 and "
             "their -A3B MoE models), on vLLM's CPU build on a CPU with AMX (Intel Xeon "
@@ -155,8 +148,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "vllm-project/vllm#46090 (CPU speculative decoding for GDN models; first "
             "released in 0.26.0); 0.27.0's kernels take the wide state themselves (#48577)"
         ),
-        action=PATCH,
-        patch="cpu-gdn-wide-conv-state",
     ),
 )
 
@@ -183,6 +174,8 @@ def _state(
         code = patch_codes.get(hazard.patch, "missing")
         if code == Code.NOT_NEEDED:  # its patch's target is not affected here
             return NOT_AFFECTED, f"patch {hazard.patch}: {code}"
+        if code == Code.UPSTREAM_FIX:  # the release's code has the fix (its shape says)
+            return FIXED_UPSTREAM, f"patch {hazard.patch}: {code}"
         if code in IN_PLACE:
             return PATCHED, f"patch {hazard.patch}: {code}"
         return OPEN, f"patch {hazard.patch} is {code}"

@@ -1,8 +1,8 @@
 """The one decision function: which patch to apply on the vLLM installed here.
 
-``decide`` is pure; its gates, in order: detection failed; no vLLM; fixed release; below
-range; other platform; switched off; unreadable version; then the shape gate (only then
-probed).
+``decide`` is pure; its gates, in order (``release_gate``): detection failed; no vLLM;
+fixed release; below range; other platform; switched off; unreadable version; then the
+shape gate (only then probed), which alone decides a row with no known upstream fix.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .codes import Code
 from .config import DISABLE, DISABLED_PATCHES, VLLM_VERSION, Config
 from .detect import VllmInstall
 from .patches import PatchSpec
-from .releases import fixed, reached
+from .releases import LAST_READ, fixed, newer_than_read, reached
 
 if TYPE_CHECKING:
     from .shapes import Probe
@@ -29,39 +29,15 @@ class Decision(NamedTuple):
     probe: Probe | None = None
 
 
-class _NeedsProbe(Exception):
-    """Raised by the probe :func:`needs_probe` hands to :func:`decide`."""
-
-
-def _no_look() -> Probe:
-    raise _NeedsProbe
-
-
-def without_probe(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision | None:
-    """The decision when it needs no look at the target's code, else None."""
-    try:
-        return decide(patch, install, cfg, _no_look)
-    except _NeedsProbe:
-        return None
-
-
-def decide(
-    patch: PatchSpec, install: VllmInstall, cfg: Config, probe: Callable[[], Probe]
-) -> Decision:
-    """Run the gates for one patch. ``probe`` is called only when it matters."""
+def release_gate(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision | None:
+    """The decision when it needs no look at the target's code, else None (the gates
+    before the shape gate; the tests' and scripts' oracles call it too)."""
     if install.source == "error":  # detection itself failed (the runtime's record of it)
         return Decision(Code.ERROR, install.problem or "vLLM detection failed")
     if not install.present:
         return Decision(Code.NO_VLLM, "vLLM is not installed")
     version = install.version
-    if version is not None and fixed(version, patch.fixed_in):
-        if not patch.upstream_fixed:
-            return Decision(
-                Code.NOT_NEEDED,
-                f"vLLM {version}: not read by this version of vllm-hsfix (the patch "
-                f"covers releases before {patch.fixed_in}, no upstream fix is known); left "
-                "alone",
-            )
+    if version is not None and patch.fixed_in and fixed(version, patch.fixed_in):
         return Decision(
             Code.UPSTREAM_FIX, f"upstream fix present: vLLM {version} >= {patch.fixed_in}"
         )
@@ -78,21 +54,40 @@ def decide(
             (install.problem or "vLLM version unknown")
             + f"; not patching (set {VLLM_VERSION} to the release it is)",
         )
+    return None
+
+
+def by_shape(patch: PatchSpec, version: str) -> bool:
+    """Whether ``version`` is past every release read and the row has no known upstream
+    fix: its code shape alone decides (``status`` names these rows)."""
+    return patch.fixed_in is None and newer_than_read(version)
+
+
+def decide(
+    patch: PatchSpec, install: VllmInstall, cfg: Config, probe: Callable[[], Probe]
+) -> Decision:
+    """Run the gates for one patch. ``probe`` is called only when it matters."""
+    gated = release_gate(patch, install, cfg)
+    if gated is not None:
+        return gated
+    version = install.version
+    assert version is not None  # release_gate decided every build of unknown version
     result = probe()
+    vllm, detail = f"vLLM {version}", ""
+    if by_shape(patch, version):
+        vllm += f" (newer than {LAST_READ}, the last release read: decided by code shape)"
+        detail = f" ({result.detail})"
     if result.fixed:
-        return Decision(
-            Code.UPSTREAM_FIX,
-            f"upstream fix present: vLLM {version} code is fixed ({result.detail})",
-            result,
-        )
+        fix = "upstream fix present: " if patch.fixed_in else "its code no longer has the bug: "
+        return Decision(Code.UPSTREAM_FIX, f"{fix}{vllm} ({result.detail})", result)
     if result.shape is None:
         return Decision(
             Code.UNKNOWN_SHAPE,
-            f"vLLM {version}: {patch.target} does not look like any known shape; "
+            f"{vllm}: {patch.target} does not look like any known shape; "
             f"not patched ({result.detail})",
             result,
         )
-    return Decision(Code.APPLY, f"vLLM {version}: shape {result.shape}", result)
+    return Decision(Code.APPLY, f"{vllm}: shape {result.shape}{detail}", result)
 
 
 def decide_from_file(patch: PatchSpec, install: VllmInstall, cfg: Config) -> Decision:

@@ -1,8 +1,14 @@
 """Release strings compared: ``key`` as a sort key (stdlib only: the scripts use it before
-anything is installed), ``reached`` and ``fixed`` as the row ranges' bounds (packaging).
+anything is installed), ``reached`` and ``fixed`` as the row ranges' bounds (packaging),
+and :data:`LAST_READ`, the newest release whose targets this version has read.
 """
 
 from __future__ import annotations
+
+# The newest vLLM release whose patch targets were read (``tested.json`` holds it): on a
+# later one a row with no known upstream fix is decided by its target's code shape.
+# Following a new release: ``docs/maintaining.md``.
+LAST_READ = "0.33.0"
 
 
 def key(release: str) -> tuple[int, int, int]:
@@ -34,3 +40,10 @@ def fixed(version: str, fixed_in: str) -> bool:
     from packaging.version import Version
 
     return Version(Version(version).public) >= Version(fixed_in)
+
+
+def newer_than_read(version: str) -> bool:
+    """Whether ``version``'s release line comes after :data:`LAST_READ` (never read)."""
+    from packaging.version import Version
+
+    return Version(Version(version).base_version) > Version(LAST_READ)

@@ -109,9 +109,10 @@ def _plan_ahead() -> None:
     for rec in STATE.records.values():
         if rec.code not in (Code.WAITING, Code.ARMED):
             continue
-        decision = plan.without_probe(rec.patch, inst, STATE.config)  # type: ignore[arg-type]
+        decision = plan.release_gate(rec.patch, inst, STATE.config)  # type: ignore[arg-type]
         if decision is None:
-            rec.set(Code.ARMED, f"vLLM {inst.version}: in range; shape checked on import")
+            why = "no upstream fix known" if rec.patch.fixed_in is None else "in range"
+            rec.set(Code.ARMED, f"vLLM {inst.version}: {why}; shape checked on import")
         else:
             _set(rec, decision.code, decision.reason)
 

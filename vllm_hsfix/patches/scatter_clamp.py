@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from .. import checks
-from ..shapes import Probe, body_template, template_of, top_level
+from ..shapes import Probe, body_template, strip_docstrings, template_of, top_level
 from ._probe import expect, fingerprints, params, probes
 from ._wrap import Replacement, wrap
 from .hooks import Hooks
@@ -66,27 +66,66 @@ SHAPES = {
         "2d-index"
     ),
 }
-# Upstream's fixed bodies (0.25; head-major from 0.29) and vendors' spellings of the clamp.
-_STORE = "cache[slots // n, slots % n] = rows"
-FIXED = {
-    "upstream, 2-D": f"n = cache.shape[1]\n slots = slots.clamp_min(0)\n {_STORE}",
-    "upstream, head-major": "n = cache.shape[2]\n slots = slots.clamp_min(0)\n"
-    " cache[slots // n, :, slots % n] = rows",
-    "clamp(min=0)": f"n = cache.shape[1]\n slots = slots.clamp(min=0)\n {_STORE}",
-    "clamp first": f"slots = slots.clamp_min(0)\n n = cache.shape[1]\n {_STORE}",
-    "torch.clamp": "s = torch.clamp(slots, min=0)\n n = cache.shape[1]\n"
-    " cache[s // n, s % n] = rows",
-    "in place": f"slots.clamp_min_(0)\n n = cache.shape[1]\n {_STORE}",
-    "inline": "n = cache.shape[1]\n cache[slots.clamp_min(0) // n, slots.clamp_min(0) % n] = rows",
-}
 
 
-def _templates(bodies: dict[str, str], sig: str = "") -> dict[str, str]:
-    return {template_of(sig + src): name for src, name in bodies.items()}
+def _templates(bodies: dict[str, str]) -> dict[str, str]:
+    return {template_of(src): name for src, name in bodies.items()}
 
 
 KNOWN = _templates(SHAPES)
-KNOWN_FIXED = _templates({v: k for k, v in FIXED.items()}, "def f(rows, cache, slots):\n ")
+_CLAMPS = {"clamp", "clamp_min", "clamp_", "clamp_min_"}
+
+
+def _clamp_of(node: ast.AST) -> ast.expr | None:
+    """The operand of a clamp at 0 (``x.clamp_min(0)``, ``x.clamp(min=0)``,
+    ``torch.clamp(x, min=0)``, in place or not), else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr not in _CLAMPS:
+        return None
+    is_fn = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+    args = node.args if is_fn else [node.func.value, *node.args]
+    low = [k.value for k in node.keywords if k.arg == "min"] or args[1:2]
+    zero = bool(low) and isinstance(low[0], ast.Constant) and low[0].value == 0
+    return args[0] if zero and args else None
+
+
+def _reads(node: ast.AST, names: set[str], in_clamp: bool = False) -> bool:
+    """Whether ``node`` reads ``names`` outside any clamp at 0 (``in_clamp`` False), or
+    as the operand of one (True)."""
+    operand = _clamp_of(node)
+    if operand is not None:
+        return in_clamp and (_reads(operand, names) or _reads(operand, names, True))
+    if isinstance(node, ast.Name):
+        return not in_clamp and node.id in names
+    return any(_reads(child, names, in_clamp) for child in ast.iter_child_nodes(node))
+
+
+def clamped_stores(fn: ast.FunctionDef) -> bool:
+    """Whether every store into the cache is indexed by slots clamped at 0, never by the
+    raw slots: what the code does, followed through its assignments in order."""
+    raw, clean, stores = {params(fn)[2]}, set(), 0
+    for stmt in strip_docstrings(fn).body:  # type: ignore[attr-defined]
+        value = getattr(stmt, "value", None)
+        if isinstance(stmt, ast.Expr) and isinstance(operand := _clamp_of(value), ast.Name):
+            if value.func.attr.endswith("_"):  # type: ignore[union-attr]  # in place
+                raw.discard(operand.id)
+                clean.add(operand.id)
+            continue
+        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+            return False  # a branch, a loop or anything else: not followed
+        target, value = stmt.targets[0], stmt.value
+        tainted = _reads(value, raw)
+        fed = _reads(value, raw, True) or _reads(value, clean)
+        if isinstance(target, ast.Name):
+            (raw.add if tainted else raw.discard)(target.id)
+            (clean.add if fed and not tainted else clean.discard)(target.id)
+        elif isinstance(target, ast.Subscript):
+            index = target.slice
+            if _reads(index, raw) or not (_reads(index, raw, True) or _reads(index, clean)):
+                return False
+            stores += 1
+    return stores > 0
 
 
 def shape_check(tree: ast.Module) -> Probe:
@@ -94,8 +133,8 @@ def shape_check(tree: ast.Module) -> Probe:
     if not isinstance(fn, ast.FunctionDef):
         return Probe(None, detail=f"no function {ATTRIBUTE} in the module")
     body = body_template(fn)
-    if params(fn) == PARAMS and body in KNOWN_FIXED:
-        return Probe(None, fixed=True, detail=f"slots are clamped ({KNOWN_FIXED[body]})")
+    if params(fn) == PARAMS and clamped_stores(fn):
+        return Probe(None, fixed=True, detail="slots are clamped at 0 before every store")
     return expect(
         KNOWN.get(body, ""),
         f"unclamped {KNOWN.get(body)} store",
