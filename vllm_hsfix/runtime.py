@@ -292,7 +292,7 @@ def _install_extras() -> None:
     applied = [r for r in STATE.records.values() if r.status == APPLIED]
     release = (STATE.install.release if STATE.install else None) or ""
     in_situ = any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
-    self_checking = STATE.records[SELF_CHECKING].status in (APPLIED, ON_IMPORT)
+    self_checking = getattr(STATE.records.get(SELF_CHECKING), "status", None) in (APPLIED, ON_IMPORT)
     if cfg.verify and in_situ and not self_checking:
         _install("in-situ-verify", lambda: _observe(module))
     if cfg.provenance and applied:
