@@ -292,8 +292,8 @@ def _install_extras() -> None:
     applied = [r for r in STATE.records.values() if r.status == APPLIED]
     release = (STATE.install.release if STATE.install else None) or ""
     in_situ = any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
-    self_checking = getattr(STATE.records.get(SELF_CHECKING), "status", None) in (APPLIED, ON_IMPORT)
-    if cfg.verify and in_situ and not self_checking:
+    checker = STATE.records.get(SELF_CHECKING)
+    if cfg.verify and in_situ and not (checker and checker.status in (APPLIED, ON_IMPORT)):
         _install("in-situ-verify", lambda: _observe(module))
     if cfg.provenance and applied:
         _install("provenance", lambda: provenance.install(module, report.provenance_metadata))
