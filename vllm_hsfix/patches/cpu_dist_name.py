@@ -38,7 +38,7 @@ def apply(module: object, shape: str, hooks: Hooks) -> list[Replacement]:
 
 
 # The gate for code of no tested build: ``main()`` calls ``version("vllm")`` (0.17.0-
-# 0.33.0); a ``main`` that no longer does is "fixed"; no ``main`` at all is unknown.
+# every release read); a ``main`` that no longer does is "fixed"; no ``main`` at all is unknown.
 def shape_check(tree: ast.Module) -> Probe:
     fn = top_level(tree, FUNCTION)
     if not isinstance(fn, ast.FunctionDef):
