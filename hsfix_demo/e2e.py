@@ -37,7 +37,7 @@ from typing import Any
 
 from vllm_hsfix.audit import reference as audit_reference
 from vllm_hsfix.patches import PATCHES, by_id
-from vllm_hsfix.repair.enginelog import one_line
+from vllm_hsfix.repair import enginelog
 
 from . import cpu_standins, tiny_model
 from .machine import cpu_info
@@ -342,6 +342,14 @@ def supervise(
                 return proc.pid, None, f"no result after {timeout:.0f} s"
     finally:
         _kill_group(proc)
+
+
+def one_line(path: str) -> str:
+    """The root cause's first line and its process, then where the full log is."""
+    cause = enginelog.root_cause(enginelog.read(path))
+    if cause is None:
+        return f"no exception in vLLM's log; full log: {path}"
+    return f"{cause.error.splitlines()[0]} [in {cause.process}]; full log: {path}"
 
 
 def log_excerpt(log: Path, limit: int = 2500) -> str:

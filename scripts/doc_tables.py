@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_hsfix.patches import EXTRAS, PATCHES, ExtraSpec, PatchSpec  # noqa: E402  (stdlib only)
+from vllm_hsfix.patches import CONNECTOR, EXTRAS, PATCHES, Extra, PatchSpec  # noqa: E402  (stdlib only)
 
 README = ROOT / "README.md"
 START, END = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
@@ -27,7 +27,7 @@ HEADER = (
     "| patch id | vLLM releases | platform | wraps (in module) | upstream | why |\n"
     "|---|---|---|---|---|---|"
 )
-EXTRAS_HEADER = "| extra | kind | wraps (in module) | installed when | why |\n|---|---|---|---|---|"
+EXTRAS_HEADER = "| extra | wraps (in module) | installed when | why |\n|---|---|---|---|"
 SHORT = {
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector": (
         "...example_hidden_states_connector"
@@ -56,8 +56,8 @@ def row(p: PatchSpec) -> str:
     )
 
 
-def extra_row(e: ExtraSpec) -> str:
-    return f"| `{e.id}` | {e.kind} | {_wraps(e.module, e.wraps)} | {e.when} | {e.why} |"
+def extra_row(e: Extra) -> str:
+    return f"| `{e.id}` | {_wraps(CONNECTOR, (e.wraps,))} | {e.when} | {e.why} |"
 
 
 def table() -> str:

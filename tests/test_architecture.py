@@ -33,13 +33,13 @@ LAYERS: list[set[str]] = [
         "tested",
         "backends",
     },
-    {"patches._probe", "patches._observer", "provenance", "checks", "hazards"},
+    {"patches._probe", "provenance", "checks", "hazards"},
     PATCH_MODULES,
     {"plan", "state", "audit"},
     {"report"},
     {"runtime"},
     {"activation", "verify", "repair"},
-    {"plugin", "__init__", "cli"},
+    {"__init__", "cli"},
     {"__main__", "_bootstrap"},
 ]
 GROUPS = ("audit", "repair", "_bootstrap")

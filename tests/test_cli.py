@@ -22,7 +22,7 @@ def test_status_json_reads_the_environment_without_importing_vllm() -> None:
     assert out.returncode == 0, out.stdout
     assert report["vllm"]["version"] == INSTALL.version
     assert report["activation"]["entry_point"]["registered"] is True
-    assert report["activation"]["entry_point"]["value"] == "vllm_hsfix.plugin:register"
+    assert report["activation"]["entry_point"]["value"] == "_vllm_hsfix_plugin:register"
     assert report["activation"]["bootstrap_usable"] is True
     codes = {k: v["code"] for k, v in report["patches"].items()}
     assert codes == {p.id: declared_code(p) for p in PATCHES}

@@ -276,11 +276,9 @@ def test_pre_022_connector_constructs_untouched_with_real_configs(
 ) -> None:
     """0.17-0.21: only the clamp applies; the connector is the release's own and reads
     with the one group's (global) block size, which is right there."""
-    from vllm_hsfix.patches._wrap import patch_id_of
-
     k = specs()
     cls = connector().ExampleHiddenStatesConnector
-    assert patch_id_of(cls.__dict__["__init__"]) is None
+    assert getattr(cls.__dict__["__init__"], "hsfix_patch", None) is None
     spec = k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     cfg = k.KVCacheConfig(
         num_blocks=16,

@@ -96,7 +96,7 @@ def test_an_error_inside_the_watcher_never_breaks_import_vllm() -> None:
 
 
 def test_a_fork_while_another_thread_holds_the_lock_does_not_hang_the_child() -> None:
-    """Locks held by a thread at fork() are fresh in the child."""
+    """The lock held by a thread at fork() is fresh in the child."""
     assert child_json("hardening.py", "fork_with_lock_held") == [0]
 
 

@@ -146,7 +146,7 @@ def _check_installed(img: Image, how: str) -> None:
     assert {m: img.mtime(m) for m in img.base_mtimes} == img.base_mtimes, how
     # The entry point vLLM loads in every process.
     eps = img.probe("plugins")
-    assert "vllm_hsfix.plugin:register" in eps, (how, eps)
+    assert "_vllm_hsfix_plugin:register" in eps, (how, eps)
     # The image build's check, and what it says.
     status = img.tool("status")
     assert status.returncode == 0, (how, status.stdout, status.stderr)

@@ -10,7 +10,6 @@ from conftest import MODEL_MODULE, RELEASE
 from packaging.version import Version
 
 from vllm_hsfix import checks
-from vllm_hsfix.patches._wrap import patch_id_of
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -34,7 +33,7 @@ def test_unpatched_release_writes_padding_into_the_last_block(dtype: torch.dtype
 
     vllm_hsfix.unapply()
     module = importlib.import_module(MODEL_MODULE)
-    assert patch_id_of(module.basic_cache) is None
+    assert getattr(module.basic_cache, "hsfix_patch", None) is None
     case = checks.scratch_case(device="cpu", dtype=dtype)
     problems = checks.check_scatter(module.basic_cache, case)
     # The bug, shown on the release's own code: a padding row lands in the last slot.
@@ -84,7 +83,7 @@ def test_fixed_release_is_left_alone_and_is_right() -> None:
     vllm_hsfix.apply()
     rec = vllm_hsfix.status()["patches"]["scatter-clamp"]
     assert rec["code"] == "upstream-fix-present"
-    assert patch_id_of(module.basic_cache) is None
+    assert getattr(module.basic_cache, "hsfix_patch", None) is None
     assert module.basic_cache.__module__ == MODEL_MODULE
     from conftest import INSTALL
 

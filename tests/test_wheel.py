@@ -41,9 +41,9 @@ def test_the_wheel_holds_what_users_run_and_no_harness_code(dist: dict[str, Path
     code = [n for n in files if not n.split("/", 1)[0].endswith(".dist-info")]
     assert [n for n in code if harness(n)] == []
     assert {n.split("/", 1)[0] for n in code} == {
-        "vllm_hsfix", "_vllm_hsfix_dist.py", "vllm_hsfix_dist.pth",
+        "vllm_hsfix", "_vllm_hsfix_dist.py", "_vllm_hsfix_plugin.py", "vllm_hsfix_dist.pth",
     }  # fmt: skip
-    for name in ("vllm_hsfix/plugin.py", "vllm_hsfix/tested.json", "vllm_hsfix/cli.py",
+    for name in ("_vllm_hsfix_plugin.py", "vllm_hsfix/tested.json", "vllm_hsfix/cli.py",
                  "vllm_hsfix/_bootstrap/sitecustomize.py", "vllm_hsfix/audit/command.py",
                  "vllm_hsfix/repair/command.py", "vllm_hsfix_dist.pth"):  # fmt: skip
         assert name in files
@@ -54,7 +54,7 @@ def test_the_sdist_carries_what_a_rebuild_needs_and_no_tests(dist: dict[str, Pat
     with tarfile.open(dist["sdist"]) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     for needed in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "CHANGELOG.md",
-                   "LICENSE", "vllm_hsfix_dist.pth", "_vllm_hsfix_dist.py",
+                   "LICENSE", "vllm_hsfix_dist.pth", "_vllm_hsfix_dist.py", "_vllm_hsfix_plugin.py",
                    "vllm_hsfix/tested.json", "vllm_hsfix/_bootstrap/sitecustomize.py"):  # fmt: skip
         assert needed in names, sorted(names)
     assert [n for n in names if harness(n)] == []

@@ -34,36 +34,14 @@ def status() -> dict[str, object]:
     return runtime.status()
 
 
-def _loaded_as_entry_point() -> bool:
-    """Whether an entry point's ``load()`` (vLLM's plugin loader) imports us: then the
-    plugin function records the activation, as "plugin"."""
-    import sys
-
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return False
-        code = frame.f_code
-        name = code.co_filename
-        if code.co_name == "load" and "importlib" in name and "metadata" in name:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _activate_on_import() -> None:
     import sys
 
-    # The sitecustomize bootstrap leaves this marker so its import is recorded as itself.
-    if sys.modules.pop("_vllm_hsfix_bootstrapping", None):
-        source = "bootstrap"
-    elif _loaded_as_entry_point():
-        return
-    else:
-        source = "import"
+    # Who imports us when not the user (the bootstrap, vLLM's plugin loader) says so here.
+    source = sys.modules.pop("_vllm_hsfix_activating", None)
     from .activation import activate
 
-    activate(source)
+    activate(source if isinstance(source, str) else "import")
 
 
 _activate_on_import()

@@ -17,7 +17,27 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
-_LOCK = _thread.RLock()
+
+class _ForkSafeRLock:
+    """An ``RLock`` that a forked child gets back unlocked: a lock held by another
+    thread at ``fork()`` would stay held forever there (vLLM and data loaders fork)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = _thread.RLock()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+# The package's one lock: the watcher's hooks here, the runtime's records (``state``).
+LOCK = _ForkSafeRLock()
 _SOURCES: list[str] = []
 _ERRORS: list[str] = []
 _callback: "Callable[[str], None] | None" = None
@@ -36,7 +56,7 @@ def errors() -> list[str]:
 
 
 def record_source(source: str) -> None:
-    with _LOCK:
+    with LOCK:
         if source not in _SOURCES:
             _SOURCES.append(source)
 
@@ -59,7 +79,7 @@ class _Loader:
         if module.__name__ == "vllm":
             _fire()
         self._loader.exec_module(module)
-        with _LOCK:
+        with LOCK:
             hooks = _HOOKS.pop(module.__name__, [])
         for hook in hooks:  # outside the lock: a hook may import, or start threads
             hook(module)
@@ -108,7 +128,7 @@ def _watch() -> None:
 
 def _fire() -> None:
     global _callback
-    with _LOCK:
+    with LOCK:
         callback, _callback = _callback, None
     if callback is None:
         return
@@ -124,7 +144,7 @@ def activate(source: str, start: "Callable[[str], None]") -> None:
     """Record ``source``; run ``start(source)`` now if vLLM is imported, else
     ``start("vllm-import")`` when it is."""
     global _callback
-    with _LOCK:
+    with LOCK:
         record_source(source)
         if "vllm" not in sys.modules:
             _callback = start
@@ -137,18 +157,10 @@ def when_imported(name: str, hook: "Callable[[ModuleType], None]") -> None:
     """Call ``hook(module)`` once module ``name`` is imported: now if it is, else right
     after its body has run (once; a reload does not call it again). What the hook
     raises propagates to the import, as with wrapt's."""
-    with _LOCK:
+    with LOCK:
         module = sys.modules.get(name)
         if module is None:
             _HOOKS.setdefault(name, []).append(hook)
             _watch()
     if module is not None:
         hook(module)
-
-
-def _after_fork_in_child() -> None:
-    global _LOCK
-    _LOCK = _thread.RLock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -265,6 +265,13 @@ def construct_connector(cls: type, kv_cache_config: Any, global_block_size: int)
     return conn
 
 
+def hidden_group(connector: Any) -> Any:
+    """The hidden-states group a connector reads: upstream's ``_cache_kv_group_id``,
+    else 0.24.0's ``_hs_group_idx`` (None: neither is set)."""
+    group = getattr(connector, "_cache_kv_group_id", None)
+    return getattr(connector, "_hs_group_idx", None) if group is None else group
+
+
 def connector_checks(cls: Any, version: str | None, first: str) -> list[dict[str, Any]]:
     """The live connector class ``cls`` resolves a hybrid layout to the hidden group's
     own block size (skipped before release ``first``, the hidden-group-block-size
@@ -279,8 +286,7 @@ def connector_checks(cls: Any, version: str | None, first: str) -> list[dict[str
         conn = construct_connector(cls, config, want["global_block_size"])
     except Exception as exc:
         return [result(name, [f"construction failed: {exc!r}"])]
-    group = getattr(conn, "_cache_kv_group_id", getattr(conn, "_hs_group_idx", None))
-    got = {"group": group, "block_size": conn._block_size}
+    got = {"group": hidden_group(conn), "block_size": conn._block_size}
     expected = {"group": want["group"], "block_size": want["block_size"]}
     if got != expected:
         problems.append(f"resolved {got}, expected {expected}")

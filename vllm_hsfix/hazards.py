@@ -14,11 +14,9 @@ from typing import Any
 from .codes import IN_PLACE, Code
 from .patches import by_id as patch_row
 from .patches._wrap import Replacement, wrap
-from .patches.hooks import ExtraContext
 from .releases import fixed, reached
 
 PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
-ACTIONS = (PATCH, REFUSE_CONFIG, DOCUMENTED)
 PROCESS, DATA = "process", "data"  # what is lost
 NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, CHECKED, OPEN, EXPOSED, UNKNOWN = (
     "not-affected",
@@ -331,7 +329,7 @@ def _installed(
     rows: tuple[Hazard, ...],
     version: str,
     on_trigger: Callable[[Hazard, str], None],
-    on_error: Callable[[BaseException], None],
+    on_error: Callable[[str, BaseException], None],
 ) -> Any:
     def __init__(
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -345,7 +343,7 @@ def _installed(
                     instance._vllm_config, getattr(instance, "_kv_cache_config", None)
                 )
             except Exception as exc:  # a check never stops an engine by accident
-                on_error(exc)
+                on_error(f"{EXTRA_ID} check failed: {exc!r}", exc)
                 continue
             if found is not None:
                 on_trigger(hazard, message(hazard, version, found))  # raises in strict mode
@@ -353,12 +351,15 @@ def _installed(
     return __init__
 
 
-def install(module: object, ctx: ExtraContext) -> Replacement | None:
-    """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the
-    rows of ``ctx.release`` (None: nothing to check, or no connector class)."""
-    rows, version = refuse_config(ctx.release), ctx.release
-    on_trigger, on_error = ctx.on_config_hazard, ctx.on_config_error
-    cls = getattr(module, ATTRIBUTE, None)
+def install(
+    module: object,
+    release: str,
+    on_trigger: Callable[[Hazard, str], None],
+    on_error: Callable[[str, BaseException], None],
+) -> Replacement | None:
+    """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the rows
+    of ``release`` (None: nothing to check, or no connector class)."""
+    rows, cls = refuse_config(release), getattr(module, ATTRIBUTE, None)
     if not rows or not isinstance(cls, type):
         return None
-    return wrap(cls, "__init__", _installed(rows, version, on_trigger, on_error), EXTRA_ID)
+    return wrap(cls, "__init__", _installed(rows, release, on_trigger, on_error), EXTRA_ID)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 from .patches._wrap import Replacement, wrap
-from .patches.hooks import ExtraContext
 
 PATCH_ID = "provenance"  # the extra's id and its wrapper's mark (patches.EXTRAS)
 PREFIX = "vllm_hsfix."
@@ -30,12 +29,12 @@ def _installed(metadata: Callable[[], dict[str, str]]) -> Any:
     return save_file
 
 
-def install(module: object, ctx: ExtraContext) -> Replacement | None:
+def install(module: object, metadata: Callable[[], dict[str, str]]) -> Replacement | None:
     """The ``provenance`` extra: wrap the connector module's ``save_file`` (None if it
-    has none); ``ctx.provenance_metadata()`` gives the keys of a file written now."""
+    has none); ``metadata()`` gives the keys of a file written now."""
     if not callable(getattr(module, "save_file", None)):
         return None
-    return wrap(module, "save_file", _installed(ctx.provenance_metadata), PATCH_ID)
+    return wrap(module, "save_file", _installed(metadata), PATCH_ID)
 
 
 def aux_layers(connector: Any) -> tuple[int, ...] | None:

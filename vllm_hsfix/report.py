@@ -70,14 +70,14 @@ def process_role() -> str:
     return name
 
 
-def _extra_live(extra_id: str) -> bool:
-    rec = STATE.extras.get(extra_id)
-    return rec is not None and rec.live()
+def _extra_in_effect(extra_id: str) -> bool:
+    rep = STATE.extras.get(extra_id)
+    return rep is not None and rep.in_effect()
 
 
 def _config_checked(release: str | None) -> list[str]:
     """The ``refuse-config`` hazards checked at engine start in this process."""
-    if not (release and _extra_live("refuse-config")):
+    if not (release and _extra_in_effect("refuse-config")):
         return []
     from . import hazards
 
@@ -103,7 +103,7 @@ def status_dict() -> dict[str, Any]:
         "config": cfg.as_dict(),
         "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
         "verify": STATE.verify,
-        "provenance": _extra_live("provenance"),
+        "provenance": _extra_in_effect("provenance"),
         "config_checks": {
             "checked": _config_checked(inst.release),
             "triggered": dict(STATE.config_hazards),

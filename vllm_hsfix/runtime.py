@@ -15,13 +15,17 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _lazy, config, detect, plan, report
+from ._lazy import LOCK
 from .codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
 from .errors import HsfixError
-from .patches import CONFIG_CHECK, EXTRAS, MODULES, PATCH_IDS, PATCHES, STAMP
-from .state import LOCK, STATE, ExtraRecord, Record
+from .patches import CONNECTOR, EXTRAS, MODULES, PATCH_IDS, PATCHES
+from .state import STATE, Record
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .hazards import Hazard
+    from .patches._wrap import Replacement
     from .patches.hooks import Hooks
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,7 @@ def _init_locked() -> config.Config:
         STATE.config = cfg
         report.setup_logging(cfg)
         STATE.records = {p.id: Record(p) for p in PATCHES}
-        STATE.extras = {e.id: ExtraRecord(e) for e in EXTRAS}
+        STATE.extras = {e.id: None for e in EXTRAS}
         for w in cfg.warnings:
             log.warning(w)
         atexit.register(_at_exit)
@@ -177,7 +181,7 @@ def _decide(rec: Record, module: ModuleType, late: bool) -> None:
         log.error("%s failed: %s", patch.id, rec.reason, exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-def _live(rep: Any) -> bool:
+def _reachable(rep: Any) -> bool:
     """The wrapper is in place, on an owner (module or class) that is still what its
     import path leads to, not an old object left behind by ``importlib.reload``."""
     owner = rep.owner
@@ -186,14 +190,14 @@ def _live(rep: Any) -> bool:
     else:
         module = sys.modules.get(getattr(owner, "__module__", ""))
         current = getattr(module, getattr(owner, "__name__", ""), None)
-    return current is owner and bool(rep.live())
+    return current is owner and bool(rep.in_effect())
 
 
 def _refresh() -> None:
     """Mark an applied patch whose wrapper is no longer what the target's path leads
     to (module reloaded, attribute reassigned); forget such an extra's wrapper."""
     for rec in STATE.records.values():
-        stale = [r for r in rec.replacements if not _live(r)] if rec.status == APPLIED else []
+        stale = [r for r in rec.replacements if not _reachable(r)] if rec.status == APPLIED else []
         if stale:
             names = ", ".join(f"{getattr(r.owner, '__name__', r.owner)}.{r.name}" for r in stale)
             rec.replacements = []
@@ -202,9 +206,9 @@ def _refresh() -> None:
                 f"the patched {names} was replaced after patching (module reloaded or "
                 "attribute reassigned); vllm_hsfix.apply() patches it again",
             )
-    for extra in STATE.extras.values():
-        if extra.replacement is not None and not _live(extra.replacement):
-            extra.replacement = None  # installed again on the next target import
+    for extra_id, rep in STATE.extras.items():
+        if rep is not None and not _reachable(rep):
+            STATE.extras[extra_id] = None  # installed again on the next target import
 
 
 def _on_failure(patch_id: str, exc: BaseException) -> None:
@@ -272,54 +276,61 @@ def hooks() -> Hooks:
     return Hooks(on_failure=_on_failure, after_register=_after_register)
 
 
-def _wanted(extra: ExtraRecord) -> bool:
-    """The condition of each kind of extra (``patches.EXTRAS``: ``kind`` and ``when``)."""
-    cfg, applied = STATE.config, [r for r in STATE.records.values() if r.status == APPLIED]
-    if extra.spec.kind == CONFIG_CHECK:
-        return bool(STATE.install and STATE.install.release)
-    if extra.spec.kind == STAMP:
-        return bool(cfg and cfg.provenance and applied)
-    # OBSERVER: an applied patch has an in-situ check, and no row that runs
-    # ``hooks.after_register`` itself is applied or about to be.
-    if not (
-        cfg
-        and cfg.verify
-        and any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
-    ):
-        return False
-    return not any(
-        r.status in (APPLIED, ON_IMPORT)
-        for r in STATE.records.values()
-        if r.patch.module == extra.spec.module
-        and getattr(r.patch.implementation(), "CALLS_AFTER_REGISTER", False)
-    )
+# Its register_kv_caches wrapper runs the in-situ check itself (no in-situ-verify needed).
+SELF_CHECKING = "hidden-group-block-size"
 
 
 def _install_extras() -> None:
-    """Install each extra whose module is imported and whose condition holds, unless
-    its wrapper is in place. A failure is logged: an extra never stops a patch."""
-    from .patches.hooks import ExtraContext
+    """Install each extra (``patches.EXTRAS``: ``when``) whose condition holds, once the
+    connector module is imported, unless its wrapper is in effect. A failure is logged:
+    an extra never stops a patch."""
+    module, cfg = sys.modules.get(CONNECTOR), STATE.config
+    if module is None or cfg is None:
+        return
+    from . import hazards, provenance
 
-    inst = STATE.install
-    ctx = ExtraContext(
-        hooks=hooks(),
-        release=(inst.release if inst else None) or "",
-        provenance_metadata=report.provenance_metadata,
-        on_config_hazard=_on_config_hazard,
-        on_config_error=_on_config_check_error,
-    )
-    for rec in STATE.extras.values():
-        module = sys.modules.get(rec.spec.module)
-        if module is None or rec.live() or not _wanted(rec):
-            continue
-        try:
-            rec.replacement = rec.spec.installer()(module, ctx)
-        except Exception as exc:
-            rec.replacement = None
-            if rec.spec.kind == CONFIG_CHECK:
-                internal_error(f"{rec.spec.id} check not installed: {exc!r}", exc)
-            else:
-                log.warning("%s not hooked: %r", rec.spec.id, exc)
+    applied = [r for r in STATE.records.values() if r.status == APPLIED]
+    release = (STATE.install.release if STATE.install else None) or ""
+    in_situ = any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
+    checker = STATE.records.get(SELF_CHECKING)
+    if cfg.verify and in_situ and not (checker and checker.status in (APPLIED, ON_IMPORT)):
+        _install("in-situ-verify", lambda: _observe(module))
+    if cfg.provenance and applied:
+        _install("provenance", lambda: provenance.install(module, report.provenance_metadata))
+    if release:
+        on_hazard, on_error = _on_config_hazard, internal_error
+        _install("refuse-config", lambda: hazards.install(module, release, on_hazard, on_error))
+
+
+def _install(extra_id: str, install: Callable[[], Replacement | None]) -> None:
+    rep = STATE.extras.get(extra_id)
+    if rep is not None and rep.in_effect():
+        return
+    try:
+        STATE.extras[extra_id] = install()
+    except Exception as exc:
+        STATE.extras[extra_id] = None
+        if extra_id == "refuse-config":
+            internal_error(f"{extra_id} check not installed: {exc!r}", exc)
+        else:
+            log.warning("%s not hooked: %r", extra_id, exc)
+
+
+def _observe(module: ModuleType) -> Replacement | None:
+    """The ``in-situ-verify`` extra: wrap the connector's own ``register_kv_caches`` to
+    run the in-situ check (None where it has none)."""
+    from .patches._wrap import wrap
+
+    cls = getattr(module, "ExampleHiddenStatesConnector", None)
+    if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
+        return None
+
+    def register_kv_caches(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        _after_register(instance)
+        return result
+
+    return wrap(cls, "register_kv_caches", register_kv_caches, "in-situ-verify")
 
 
 def _on_config_hazard(hazard: Hazard, message: str) -> None:
@@ -339,10 +350,6 @@ def _on_config_hazard(hazard: Hazard, message: str) -> None:
     )
 
 
-def _on_config_check_error(exc: BaseException) -> None:
-    internal_error(f"refuse-config check failed: {exc!r}", exc)
-
-
 def unapply() -> None:
     """Stop patching in this process until :func:`start` is called with "apply": every
     wrapper passes through, and the original is put back where ours is outermost."""
@@ -351,10 +358,10 @@ def unapply() -> None:
         STATE.enabled = False
         STATE.unapplied = True
         # Extras first: they were installed over the patches (last in, first out).
-        for extra in reversed(list(STATE.extras.values())):
-            if extra.replacement is not None:
-                extra.replacement.restore()
-                extra.replacement = None
+        for extra_id, rep in reversed(list(STATE.extras.items())):
+            if rep is not None:
+                rep.restore()
+                STATE.extras[extra_id] = None
         for rec in STATE.records.values():
             kept = [rep.restore() for rep in reversed(rec.replacements)].count("pass-through")
             if rec.replacements:

@@ -1,10 +1,8 @@
-"""Per-process records; one lock guards them (hooks, plugin, bootstrap and user calls
-may race or nest)."""
+"""Per-process records; the package's one lock (``_lazy.LOCK``) guards them (hooks,
+plugin, bootstrap and user calls may race or nest)."""
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,32 +11,8 @@ from .codes import Code
 if TYPE_CHECKING:
     from .config import Config
     from .detect import VllmInstall
-    from .patches import ExtraSpec, PatchSpec
+    from .patches import PatchSpec
     from .patches._wrap import Replacement
-
-
-class ForkSafeRLock:
-    """An ``RLock`` that a forked child gets back unlocked: a lock held by another
-    thread at ``fork()`` would stay held forever there (vLLM and data loaders fork)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._lock = threading.RLock()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-LOCK = ForkSafeRLock()
 
 
 @dataclass(eq=False)
@@ -70,17 +44,6 @@ class Record:
         }
 
 
-@dataclass(eq=False)
-class ExtraRecord:
-    """What an extra (``patches.EXTRAS``) did in this process: its wrapper, if installed."""
-
-    spec: ExtraSpec
-    replacement: Replacement | None = None
-
-    def live(self) -> bool:
-        return self.replacement is not None and self.replacement.live()
-
-
 class State:
     """This process's state (one instance, :data:`STATE`)."""
 
@@ -88,7 +51,7 @@ class State:
         self.config: Config | None = None
         self.install: VllmInstall | None = None
         self.records: dict[str, Record] = {}
-        self.extras: dict[str, ExtraRecord] = {}
+        self.extras: dict[str, Replacement | None] = {}  # extra id -> its wrapper
         self.hooks_registered = False
         self.enabled = False
         self.logged = False

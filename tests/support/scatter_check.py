@@ -113,7 +113,7 @@ class Release:
             (done,) = scatter.apply(module, self.shape, hooks)
         finally:
             scatter.REPLACEMENTS[self.shape] = saved
-        assert done.live() and done.original is not module.basic_cache
+        assert done.in_effect() and done.original is not module.basic_cache
         return module.basic_cache  # type: ignore[no-any-return]
 
 

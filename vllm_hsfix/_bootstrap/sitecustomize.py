@@ -53,14 +53,14 @@ def _activate() -> None:
 
         activate("bootstrap")
         return
-    sys.modules["_vllm_hsfix_bootstrapping"] = True  # type: ignore[assignment]
+    sys.modules["_vllm_hsfix_activating"] = "bootstrap"  # type: ignore[assignment]
     try:
         import vllm_hsfix  # noqa: F401  (importing activates, recorded as "bootstrap")
     except ImportError:
         # This interpreter has no vllm-hsfix (e.g. another virtualenv): nothing to do.
         pass
     finally:
-        sys.modules.pop("_vllm_hsfix_bootstrapping", None)
+        sys.modules.pop("_vllm_hsfix_activating", None)
 
 
 _chain_user_sitecustomize()

@@ -33,7 +33,7 @@ UPSTREAM_46301 = "vllm-project/vllm#46301"
 UPSTREAM_46202 = "vllm-project/vllm#46202"
 UPSTREAM_46069 = "vllm-project/vllm#46069"
 ANY, CPU = "any", "cpu"
-# The module most rows and every extra patch: vLLM's hidden-states connector.
+# The module most rows and every extra (``EXTRAS``) patch: vLLM's hidden-states connector.
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
 
 
@@ -328,71 +328,49 @@ PATCHES: tuple[PatchSpec, ...] = (
 )
 
 
-# Kinds of extra: each names the runtime's condition for installing it (runtime.WANTED).
-OBSERVER, STAMP, CONFIG_CHECK = "observer", "stamp", "config-check"
-
-
-class ExtraSpec(NamedTuple):
-    """A wrapper that fixes nothing (it observes, stamps or checks), with its own record.
-    ``impl``: ``module:function``, ``install(module, ExtraContext) -> Replacement | None``."""
+class Extra(NamedTuple):
+    """A wrapper that fixes nothing (it observes, stamps or checks), on the connector
+    module, for the README's table; ``runtime._install_extras`` installs each."""
 
     id: str
-    kind: str  # OBSERVER, STAMP or CONFIG_CHECK
-    module: str
-    wraps: tuple[str, ...]
-    when: str  # the condition, in words (the runtime's WANTED[kind] checks it)
+    wraps: str
+    when: str  # the condition the runtime checks, in words
     why: str
-    impl: str
-
-    def installer(self) -> Any:
-        name, _, func = self.impl.partition(":")
-        return getattr(importlib.import_module(name), func)
 
 
-EXTRAS: tuple[ExtraSpec, ...] = (
-    ExtraSpec(
-        id="in-situ-verify",
-        kind=OBSERVER,
-        module=CONNECTOR,
-        wraps=("ExampleHiddenStatesConnector.register_kv_caches",),
+EXTRAS: tuple[Extra, ...] = (
+    Extra(
+        "in-situ-verify",
+        "ExampleHiddenStatesConnector.register_kv_caches",
         when=(
             "VLLM_HSFIX_VERIFY is on (the default), an applied patch has an in-situ check, "
             "and no row that runs the check itself applies (0.17-0.23: the clamp only)"
         ),
         why="run the in-situ check once per worker when it registers its KV caches",
-        impl="vllm_hsfix.patches._observer:observe",
     ),
-    ExtraSpec(
-        id="provenance",
-        kind=STAMP,
-        module=CONNECTOR,
-        wraps=("save_file",),
+    Extra(
+        "provenance",
+        "save_file",
         when="VLLM_HSFIX_PROVENANCE=1 and a patch is applied in the process",
         why=(
             "stamp each saved file with the patches, releases and engine settings it was "
             "written under, so audit and repair know what wrote it"
         ),
-        impl="vllm_hsfix.provenance:install",
     ),
-    ExtraSpec(
-        id="refuse-config",
-        kind=CONFIG_CHECK,
-        module=CONNECTOR,
-        wraps=("ExampleHiddenStatesConnector.__init__",),
+    Extra(
+        "refuse-config",
+        "ExampleHiddenStatesConnector.__init__",
         when="the release has hazards whose trigger is a setting (hazards.refuse_config)",
         why=(
             "check those settings when the scheduler builds its connector: one WARNING, or "
             "a refusal to start in strict mode"
         ),
-        impl="vllm_hsfix.hazards:install",
     ),
 )
 
 
 PATCH_IDS: tuple[str, ...] = tuple(p.id for p in PATCHES)
-MODULES: tuple[str, ...] = tuple(
-    dict.fromkeys([p.module for p in PATCHES] + [e.module for e in EXTRAS])
-)
+MODULES: tuple[str, ...] = tuple(dict.fromkeys([*(p.module for p in PATCHES), CONNECTOR]))
 
 
 def by_id(patch_id: str) -> PatchSpec:

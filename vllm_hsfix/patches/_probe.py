@@ -102,7 +102,8 @@ def finds(node: ast.AST | None, pattern: str) -> bool:
     return any(_matches(n, want) for n in ast.walk(node))
 
 
-def _live(module: object, name: str) -> object:
+def _member(module: object, name: str) -> object:
+    """What ``name`` (``attr`` or ``Class.attr``, from the class dict) is in ``module``."""
     owner, _, member = name.rpartition(".")
     if not owner:
         return getattr(module, name, None)
@@ -114,25 +115,25 @@ def probes(
     patch_id: str,
     fps: Callable[[ast.Module], dict[str, str]],
     shape_check: Callable[[ast.Module], Probe],
-    live: tuple[str, ...] | Callable[[object], tuple[str, ...]],
+    own: tuple[str, ...] | Callable[[object], tuple[str, ...]],
 ) -> tuple[Callable[[ast.Module], Probe], Callable[[object], Probe]]:
     """A patch's ``probe_tree`` (its targets' fingerprints ``fps(tree)``, else
-    ``shape_check``) and ``probe`` (the same on a live module whose ``live`` objects,
-    or ``live(module)``, are its own)."""
+    ``shape_check``) and ``probe`` (the same on a live module whose objects named in
+    ``own``, or ``own(module)``, are its source's own)."""
 
     def probe_tree(tree: ast.Module) -> Probe:
         return gate(patch_id, fps(tree), lambda: shape_check(tree))
 
     def probe(module: object) -> Probe:
         """The same on a live module's source, refused where a live object named in
-        ``live`` is not that source's own definition (someone else's hot-fix)."""
+        ``own`` is not that source's own definition (someone else's hot-fix)."""
         tree = module_tree(module)
         if tree is None:
             return Probe(None, detail="the module's source cannot be read (no .py file?)")
         result = probe_tree(tree)
-        for name in live(module) if callable(live) else live:
+        for name in own(module) if callable(own) else own:
             problem = foreign_replacement_of(
-                name, _live(module, name), getattr(module, "__file__", None)
+                name, _member(module, name), getattr(module, "__file__", None)
             )
             if problem:
                 return Probe(None, detail=problem, fingerprints=result.fingerprints)

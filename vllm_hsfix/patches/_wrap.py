@@ -93,11 +93,6 @@ def ours_in(obj: object, patch_id: str | None = None) -> Any:
     return None
 
 
-def patch_id_of(obj: object) -> str | None:
-    """The patch id when ``obj`` itself is one of our wrappers."""
-    return obj.hsfix_patch if type(obj) is HsfixWrapper else None
-
-
 def original_of(obj: object) -> object:
     """What our wrappers in ``obj``'s chain wrap (``obj`` when there is none)."""
     ours = ours_in(obj)
@@ -120,11 +115,7 @@ class Replacement:
     original: object
     wrapper: HsfixWrapper
 
-    @property
-    def patch(self) -> str:
-        return self.wrapper.hsfix_patch
-
-    def live(self) -> bool:
+    def in_effect(self) -> bool:
         """Our wrapper is reachable through the attribute and switched on."""
         ours = ours_in(raw_attribute(self.owner, self.name), self.wrapper.hsfix_patch)
         return ours is self.wrapper and self.wrapper.hsfix_active
@@ -176,15 +167,11 @@ class FunctionSwap:
     original: Any
     replacement: Any
 
-    @property
-    def patch(self) -> str:
-        return str(self.replacement.__dict__[SWAPPED])
-
-    def live(self) -> bool:
+    def in_effect(self) -> bool:
         return self.owner.__dict__.get(self.name) is self.replacement
 
     def restore(self) -> str:
-        if self.live():
+        if self.in_effect():
             setattr(self.owner, self.name, self.original)
             return "restored"
         log.warning(

@@ -21,9 +21,9 @@ METADATA = "ExampleHiddenStatesConnectorMetadata"
 FILENAMES = "_request_filenames"
 # Beyond upstream: the scheduler names the requests it declined in the step's metadata
 # (pickled to the workers), which never report those (the scheduler would assert).
-NOT_HELD = "hsfix_not_held"  # on a metadata object
 DECLINED = "_hsfix_declined"  # on a scheduler-side connector, until the next metadata
-UNREPORTED = "_hsfix_not_held"  # on a worker-side connector, until they finish here
+DECLINED_IDS = "hsfix_declined_ids"  # on a metadata object: those, for the workers
+UNREPORTED = "_hsfix_unreported"  # on a worker-side connector, until they finish here
 METHODS = ("request_finished", "build_connector_meta", "get_finished")
 ALL_GROUPS = "request_finished_all_groups"
 SHAPE = "pop-without-default"
@@ -57,7 +57,7 @@ def name_declined(
     meta = wrapped(*args, **kwargs)
     declined = instance.__dict__.pop(DECLINED, None)
     if declined:
-        setattr(meta, NOT_HELD, frozenset(declined))
+        setattr(meta, DECLINED_IDS, frozenset(declined))
     return meta
 
 
@@ -68,13 +68,13 @@ def _installed_get_finished(module: Any) -> Any:
         """Upstream's: launch the step's saves, then report the finished requests whose
         copy is done; one without a copy, or declined, is forgotten, not reported."""
         finished_req_ids = arg(args, kwargs, 0, "finished_req_ids")
-        not_held: set[str] = instance.__dict__.setdefault(UNREPORTED, set())
+        unreported: set[str] = instance.__dict__.setdefault(UNREPORTED, set())
         if instance.has_connector_metadata():
             meta = instance._get_connector_metadata()
             if isinstance(meta, getattr(module, METADATA)):
                 for pending in meta.pending_saves:
                     instance._submit_async_write(pending)
-            not_held.update(getattr(meta, NOT_HELD, ()))
+            unreported.update(getattr(meta, DECLINED_IDS, ()))
         accumulated = instance._accumulated_finished_req_ids
         accumulated.update(finished_req_ids)
         done: set[str] = set()
@@ -84,9 +84,9 @@ def _installed_get_finished(module: Any) -> Any:
                 continue  # the copy is still in flight
             instance._req_copy_events.pop(req_id, None)
             accumulated.discard(req_id)
-            if event is not None and req_id not in not_held:
+            if event is not None and req_id not in unreported:
                 done.add(req_id)
-            not_held.discard(req_id)
+            unreported.discard(req_id)
             lock_fd = instance._lock_fds.pop(req_id, None)
             if lock_fd is not None:  # a lock made for a request never saved
                 os.close(lock_fd)
@@ -101,8 +101,7 @@ def guard_missing_group(
     """Upstream's ``request_finished_all_groups``: no group block table is a no-op."""
     request = arg(args, kwargs, 0, "request")
     block_ids = arg(args, kwargs, 1, "block_ids")
-    group = getattr(instance, "_cache_kv_group_id", None)
-    group = instance._hs_group_idx if group is None else group
+    group = checks.hidden_group(instance)
     if not 0 <= group < len(block_ids):
         return False, None
     return instance.request_finished(request, block_ids[group])
@@ -180,8 +179,8 @@ def _fingerprints(tree: ast.Module) -> dict[str, str]:
     return {**fps, **fingerprints(tree, (METADATA,))}
 
 
-LIVE = tuple(f"{ATTRIBUTE}.{m}" for m in (*METHODS, ALL_GROUPS))
-probe_tree, probe = probes(PATCH_ID, _fingerprints, shape_check, LIVE)
+OWN = tuple(f"{ATTRIBUTE}.{m}" for m in (*METHODS, ALL_GROUPS))
+probe_tree, probe = probes(PATCH_ID, _fingerprints, shape_check, OWN)
 
 
 def check_abort(cls: type) -> list[str]:

@@ -201,13 +201,13 @@ def shape_check(tree: ast.Module) -> Probe:
     return expect(shape, f"{target} copies through a CUDA stream", wanted)
 
 
-def _live(module: object) -> tuple[str, ...]:
+def _own(module: object) -> tuple[str, ...]:
     cls = getattr(module, ATTRIBUTE, None)
     target = SUBMIT if isinstance(cls, type) and SUBMIT in cls.__dict__ else SAVE_LAYER
     return (f"{ATTRIBUTE}.{target}",)
 
 
-probe_tree, probe = probes(PATCH_ID, _fingerprints, shape_check, _live)
+probe_tree, probe = probes(PATCH_ID, _fingerprints, shape_check, _own)
 
 
 def new_connector(module: Any) -> Any:

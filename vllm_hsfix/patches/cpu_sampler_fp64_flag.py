@@ -100,15 +100,15 @@ def shape_check(tree: ast.Module) -> Probe:
     )
 
 
-def _live(module: object) -> tuple[str, ...]:
+def _own(module: object) -> tuple[str, ...]:
     """The live holder and kernel, where the module has a ``_FuncWrapper`` (else the
     source decides)."""
-    live = (f"{HOLDER}.__getitem__", f"{KERNEL}.func")
-    return live if isinstance(getattr(module, HOLDER, None), type) else ()
+    own = (f"{HOLDER}.__getitem__", f"{KERNEL}.func")
+    return own if isinstance(getattr(module, HOLDER, None), type) else ()
 
 
 probe_tree, probe = probes(
-    PATCH_ID, lambda tree: fingerprints(tree, (IMPL, HOLDER)), shape_check, _live
+    PATCH_ID, lambda tree: fingerprints(tree, (IMPL, HOLDER)), shape_check, _own
 )
 
 

@@ -18,7 +18,6 @@ from ._wrap import Replacement, add, subclasses, wrap
 from .hooks import Hooks
 
 PATCH_ID = "hidden-group-block-size"
-CALLS_AFTER_REGISTER = True  # its register_kv_caches wrapper runs the in-situ check
 ATTRIBUTE = "ExampleHiddenStatesConnector"
 
 
@@ -93,12 +92,6 @@ def resolve(connector: Any) -> None:
     )
 
 
-def group_of(connector: Any) -> int:
-    """The hidden-states group index a connector reads (upstream's name, else 0.24.0's)."""
-    group = getattr(connector, "_cache_kv_group_id", None)
-    return int(connector._hs_group_idx if group is None else group)
-
-
 def check_buffer(connector: Any) -> None:
     """``ValueError`` (survives ``python -O``) when the buffer's block size disagrees."""
     buffer = getattr(connector, "_kv_cache", None)
@@ -114,7 +107,7 @@ def check_buffer(connector: Any) -> None:
         raise ValueError(
             f"Hidden-states block-size mismatch: derived {connector._block_size} but buffer "
             f"block size is {int(buffer.shape[1])}; read slots would be wrong (likely a hybrid "
-            f"block-size resolution bug). vllm-hsfix: group {group_of(connector)}, "
+            f"block-size resolution bug). vllm-hsfix: group {checks.hidden_group(connector)}, "
             f"registered buffer {tuple(buffer.shape)} has block dimension "
             f"{int(buffer.shape[1])}; refusing to write corrupted hidden states"
         )
@@ -145,7 +138,7 @@ def _installed_register_kv_caches(hooks: Hooks) -> Any:
     def register_kv_caches(
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        group = group_of(instance)
+        group = checks.hidden_group(instance)
         result = wrapped(*args, **kwargs)
         instance._hs_group_idx = group  # 0.24.0 re-derives it from layer names here
         check_buffer(instance)

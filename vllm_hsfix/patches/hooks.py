@@ -15,15 +15,3 @@ class Hooks:
 
     on_failure: Callable[[str, BaseException], None]
     after_register: Callable[[Any], None]
-
-
-@dataclass(frozen=True)
-class ExtraContext:
-    """What an extra's ``install(module, ctx)`` may use: the patches' callbacks, the
-    release, the provenance keys, and the config check's callbacks."""
-
-    hooks: Hooks
-    release: str
-    provenance_metadata: Callable[[], dict[str, str]]
-    on_config_hazard: Callable[[Any, str], None]
-    on_config_error: Callable[[BaseException], None]

@@ -101,14 +101,6 @@ def read(path: str) -> str:
         return ""
 
 
-def one_line(path: str) -> str:
-    """The root cause's first line and its process, then where the full log is."""
-    cause = root_cause(read(path))
-    if cause is None:
-        return f"no exception in vLLM's log; full log: {path}"
-    return f"{cause.error.splitlines()[0]} [in {cause.process}]; full log: {path}"
-
-
 def explain(path: str, tail: int = 1500) -> str:
     """Lines for a user: the root cause (or the log's tail when none is found), then
     where the full log is."""

@@ -22,11 +22,9 @@ def import_targets() -> None:
 
 def depths() -> dict[str, int]:
     """How many of our wrappers each target carries (the release's 0.24.0 targets)."""
-    from vllm_hsfix.patches._wrap import patch_id_of
-
     def depth(obj: Any) -> int:
         n = 0
-        while patch_id_of(obj) is not None:
+        while getattr(obj, "hsfix_patch", None) is not None:
             n, obj = n + 1, obj.__wrapped__
         return n
 
@@ -65,9 +63,9 @@ def every_path(order: str) -> list[Any]:
     load_general_plugins()
     vllm_hsfix.apply()
     vllm_hsfix.apply()
-    import vllm_hsfix.plugin
+    import _vllm_hsfix_plugin
 
-    vllm_hsfix.plugin.register()
+    _vllm_hsfix_plugin.register()
     import_targets()
     return [depths(), vllm_hsfix.status()["activated_by"], patches("status")]
 
@@ -122,10 +120,10 @@ def failing_plugin() -> str | None:
         raise RuntimeError("forced failure in the plugin")
 
     lazy.activate = broken  # type: ignore[assignment]
-    import vllm_hsfix.plugin
+    import _vllm_hsfix_plugin
 
     try:
-        vllm_hsfix.plugin.register()
+        _vllm_hsfix_plugin.register()
     except BaseException as exc:
         return type(exc).__name__
     return None

@@ -119,12 +119,11 @@ def late_apply_ambiguous() -> list[Any]:
     except Exception as exc:
         return ["init-raised", repr(exc)]
     import vllm_hsfix
-    from vllm_hsfix.patches._wrap import patch_id_of
 
     vllm_hsfix.apply()
     rec = vllm_hsfix.status()["patches"]["hidden-group-block-size"]
     cls = vars(targets()[1].ExampleHiddenStatesConnector)
-    wrappers = [patch_id_of(cls["__init__"]), patch_id_of(cls["register_kv_caches"])]
+    wrappers = [getattr(cls[n], "hsfix_patch", None) for n in ("__init__", "register_kv_caches")]
     return [rec["status"], rec["reason"], wrappers]
 
 
@@ -184,22 +183,25 @@ def fork_with_lock_held() -> list[int]:
     import os
     import threading
 
-    from vllm_hsfix import _lazy
-    from vllm_hsfix.state import LOCK
+    from vllm_hsfix._lazy import LOCK
 
-    held, release = threading.Event(), threading.Event()
+    held, release, taken = threading.Event(), threading.Event(), threading.Event()
 
     def holder() -> None:
-        with LOCK, _lazy._LOCK:
+        with LOCK:
             held.set()
             release.wait(10)
+
+    def take() -> None:
+        with LOCK:
+            taken.set()
 
     threading.Thread(target=holder, daemon=True).start()
     held.wait(5)
     pid = os.fork()
     if pid == 0:
-        ok = LOCK.acquire(timeout=3) and _lazy._LOCK.acquire(timeout=3)
-        os._exit(0 if ok else 7)
+        threading.Thread(target=take, daemon=True).start()
+        os._exit(0 if taken.wait(3) else 7)
     _, status = os.waitpid(pid, 0)
     release.set()
     return [os.waitstatus_to_exitcode(status)]

@@ -93,7 +93,6 @@ def saved(target: str) -> list[Any]:
     from safetensors import safe_open
 
     import vllm_hsfix
-    from vllm_hsfix.patches._wrap import patch_id_of
 
     importlib.import_module(MODEL_MODULE)
     conn = importlib.import_module(CONNECTOR_MODULE)
@@ -104,9 +103,9 @@ def saved(target: str) -> list[Any]:
     conn.save_file(tensors, target, metadata={"user": "kept"})
     with safe_open(target, "pt") as f:
         meta = f.metadata()
-    wrapped = patch_id_of(conn.save_file)
+    wrapped = getattr(conn.save_file, "hsfix_patch", None)
     vllm_hsfix.unapply()
-    return [meta, wrapped, patch_id_of(conn.save_file)]
+    return [meta, wrapped, getattr(conn.save_file, "hsfix_patch", None)]
 
 
 def distributions() -> list[Any]:

@@ -97,9 +97,9 @@ def cuda_untouched() -> bool:
     import torch
 
     import vllm_hsfix
-    import vllm_hsfix.plugin
+    import _vllm_hsfix_plugin
 
-    vllm_hsfix.plugin.register()
+    _vllm_hsfix_plugin.register()
     vllm_hsfix.apply()
     vllm_hsfix.status()
     return torch.cuda.is_initialized()
