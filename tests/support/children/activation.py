@@ -22,6 +22,7 @@ def import_targets() -> None:
 
 def depths() -> dict[str, int]:
     """How many of our wrappers each target carries (the release's 0.24.0 targets)."""
+
     def depth(obj: Any) -> int:
         n = 0
         while getattr(obj, "hsfix_patch", None) is not None:

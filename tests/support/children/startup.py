@@ -96,8 +96,8 @@ def cuda_untouched() -> bool:
     """Whether activation, the plugin and ``status`` initialised CUDA."""
     import torch
 
-    import vllm_hsfix
     import _vllm_hsfix_plugin
+    import vllm_hsfix
 
     _vllm_hsfix_plugin.register()
     vllm_hsfix.apply()
