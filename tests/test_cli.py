@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import INSTALL, RELEASE, applies, clean_env, declared_code
+from conftest import INSTALL, clean_env, declared_code
 from support.commands import cli
 
-from vllm_hsfix.patches import PATCHES, by_id
+from vllm_hsfix.patches import PATCHES
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -106,34 +106,72 @@ def test_status_require_unknown_value_is_a_usage_error() -> None:
     assert out.returncode == 2 and "unknown requirement" in out.stderr
 
 
-def test_verify_cpu_json_passes_on_the_real_release() -> None:
+@pytest.fixture(scope="module")
+def verified() -> dict:
+    """``vllm-hsfix verify --device cpu --json`` on the release, run once."""
     out = cli("verify", "--device", "cpu", "--json")
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
-    assert report["ok"] is True and report["device"] == "cpu"
-    names = [c["check"] for c in report["checks"]]
-    assert "scatter bfloat16 contiguous" in names
-    # The connector reads with the hidden group's block size from the row's first
-    # release on (patched, or fixed upstream); before, the row is not checked.
-    reads = declared_code(by_id("hidden-group-block-size")) != "not-needed"
-    connector = [c for c in report["checks"] if c["check"].startswith("connector group")]
-    assert [c.get("skipped") for c in connector] == ([None] if reads else []), connector
-    clamp = report["patches"]["scatter-clamp"]["status"]
-    assert clamp == ("applied" if applies("scatter-clamp") else "skipped"), report["patches"]
-    # Every row of the register, judged on the patches as they are in this process;
-    # expected states written by hand from the hazard table.
-    states = {k: v["state"] for k, v in report["hazards"].items()}
-    assert set(states) == {
+    return report
+
+
+def test_verify_cpu_json_passes_on_the_real_release(verified: dict) -> None:
+    assert verified["ok"] is True and verified["device"] == "cpu"
+    assert "scatter bfloat16 contiguous" in [c["check"] for c in verified["checks"]]
+    # Every row of the register, judged on the patches as they are in this process.
+    assert set(verified["hazards"]) == {
         "abort-before-scheduling", "drafter-skip", "prefix-cache-slicing",
         "aux-final-layer-dropped", "torn-files", "torn-files-in-step",
         "cpu-amx-gdn-conv-state",
     }  # fmt: skip
-    expected = {
-        "0.24.0": {"abort-before-scheduling": "patched", "drafter-skip": "not-affected"},
-        "0.25.0": {"abort-before-scheduling": "patched", "drafter-skip": "checked-at-start"},
-        "0.22.0": {"prefix-cache-slicing": "checked-at-start", "drafter-skip": "not-affected"},
-        "0.32.0": {"abort-before-scheduling": "fixed-upstream", "drafter-skip": "fixed-upstream"},
-    }.get(RELEASE or "", {})
+
+
+def _connector_checks(report: dict) -> list:
+    return [c.get("skipped") for c in report["checks"] if c["check"].startswith("connector group")]
+
+
+@pytest.mark.applies("hidden-group-block-size")
+def test_verify_checks_the_patched_connector(verified: dict) -> None:
+    assert _connector_checks(verified) == [None]
+    assert verified["patches"]["scatter-clamp"]["status"] == "applied"
+
+
+@pytest.mark.fixed_upstream("hidden-group-block-size")
+def test_verify_checks_upstreams_connector(verified: dict) -> None:
+    assert _connector_checks(verified) == [None]
+    assert verified["patches"]["scatter-clamp"]["status"] == "skipped"
+
+
+@pytest.mark.hazard("prefix-cache-slicing", "torn-files-in-step")  # 0.17-0.23
+def test_verify_leaves_out_the_connector_before_it_reads_its_block_size(verified: dict) -> None:
+    assert _connector_checks(verified) == []
+    assert verified["patches"]["scatter-clamp"]["status"] == "applied"
+
+
+# The hazards' states, written by hand from the hazard table, per range of releases.
+@pytest.mark.parametrize(
+    "expected",
+    [
+        pytest.param(
+            {"abort-before-scheduling": "patched", "drafter-skip": "not-affected"},
+            marks=pytest.mark.applies("hidden-group-block-size"),  # 0.24.x
+        ),
+        pytest.param(
+            {"abort-before-scheduling": "patched", "drafter-skip": "checked-at-start"},
+            marks=pytest.mark.hazard("drafter-skip"),  # 0.25-0.28
+        ),
+        pytest.param(
+            {"prefix-cache-slicing": "checked-at-start", "drafter-skip": "not-affected"},
+            marks=pytest.mark.hazard("prefix-cache-slicing"),  # 0.22-0.23
+        ),
+        pytest.param(
+            {"abort-before-scheduling": "fixed-upstream", "drafter-skip": "fixed-upstream"},
+            marks=pytest.mark.fixed_upstream("abort-before-scheduling"),  # 0.31 on
+        ),
+    ],
+)
+def test_verify_names_the_releases_hazard_states(verified: dict, expected: dict) -> None:
+    states = {k: v["state"] for k, v in verified["hazards"].items()}
     assert {k: states[k] for k in expected} == expected
 
 

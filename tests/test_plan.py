@@ -97,7 +97,7 @@ def test_unknown_version_and_disabled() -> None:
 
 @pytest.mark.parametrize("version", ["0.25.0", "0.32.0+cpu"])
 def test_disabling_a_fixed_release_changes_nothing(version: str) -> None:
-    # Issue 11.11: on a fixed vLLM there is nothing to turn off, so the answer (and
+    # On a fixed vLLM there is nothing to turn off, so the answer (and
     # `vllm-hsfix status`'s exit code) does not depend on the switch.
     for patch in PATCHES:
         if patch.fixed_in is None or Version(Version(version).public) < Version(patch.fixed_in):

@@ -116,6 +116,8 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live kernel, called as 0.23+'s rejection sampler calls it, picks the tokens an
     independent torch computation picks (with and without draft probabilities)."""
     name = f"{KERNEL} accepts {KEYWORD} and recovers the right tokens"
+    if not hasattr(module, KERNEL):  # a later release's CPU sampler has no stand-in
+        return [checks.result(name, [], skipped=f"vLLM {ctx.version} has no CPU {KERNEL}")]
     return checks.one(name, lambda: check_recovered_tokens(module))
 
 
