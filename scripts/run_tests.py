@@ -114,7 +114,16 @@ RELEASE_TESTS = [
     "tests/test_hazards.py",
     "tests/test_patch_wraps.py",
     # verify on the release's live code: patched rows checked, fixed ones as upstream has them
-    "tests/test_cli.py::test_verify_cpu_json_passes_on_the_real_release",
+    *(
+        f"tests/test_cli.py::test_verify_{name}"
+        for name in (
+            "cpu_json_passes_on_the_real_release",
+            "checks_the_patched_connector",
+            "checks_upstreams_connector",
+            "leaves_out_the_connector_before_it_reads_its_block_size",
+            "names_the_releases_hazard_states",
+        )
+    ),
 ]
 # Tests that need neither torch nor an importable vLLM (vLLM's files and metadata are
 # findable), run on every supported Python. Add a file here; one that does not exist
