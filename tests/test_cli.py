@@ -126,7 +126,7 @@ def test_verify_cpu_json_passes_on_the_real_release() -> None:
     assert set(states) == {
         "abort-before-scheduling", "drafter-skip", "prefix-cache-slicing",
         "aux-final-layer-dropped", "torn-files", "torn-files-in-step",
-        "cpu-amx-gdn-conv-state",
+        "cpu-amx-gdn-conv-state", "cpu-amx-gdn-stale-tiles",
     }  # fmt: skip
     expected = {
         "0.24.0": {"abort-before-scheduling": "patched", "drafter-skip": "not-affected"},
