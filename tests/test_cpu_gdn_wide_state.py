@@ -109,6 +109,6 @@ def test_end_to_end_the_engine_dies_without_the_row_and_is_right_with_it(tmp_pat
     models = CACHE / "models"
     dead = e2e.run_case(case, patched=True, workdir=tmp_path, models=models, extra_env=off)
     assert not dead.ok_run and dead.rows == 0
-    assert "CHECK_EQ(conv_states.size(2), width - 1) failed. 4 vs 3" in str(dead.error)
+    assert "CHECK_EQ(conv_states_val.size(2), width - 1) failed. 4 vs 3" in str(dead.error)
     good = result(case.name, True, tmp_path)
     assert good.rows_correct == good.rows > 0 and good.rows_nan == 0
