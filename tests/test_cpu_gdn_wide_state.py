@@ -104,7 +104,7 @@ def test_the_patched_kernels_do_on_a_wide_state_what_the_release_does_on_a_narro
 @pytest.mark.e2e
 def test_end_to_end_the_engine_dies_without_the_row_and_is_right_with_it(tmp_path: Any) -> None:
     """Every other patch on: without this row the release's prefill kernel refuses the
-    wide state at the first prompt and the engine dies (its width check, or, in 2 of 5
+    wide state at the first prompt and the engine dies (its width check, or, in 2 of 6
     runs measured, a contiguity check first); with it every row is right."""
     off = {"VLLM_HSFIX_DISABLED_PATCHES": patch.PATCH_ID}
     case, models = e2e.CASES["hybrid-mp"], CACHE / "models"
