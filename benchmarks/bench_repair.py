@@ -18,7 +18,7 @@ on the installed vLLM, with the same connector and the same engine settings:
 vllm-hsfix whose repair runs in each round, put first on ``PYTHONPATH`` (comma-separated,
 default this one; e.g. ``.,/tmp/base`` for an A/B against a git worktree of another
 commit). ``BENCH_MODEL``: ``hybrid`` (default, the tiny Qwen3.5) or ``dense`` (the tiny
-Qwen3: vLLM's CPU build cannot run the hybrid on a CPU with AMX). Printed per round:
+Qwen3). Printed per round:
 prompt tokens/s of each (repair: from its ``engine ready`` line to its ``regenerated
 and checked`` line, i.e. with the comparison and the replacement) and the ratio repair /
 baseline (goal >= 0.9); engine start and the time from the work's end to the process's

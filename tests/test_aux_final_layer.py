@@ -30,7 +30,6 @@ pytestmark = [
     pytest.mark.speculators,
     pytest.mark.needs_vllm,
     pytest.mark.applies("aux-final-layer"),
-    pytest.mark.dense_engine,  # no gated-delta-net layers
 ]
 
 TARGETS = [1, 2, 3]  # the launcher appends 4 = num_hidden_layers

@@ -122,7 +122,7 @@ def test_verify_cpu_json_passes_on_the_real_release(verified: dict) -> None:
     assert set(verified["hazards"]) == {
         "abort-before-scheduling", "drafter-skip", "prefix-cache-slicing",
         "aux-final-layer-dropped", "torn-files", "torn-files-in-step",
-        "cpu-amx-gdn-conv-state",
+        "cpu-amx-gdn-conv-state", "cpu-amx-gdn-stale-tiles",
     }  # fmt: skip
 
 

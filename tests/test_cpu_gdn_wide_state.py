@@ -5,17 +5,22 @@ than the convolution's window; on a CPU with AMX the release's kernels refuse it
 (fails first, below), and the patched kernels must do on it exactly what the release's
 kernels do on a state of the width they take, and what a causal convolution written
 out here gives. The kernels run only where the CPU has AMX (elsewhere vLLM's layer
-never calls them): the tests skip there, saying so.
+never calls them): the tests skip there, saying so. End to end, the tiny Qwen3.5
+hybrid's engine dies at the first prompt without this row and is right with it.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import CACHE
+from support.e2eruns import result
 
+from hsfix_demo import e2e
 from vllm_hsfix.patches import cpu_gdn_wide_conv_state as patch
 
 AMX = torch.cpu._is_amx_tile_supported()
@@ -94,3 +99,21 @@ def test_the_patched_kernels_do_on_a_wide_state_what_the_release_does_on_a_narro
     assert torch.allclose(wide[3, : WIDTH - 1].t().double(), window, atol=1e-2)
     # And `vllm-hsfix verify`'s own check on the live module agrees.
     assert patch.check_wide_state(ops()) == []
+
+
+@pytest.mark.e2e
+def test_end_to_end_the_engine_dies_without_the_row_and_is_right_with_it(tmp_path: Any) -> None:
+    """Every other patch on: without this row the release's prefill kernel refuses the
+    wide state at the first prompt and the engine dies (its width check, or, in 2 of 6
+    runs measured, a contiguity check first); with it every row is right."""
+    off = {"VLLM_HSFIX_DISABLED_PATCHES": patch.PATCH_ID}
+    case, models = e2e.CASES["hybrid-mp"], CACHE / "models"
+    dead = e2e.run_case(case, patched=True, workdir=tmp_path, models=models, extra_env=off)
+    err = str(dead.error)
+    assert not dead.ok_run and dead.rows == 0, err  # nothing written
+    log = Path(err.splitlines()[0].split("full log: ")[1]).read_text()
+    assert "in causal_conv1d_fwd_cpu" in log, err
+    width = "CHECK_EQ(conv_states_val.size(2), width - 1) failed. 4 vs 3"
+    assert any(f"RuntimeError: {r}" in err for r in (width, "tensor must be contiguous")), err
+    good = result(case.name, True, tmp_path)
+    assert good.rows_correct == good.rows > 0 and good.rows_nan == 0

@@ -77,6 +77,9 @@ def test_a_patched_hazard_spans_the_releases_its_bug_is_in() -> None:
         ("torn-files-in-step", "0.17.0", True),
         ("torn-files-in-step", "0.21.0", True),
         ("torn-files-in-step", "0.22.0", False),
+        ("cpu-amx-gdn-stale-tiles", "0.21.0", False),  # scripts/amx_gdn_probe.py: 0.22-0.26
+        ("cpu-amx-gdn-stale-tiles", "0.26.0", True),
+        ("cpu-amx-gdn-stale-tiles", "0.27.0", False),
     ],
 )
 def test_affected_releases(hazard: str, release: str, affected: bool) -> None:

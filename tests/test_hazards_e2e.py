@@ -17,7 +17,7 @@ from support.procs import marked_json, run_child
 
 from vllm_hsfix import hazards
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
 
 def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from support.serve import healthy, post
 from hsfix_demo import e2e
 from vllm_hsfix.patches import by_id
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
 PATCH = by_id("abort-before-scheduling")
 DISABLE = {"VLLM_HSFIX_DISABLED_PATCHES": PATCH.id}

@@ -22,7 +22,6 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.needs_vllm,
     pytest.mark.extended,
-    pytest.mark.dense_engine,
 ]
 
 

@@ -263,7 +263,6 @@ def test_repair_as_typed_keeps_right_files_and_fixes_wrong_ones(
 @pytest.mark.needs_vllm
 @pytest.mark.applies("scatter-clamp")
 @pytest.mark.e2e
-@pytest.mark.dense_engine  # no gated-delta-net layers: runs on every CPU
 @pytest.mark.parametrize(
     "role", ["engine-core", pytest.param("front-end", marks=pytest.mark.extended)]
 )

@@ -14,7 +14,7 @@ from conftest import CACHE, INSTALL
 
 from hsfix_demo import e2e, script_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm, pytest.mark.dense_engine]
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
 if not (INSTALL.cpu_build and not torch.cuda.is_available()):
     pytest.skip("needs vLLM's CPU build on a machine without CUDA", allow_module_level=True)

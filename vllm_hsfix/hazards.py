@@ -18,15 +18,8 @@ from .releases import fixed, reached
 
 PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
 PROCESS, DATA = "process", "data"  # what is lost
-NOT_AFFECTED, FIXED_UPSTREAM, PATCHED, CHECKED, OPEN, EXPOSED, UNKNOWN = (
-    "not-affected",
-    "fixed-upstream",
-    "patched",
-    "checked-at-start",
-    "open",
-    "exposed",
-    "unknown",
-)
+NOT_AFFECTED, FIXED_UPSTREAM, PATCHED = "not-affected", "fixed-upstream", "patched"
+CHECKED, OPEN, EXPOSED, UNKNOWN = "checked-at-start", "open", "exposed", "unknown"
 
 
 @dataclass(frozen=True)
@@ -149,6 +142,17 @@ HAZARDS: tuple[Hazard, ...] = (
             "released in 0.26.0); 0.27.0's kernels take the wide state themselves (#48577)"
         ),
     ),
+    Hazard(
+        id="cpu-amx-gdn-stale-tiles",
+        first="0.22.0",
+        fixed_in="0.27.0",
+        models="vLLM's CPU build on AMX; GDN models with 64-dim linear heads (released: 128)",
+        loses=PROCESS,
+        upstream="0.27.0's rewritten GDN prefill kernels call brgemm_release() (no PR named)",
+        action=DOCUMENTED,
+        why_action="a SIGILL inside vLLM's C++ kernel, from no released model's config",
+        workaround="vLLM >= 0.27.0, 128-dim linear heads, or a CPU without AMX",
+    ),
 )
 
 
@@ -194,14 +198,8 @@ def assess(
 ) -> dict[str, str]:
     """One hazard's state on ``version`` (None: unknown), given each patch's ``status``
     code; ``open`` (its patch not in place) is the only state of vllm-hsfix's making."""
-    out = {
-        "action": hazard.action,
-        "releases": hazard.releases,
-        "loses": hazard.loses,
-        "upstream": hazard.upstream,
-    }
-    if hazard.models:
-        out["models"] = hazard.models
+    fields = ("action", "releases", "loses", "upstream", "models")  # models: where it has one
+    out = {k: getattr(hazard, k) for k in fields if getattr(hazard, k)}
     if version is None:
         return {**out, "state": UNKNOWN, "reason": "the installed vLLM release is unknown"}
     try:
