@@ -67,7 +67,6 @@ def raised_overlay(tmp_path: Path) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.dense_engine
 def test_an_engine_run_on_the_next_release_writes_right_files(tmp_path: Path) -> None:
     """The connector's save path on the CPU build dies at the first save unless
     ``cpu-connector-save`` is applied there: every row right, every patch in place."""
@@ -89,7 +88,6 @@ def test_an_engine_run_on_the_next_release_writes_right_files(tmp_path: Path) ->
 
 
 @pytest.mark.e2e
-@pytest.mark.dense_engine
 def test_vllm_serve_starts_on_the_next_release(tmp_path: Path) -> None:
     """``vllm serve`` reads version("vllm") before any plugin: it starts (cpu-dist-name
     applied) and a request's hidden states are saved."""
