@@ -130,6 +130,10 @@ def test_assess_says_why() -> None:
     assert amx not in hazards.refuse_config("0.24.0")  # no setting avoids it
     every = hazards.assess_all("0.25.0", {ABORT: "would-apply"})
     assert set(every) == set(hazards.HAZARD_IDS)
+    # The SIGILL lives in vLLM's CPU kernels: named on the CPU build, not on CUDA wheels.
+    tiles = hazards.by_id("cpu-amx-gdn-stale-tiles")
+    on = {cpu: hazards.assess(tiles, "0.24.0", {}, cpu_build=cpu)["state"] for cpu in (True, False)}
+    assert on == {True: "exposed", False: "not-affected"}
 
 
 # ---------------------------------------------------------------------------

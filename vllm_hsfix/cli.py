@@ -75,7 +75,7 @@ def static_status() -> dict[str, Any]:
         "patches": patches,
         "releases_read": {"last": releases.LAST_READ, "newer": newer, "by_shape": by_shape},
         "hazards": hazards.assess_all(
-            inst.release if inst.present else None, codes, active=not cfg.disabled
+            inst.release if inst.present else None, codes, not cfg.disabled, inst.cpu_build
         ),
         "hs_connectors": backends.describe(codes),
         "activation": {

@@ -40,6 +40,7 @@ class Hazard:
     workaround: str = ""  # for DOCUMENTED: what a user can do
     models: str = ""  # only these models are concerned ("" = any)
     ends: str | None = None
+    cpu_only: bool = False  # vLLM's CPU build only (a patched hazard: its row's platform)
 
     @property
     def until(self) -> str | None:
@@ -147,6 +148,7 @@ HAZARDS: tuple[Hazard, ...] = (
         first="0.22.0",
         fixed_in="0.27.0",
         models="vLLM's CPU build on AMX; GDN models with 64-dim linear heads (released: 128)",
+        cpu_only=True,
         loses=PROCESS,
         upstream="0.27.0's rewritten GDN prefill kernels call brgemm_release() (no PR named)",
         action=DOCUMENTED,
@@ -194,12 +196,18 @@ def _state(
 
 
 def assess(
-    hazard: Hazard, version: str | None, patch_codes: dict[str, str], active: bool = True
+    hazard: Hazard,
+    version: str | None,
+    patch_codes: dict[str, str],
+    active: bool = True,
+    cpu_build: bool | None = None,
 ) -> dict[str, str]:
     """One hazard's state on ``version`` (None: unknown), given each patch's ``status``
     code; ``open`` (its patch not in place) is the only state of vllm-hsfix's making."""
     fields = ("action", "releases", "loses", "upstream", "models")  # models: where it has one
     out = {k: getattr(hazard, k) for k in fields if getattr(hazard, k)}
+    if hazard.cpu_only and cpu_build is False:
+        return {**out, "state": NOT_AFFECTED, "reason": "not vLLM's CPU build"}
     if version is None:
         return {**out, "state": UNKNOWN, "reason": "the installed vLLM release is unknown"}
     try:
@@ -210,9 +218,12 @@ def assess(
 
 
 def assess_all(
-    version: str | None, patch_codes: dict[str, str], active: bool = True
+    version: str | None,
+    patch_codes: dict[str, str],
+    active: bool = True,
+    cpu_build: bool | None = None,
 ) -> dict[str, dict[str, str]]:
-    return {h.id: assess(h, version, patch_codes, active) for h in HAZARDS}
+    return {h.id: assess(h, version, patch_codes, active, cpu_build) for h in HAZARDS}
 
 
 def refuse_config(version: str | None) -> tuple[Hazard, ...]:

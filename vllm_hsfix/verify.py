@@ -70,7 +70,7 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
     }
     report["checks"] = results
     codes = {k: v["code"] for k, v in st["patches"].items()}
-    report["hazards"] = hazards.assess_all(inst.release, codes, active=st["enabled"])
+    report["hazards"] = hazards.assess_all(inst.release, codes, st["enabled"], inst.cpu_build)
     bad_patch = [k for k, v in st["patches"].items() if v["status"] in (REFUSED, FAILED)]
     if bad_patch:
         report["error"] = f"patches not in place: {bad_patch}"
