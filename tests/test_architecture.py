@@ -1,12 +1,6 @@
-"""The package's structure, read from its source: no import cycle, nothing
-imports upward, no private name is used across modules, no module assigns another's
-globals. Static: no torch, no vLLM (runs on Python 3.10-3.13).
-
-Every import counts, at module level, inside functions and under ``TYPE_CHECKING``.
-The implicit import of a parent package (``import a.b`` runs ``a/__init__``) does not:
-it is Python's mechanics, not a dependency the code chose. The layers are the ones
-``docs/architecture.md`` draws.
-"""
+"""The package's structure, read from its source: no import cycle, nothing imports upward,
+no private name is used across modules, no module assigns another's globals. Every import
+counts but a parent package's implicit one; the layers are ``docs/architecture.md``'s."""
 
 from __future__ import annotations
 
@@ -231,9 +225,7 @@ def test_the_graph_sees_function_level_imports() -> None:
 
 
 def test_every_patch_module_is_a_row_of_the_table() -> None:
-    """A module under ``patches/`` that is neither private nor the table itself is a
-    patch, and must be declared in ``PATCHES`` (so runtime, status, verify and the
-    tests reach it)."""
+    """A public module under ``patches/`` is a patch, and must be declared in ``PATCHES``."""
     mods = modules()
     declared = {
         m for m in mods if m.startswith("patches.") and not m.split(".")[-1].startswith("_")

@@ -1,7 +1,6 @@
-"""``atomic-writes`` reaches the connector subclasses users run: hs-connectors'
-``FP8HiddenStatesConnector`` (speculators' ``fp8`` backend) overrides only
-``_write_tensors``, which is wrapped when the class is defined; a subclass writer of a
-shape the wrapper does not know is left alone and ``verify`` names it."""
+"""``atomic-writes`` reaches ``FP8HiddenStatesConnector``, which overrides only
+``_write_tensors``; a subclass writer of an unknown shape is left alone and ``verify``
+names it."""
 
 from __future__ import annotations
 

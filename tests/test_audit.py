@@ -1,8 +1,5 @@
 """``vllm-hsfix audit`` on single files: verdicts and reasons on files made to look like
-what a broken vLLM writes (``support.hsfiles``: written with ``safetensors.torch.save_file``,
-what the connector uses). Datasets: ``test_audit_datasets.py``; the command line, a real
-process and the bounded-memory promise: ``test_audit_cli.py``.
-"""
+what a broken vLLM writes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``vllm-hsfix audit``'s command line: reports, exit codes, usage errors, a real process
-(progress, no torch), and the bounded-memory promise. Files from ``support.hsfiles``,
-except the large one, which is written piecewise through a numpy memmap so the test
-itself stays small in memory.
-"""
+"""``vllm-hsfix audit``'s command line: reports, exit codes, usage errors, a real process,
+and the bounded-memory promise."""
 
 from __future__ import annotations
 

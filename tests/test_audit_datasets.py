@@ -1,8 +1,5 @@
-"""``vllm-hsfix audit`` on datasets: the dataset-wide checks (norm and shape outliers),
-directory expansion, and workers (same answers for any count; a worker's crash pinned
-on its file, also with every core busy; a read that never returns ends the run naming
-its file). Files from ``support.hsfiles``; single files: ``test_audit.py``.
-"""
+"""``vllm-hsfix audit`` on datasets: norm and shape outliers, directory expansion, and
+workers (same answers for any count, crashes and stalls pinned on their file)."""
 
 from __future__ import annotations
 
@@ -128,9 +125,8 @@ def _always_dies(paths: list[str]) -> list[reports.FileReport]:
 
 
 def _fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The crash is injected by patching this process, which only forked workers
-    inherit; the pool forks only while this process has one thread (after an engine
-    test, or under pytest-xdist, it has more and would use forkserver)."""
+    """The crash is injected into this process, which only forked workers inherit; the pool
+    forks only while this process has one thread."""
     import multiprocessing
 
     monkeypatch.setattr(parallel, "_context", lambda: multiprocessing.get_context("fork"))
@@ -168,9 +164,8 @@ def _hangs_alone_on_boom(paths: list[str]) -> list[reports.FileReport]:
 def test_a_file_whose_read_never_returns_ends_the_run_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A FIFO nobody writes to holds its worker in ``open()`` forever: with
-    ``--stall-timeout 2`` the command exits 2 within seconds, naming the file; the other
-    files are reported, and no worker is left behind."""
+    """A FIFO nobody writes holds its worker forever: with ``--stall-timeout 2`` the command
+    exits 2 naming it, reports the other files and leaves no worker behind."""
     import multiprocessing
 
     for i in range(3):
@@ -234,10 +229,8 @@ def test_workers_that_cannot_run_are_not_blamed_on_files(
 
 
 def test_a_workers_batch_crosses_the_process_boundary_whole(tmp_path: Path) -> None:
-    """What a worker hands back (``parallel.run_batch``, pickled) comes back as the same
-    reports: every field, the layer statistics, the findings (with their hazard), the
-    provenance and the prefix sketches; clean and damaged files, one without a prefix
-    sketch, one of another shape."""
+    """A worker's batch (``parallel.run_batch``, pickled) comes back as the same reports, every
+    field included, for clean, damaged, sketchless and differently shaped files."""
     import pickle
 
     paths = [
@@ -292,12 +285,9 @@ def report(i: int, medians: list[float | None], shape: tuple[int, int] = (4, 64)
 
 
 def test_outliers_and_shapes_by_file_index() -> None:
-    """60 files of [4, 64] whose layer medians spread 2% around 1, 2, 3, 4; file 7's
-    layer 2 ten times larger, file 11's layer 0 a third, file 13 of another shape, file
-    17 with no median on layer 1 (no sound row), a pending and an unsupported file, and
-    a file with one layer fewer: exactly 7 (layer 2) and 11 (layer 0) are norm
-    outliers, 13 a shape outlier, and the per-layer references count the files that
-    had that layer's median."""
+    """60 files with layer medians spread around 1-4: exactly file 7 (layer 2) and 11 (layer
+    0) are norm outliers, 13 a shape outlier, and each layer's reference counts the files that
+    had its median (17 has none on layer 1; one file lacks a layer)."""
     rng = np.random.default_rng(1)
     n = 64
     ledger = Ledger(n)

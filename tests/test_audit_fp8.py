@@ -1,17 +1,7 @@
-"""``vllm-hsfix audit`` on the files speculators' ``fp8`` backend writes.
-
-hs-connectors' ``FP8HiddenStatesConnector`` saves ``hidden_states`` as float8_e4m3fn
-with one fp32 scale per token (``hidden_states_scales``); the audit de-quantizes them
-(numpy, a 256-entry table) before every check. The files here are written by the real
-writers (hs-connectors' and vLLM's ``_write_tensors``) from a transformers forward of
-the tiny Qwen3.5 hybrid, with aux layers 1-4 (4 = num_hidden_layers, which speculators
-always appends). Expected values come from torch (its own float8 conversion, the
-forward itself) and from how each file was damaged, never from the audit.
-
-Read without the de-quantization, every right fp8 file here looks corrupt
-(``wrong_dtype`` F8_E4M3, ``extra_keys``); a format the audit does not know must not
-be called corrupt either.
-"""
+"""``vllm-hsfix audit`` on the files speculators' ``fp8`` backend writes (float8_e4m3fn
+with a per-token fp32 scale), written by the real writers from a transformers forward of
+the tiny hybrid; read without de-quantization every right file would look corrupt.
+Expected values come from torch and from how each file was damaged."""
 
 from __future__ import annotations
 
@@ -208,9 +198,8 @@ def test_fp8_statistics_are_of_torchs_dequantized_values(hidden: int, tmp_path: 
 def test_fp8_files_through_the_worker_batches_and_state(
     batch: list[tuple[list[int], torch.Tensor]], tmp_path: Path
 ) -> None:
-    """The worker function the local pool and Ray run (``parallel.run_batch``) judges
-    fp8 files as ``audit_file`` does; ``--state`` keeps their sketches, so a rerun with
-    nothing rescanned still cross-checks their prefixes."""
+    """``parallel.run_batch`` judges fp8 files as ``audit_file`` does, and ``--state`` keeps
+    their sketches, so a rerun still cross-checks their prefixes."""
     root = tmp_path / "hs"
     root.mkdir()
     paths = []

@@ -1,10 +1,5 @@
-"""The compiled fp8 kernel of the audit (``vllm_hsfix.audit.kernel``, numba: vLLM
-requires it, so every vLLM image has it): its squared norms are torch's, and with it
-every finding, statistic and prefix sketch of the audit is the same as without it, on
-clean and damaged files (hs-connectors' fp8; the other formats beside them take the
-numpy path either way). Its speed is measured by ``benchmarks/bench_audit.py``, never
-asserted here.
-"""
+"""The audit's compiled fp8 kernel (numba): its squared norms are torch's, and every
+finding, statistic and prefix sketch is the same with it as without it."""
 
 from __future__ import annotations
 
@@ -175,9 +170,8 @@ def test_a_large_audit_loads_the_kernel_at_its_first_fp8_file_only(tmp_path: Pat
 
 
 def test_the_fp8_kernel_squares_every_byte_value() -> None:
-    """Every float8_e4m3fn byte (normal, subnormal, both signs, zero) in rows the kernel
-    squares: the sums are the exact squares of the format's values (torch's own
-    decode), scaled; a NaN byte makes its row odd."""
+    """Every float8_e4m3fn byte value squares to the exact square of torch's decode, scaled;
+    a NaN byte makes its row odd."""
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = every[(every & 0x7F) != 0x7F]  # 254 bytes: all but the two NaNs
     raw = torch.stack([finite, finite.flip(0), finite.roll(7)]).numpy()

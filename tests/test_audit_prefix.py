@@ -1,12 +1,5 @@
-"""The shared-prefix check of ``vllm-hsfix audit`` on crafted datasets.
-
-The datasets' rows are causal the way a real model's are (``support.hsfiles.dataset``:
-files that share a prompt prefix share those rows; wrong files get rows from
-elsewhere, as vLLM 0.24.0's reads from other blocks' memory do). The end-to-end
-measurement on what real vLLM writes is in ``tests/test_e2e.py``. The sketch store
-(:class:`vllm_hsfix.audit.prefix.Store`, a temporary file per position) gives the
-verdicts built into the data however the sketches are kept.
-"""
+"""The shared-prefix check of ``vllm-hsfix audit`` on crafted datasets with causal rows,
+whichever way the sketch store keeps its sketches."""
 
 from __future__ import annotations
 
@@ -84,13 +77,9 @@ def test_a_dataset_written_entirely_wrong_has_no_reference_and_every_file_is_fla
 def test_right_files_among_wrong_ones_that_share_their_prefix(
     tmp_path: Path, wrong: set[int], flagged: set[int]
 ) -> None:
-    """The mixed case: 5 files share their prompt's prefix, ``wrong`` hold other memory
-    (each its own). Where the right files are a strict majority they are the consensus
-    and only the wrong ones are flagged. Where they are not (2 of 5: the largest
-    agreeing set, but no majority), nothing tells them from wrong files that happen to
-    agree, so every file of the group is flagged corrupt, the right ones included, with
-    "no majority" in the detail: ``repair`` then regenerates them, finds them right row
-    by row and keeps them byte for byte (docs/audit.md says so)."""
+    """5 files share a prefix, ``wrong`` hold other memory: a strict majority of right files
+    is the consensus and only wrong ones are flagged; without one, every file of the group is
+    flagged with "no majority" (repair then keeps the right ones, docs/audit.md)."""
     report = pipeline.audit_paths(dataset(tmp_path, wrong=wrong, n_shared=5, n_alone=0), workers=1)
     flags = prefix_flags(report)
     assert flags.keys() == {f"f{i:03d}.safetensors" for i in flagged}
@@ -148,10 +137,8 @@ def test_sketches_are_of_the_rows_the_scan_read_even_across_blocks(
 
 
 def test_the_verdicts_do_not_depend_on_the_order_workers_return_files_in() -> None:
-    """The workers hand files back in whatever order they finish. A group of 17 files
-    sharing their prefix, 9 with one row and 8 with another, is a near tie: which files
-    the consensus samples must follow the input order, or a rerun can flag 8 files one
-    time and all 17 the next (it did, when ties were left in arrival order)."""
+    """A near tie (9 files with one row, 8 with another) gets the same verdicts whatever order
+    the workers return files in."""
     import random
 
     import numpy as np
@@ -199,9 +186,8 @@ def test_one_blas_thread_inside_and_the_same_sketches() -> None:
 
 
 def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None:
-    """The thread pools are looked up again after new imports: a BLAS that comes with a
-    later import (torch's, in a fresh interpreter) is limited as well, and given back
-    its threads after."""
+    """A BLAS loaded by a later import (torch's, in a fresh interpreter) is held to one thread
+    too, and given its threads back after."""
     out = audit_child("blas_threads")
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
@@ -215,9 +201,8 @@ N_AUX, HIDDEN = 4, 64
 
 
 def contributions(n: int, wrong: set[int], seed: int = 0) -> list[prefix.PrefixData]:
-    """``n`` files sharing a 6-token template (then 2 more tokens shared by threes of
-    files), rows causal like a model's: files sharing tokens share rows, up to bf16-like
-    noise; the files in ``wrong`` hold unrelated rows from position 3 on."""
+    """``n`` files sharing a 6-token template (and 2 more tokens by threes), rows causal up to
+    noise; files in ``wrong`` hold unrelated rows from position 3 on."""
     rng = np.random.default_rng(seed)
     template = rng.integers(0, 50_000, 6)
     base = rng.standard_normal((prefix.PREFIX_ROWS, N_AUX, HIDDEN)).astype(np.float32)

@@ -1,12 +1,5 @@
-"""``vllm-hsfix audit --ray`` on a real local Ray cluster of two nodes (a head and a
-worker node, one CPU each, ``ray.cluster_utils.Cluster``: separate raylets, object
-stores and worker processes, as on two machines sharing a filesystem).
-
-Run by the ``ray`` row of ``scripts/run_tests.py`` (its venv: Ray, numpy, tqdm,
-pytest; no torch, no vLLM); elsewhere Ray is not installed and these skip (marker
-``ray``, left out of the other rows). The expected verdicts come from how the files
-were damaged and from the local run, never from the Ray run itself.
-"""
+"""``vllm-hsfix audit --ray`` on a real local two-node Ray cluster (the ``ray`` row; skipped
+where Ray is missing). Expected verdicts come from the damage and the local run."""
 
 from __future__ import annotations
 
@@ -111,11 +104,8 @@ def _stalled_ray_worker(timeout: float) -> int:
 
 
 def _wait_dead(pid: int, timeout: float) -> None:
-    """Until ``pid`` has left ``open()`` for good (a zombie, or gone: it is not our
-    child to reap). A SIGKILLed reader still counts as the FIFO's reader until the
-    kernel runs its exit, which a starved process (Ray's workers run at nice 15) may
-    reach only after the test's writer: that writer's ``open()`` would then return at
-    once, its bytes die with the pipe, and the retry would wait for a writer forever."""
+    """Until ``pid`` has left ``open()`` for good (a zombie, or gone): a starved SIGKILLed reader
+    still counts as the FIFO's reader until the kernel runs its exit."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -149,11 +139,8 @@ def _release(fifo: Path) -> None:
 def test_a_worker_killed_mid_scan_loses_nothing_and_counts_nothing_twice(
     tmp_path: Path, cluster: str, busy: bool
 ) -> None:
-    """A FIFO among the files holds its task in ``open()`` until we write to it: the
-    test kills that task's worker process (SIGKILL) mid-batch, Ray re-runs the batch,
-    then the FIFO is fed. Every file must come back exactly once, with the local
-    verdicts; the files the killed worker had already judged are judged again, once.
-    ``busy-cores``: every core of the machine spins meanwhile (the workers starve)."""
+    """A worker SIGKILLed mid-batch (held in ``open()`` on a FIFO, every core busy): Ray re-runs
+    the batch and every file comes back exactly once with the local verdicts."""
     root = tmp_path / "d"
     causal_dataset(root, 40, wrong=frozenset({3}))
     local = dict(pipeline.audit_paths([root], workers=2).verdicts)
@@ -189,11 +176,8 @@ def test_a_worker_killed_mid_scan_loses_nothing_and_counts_nothing_twice(
 
 
 def test_a_batch_that_never_comes_back_ends_the_run_naming_it(tmp_path: Path, cluster: str) -> None:
-    """A FIFO nobody writes to holds its task forever: with ``--stall-timeout 8`` the
-    run ends (exit 2) within seconds of the other batches, naming the stuck batch, and
-    every other file is reported once; the stuck task is cancelled (its worker killed,
-    so the cluster gets its CPU back). The FIFO sorts last, so its batch is the last
-    one whichever node Ray queues the batches on."""
+    """A FIFO nobody writes holds its task forever: with ``--stall-timeout 8`` the run exits 2
+    naming the stuck batch, reports every other file once and cancels the task."""
     root = tmp_path / "d"
     causal_dataset(root, 12)  # 13 files on 2 CPUs: batches of 2, the FIFO alone in the last
     fifo = root / "f0011x.safetensors"

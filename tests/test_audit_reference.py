@@ -1,12 +1,5 @@
-"""``vllm-hsfix audit --reference``: a sample recomputed with transformers and compared.
-
-Files are written from a bf16 forward of the tiny dense verifier (what a correct vLLM
-writes, up to kernel noise); one gets another file's rows, as vLLM 0.24.0's reads
-from other blocks do. Aux id num_hidden_layers (speculators always appends it) is
-vLLM's last decoder layer output before the final norm: the files of those tests come
-from the tiny hybrid through vLLM's own writer (``tests/support/hsrows.py``). The
-measurement on real vLLM output is in ``tests/test_e2e.py``.
-"""
+"""``vllm-hsfix audit --reference``: a sample recomputed with transformers and compared,
+on files from a bf16 forward of the tiny models (one with another file's rows)."""
 
 from __future__ import annotations
 
@@ -109,9 +102,8 @@ def test_reference_without_a_model_dir_is_a_usage_error(
 
 
 def last_layer_files(model_dir: Path, out: Path, last: str) -> list[tuple[list[int], Path]]:
-    """Files speculators' ``file`` backend writes with aux ids 1-4 on the 4-layer hybrid
-    (4 = num_hidden_layers, which speculators always appends), by vLLM's own writer,
-    from rows computed here with ``last`` "pre" (what vLLM saves for id 4) or "post"."""
+    """Files speculators' ``file`` backend writes with aux ids 1-4 on the 4-layer hybrid, by
+    vLLM's writer, with ``last`` "pre" (what vLLM saves for id 4) or "post"."""
     model = hsrows.load(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     return [
@@ -146,10 +138,8 @@ def audit_last_layer(model_dir: Path, root: Path, capsys: pytest.CaptureFixture[
 def test_reference_aux_id_num_hidden_layers_is_the_pre_norm_last_layer(
     tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Right files (vLLM's convention for aux id 4) are ok, and the report says which
-    convention it compared with. Compared with transformers' ``hidden_states[4]``
-    (after the final norm) they would be called corrupt: those states differ from the
-    right rows by far more than the threshold."""
+    """Right files (vLLM's pre-norm convention for aux id 4) are ok and the report names the
+    convention; compared with the post-norm ``hidden_states[4]`` they would be corrupt."""
     model_dir = tiny_models["hybrid"]
     files = last_layer_files(model_dir, tmp_path, "pre")
     code, doc, err = audit_last_layer(model_dir, tmp_path, capsys)

@@ -1,8 +1,5 @@
 """``vllm-hsfix audit`` at the size of real datasets: split verdicts, ``--list``,
-``--show``, streaming ``--jsonl``, progress fit for where it runs, ``--state``, pending
-files, and the Python API. The checks themselves are ``test_audit*.py``'s: here the
-expectations come from how the crafted files were damaged, never from the auditor.
-"""
+``--show``, ``--jsonl``, progress, ``--state``, pending files and the Python API."""
 
 from __future__ import annotations
 
@@ -81,9 +78,8 @@ def test_text_shows_the_first_n_per_check_and_says_how_many_more(
 def test_jsonl_streams_files_then_updates_then_summary_and_matches_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """One run writes --jsonl, --json and --csv (combinable now); the stream's last
-    verdict per path equals the JSON document's, and the file changed by the dataset
-    pass (a norm outlier) gets an update record."""
+    """One run writes --jsonl, --json and --csv: the stream's last verdict per path is the JSON
+    document's, and a norm outlier gets an update record."""
     for i in range(8):
         hs_file(tmp_path / "d" / f"g{i}.safetensors", seed=i)
     off = hs_file(tmp_path / "d" / "scaled.safetensors", seed=40, scale=1000.0)
@@ -203,9 +199,8 @@ def test_a_terminal_gets_tqdm(tmp_path: Path) -> None:
 def test_a_file_whose_writer_holds_the_lock_is_pending_not_judged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The writer's protocol (the connector's): ``LOCK_EX`` on ``NAME.lock`` while it
-    writes; the ``.lock`` file stays after the write, unlocked. Only a held lock makes
-    a file pending; a leftover ``.lock`` does not."""
+    """Only a held ``LOCK_EX`` on ``NAME.lock`` (the connector's protocol) makes a file
+    pending; a leftover ``.lock`` does not."""
     for i in range(3):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
         write_raw(tmp_path / f"g{i}.safetensors.lock", b"")  # leftovers of finished writes
@@ -237,9 +232,8 @@ def verdicts(report: Any) -> dict[str, tuple[str, list[str]]]:
 def test_state_rescans_only_new_or_changed_files_and_still_checks_the_dataset(
     tmp_path: Path,
 ) -> None:
-    """Unchanged files come from the state; the shared-prefix check still sees them: a
-    wrong file among them is flagged again, and a new wrong file is flagged against
-    the consensus the stored sketches form."""
+    """Unchanged files come from the state and the prefix check still sees them: an old wrong
+    file is flagged again, a new one against the stored sketches' consensus."""
     root = tmp_path / "d"
     root.mkdir()
     paths = dataset(root, wrong={3})
@@ -284,9 +278,8 @@ def test_state_survives_a_killed_run_and_ignores_other_versions(tmp_path: Path) 
 
 
 def test_state_lines_it_cannot_read_back_are_scanned_again(tmp_path: Path) -> None:
-    """A state line that is valid JSON but not a report this version reads back (an
-    unknown verdict, an unknown field, a layer cut short, a pending verdict no run
-    stores): that file is scanned again; the run neither crashes nor trusts it."""
+    """A state line this version cannot read back as a report is scanned again, neither
+    crashing the run nor trusted."""
     root = tmp_path / "d"
     for i in range(5):
         hs_file(root / f"g{i}.safetensors", seed=i)
@@ -304,9 +297,8 @@ def test_state_lines_it_cannot_read_back_are_scanned_again(tmp_path: Path) -> No
 
 
 def test_the_store_appends_reads_whole_records_and_rewrites_atomically(tmp_path: Path) -> None:
-    """``audit.store``, the JSON Lines file ``--state`` (and the repair journal) keep:
-    appended records read back in order, a torn last line and a non-object line skipped,
-    a rewrite that leaves no temporary file and replaces the records."""
+    """``audit.store``: appended records read back in order, a torn or non-object line
+    skipped, a rewrite atomic and replacing the records."""
     from vllm_hsfix.audit import store
 
     path = tmp_path / "j.jsonl"

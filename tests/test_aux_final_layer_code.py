@@ -1,8 +1,5 @@
-"""``aux-final-layer`` on the live ``DeepseekV2Model.forward``, no engine: the check
-``verify`` runs fails on the release's forward and passes on the patched one, a
-pipeline rank that is not the last hands its tensors on untouched, and vLLM's own
-compile-cache keys tell the two forwards apart. The engine runs are
-``test_aux_final_layer.py``."""
+"""``aux-final-layer`` on the live ``DeepseekV2Model.forward``, no engine: ``verify``'s
+check, a non-last pipeline rank, and vLLM's compile-cache keys."""
 
 from __future__ import annotations
 
@@ -56,9 +53,8 @@ def test_a_rank_before_the_last_passes_its_tensors_on(forwards: tuple[Any, Any])
 
 
 def test_vllms_compile_cache_keys_tell_the_forwards_apart(forwards: tuple[Any, Any]) -> None:
-    """vLLM keys its AOT cache by the forward's qualified name and first line, and its
-    inductor cache by the traced files: a patched process must never load the graph an
-    unpatched one saved (it would drop the final state again), nor the reverse."""
+    """vLLM's AOT and inductor cache keys tell a patched forward from the release's, so
+    neither process loads the other's graph."""
     decorators = importlib.import_module("vllm.compilation.decorators")
     if not hasattr(decorators, "_model_hash_key"):
         pytest.skip("this release has no AOT compile cache key (_model_hash_key)")

@@ -1,8 +1,5 @@
-"""``vllm-hsfix status`` knows speculators' backends (hs-connectors) and what reaches each.
-
-The expectations are read off the installed hs-connectors classes here (what each
-connector is and overrides), not from ``vllm_hsfix.backends``' own table.
-"""
+"""``vllm-hsfix status`` knows speculators' backends (hs-connectors) and what reaches each,
+expectations read off the installed classes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""CI's rows agree with the patch table. Static: no vLLM needed.
-
-* every row has a CI release it applies on, and a row upstream fixed one that carries
-  the fix (else: add a release to ``scripts/run_tests.py``'s ``FULL`` or ``SUBSET``);
-* the ``upstream`` row's list of vLLM's own tests (tests/upstream/upstream_tests.toml):
-  every suite names real patches, runs "patched" only on releases those patches cover
-  and "fixed" only where upstream's fix ships, every exception names a listed test and
-  says why."""
+"""CI's rows agree with the patch table (static): every row has a CI release it applies on
+(and a fixed one where upstream fixed it), and the ``upstream`` row's suites name real
+patches and run only where those patches or upstream's fix apply."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Every wrapper behaves like the function it replaces, however it is called, and the
-patched classes carry upstream's interface (its fix's helpers), on the real classes.
-
-1. Every attribute an applied patch replaces or adds: the same calls (bound, through
-   the class, ``super()``, a subclass, construction, subscription, through a module)
-   reach a spy of the target's kind the same way, plain and inside our wrapper, and the
-   wrapper sees the ``instance`` Python binds.
-2. The patches' own bodies called by those conventions (also through hs-connectors'
-   ``FP8HiddenStatesConnector``, and a stand-in passed as ``self``)."""
+"""Every wrapper behaves like the function it replaces however it is called (bound, through
+the class, ``super()``, a subclass, construction, subscription, a module), and the patched
+classes carry upstream's interface, on the real classes."""
 
 from __future__ import annotations
 

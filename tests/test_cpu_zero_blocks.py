@@ -1,10 +1,5 @@
-"""``cpu-zero-blocks`` on the real ``vllm.v1.worker.cpu_model_runner``.
-
-The runner is a real ``CPUModelRunner`` instance (made without its heavy ``__init__``)
-holding a real ``KVCacheConfig`` and a real ``CompilationConfig``; the forward
-context's layers are plain holders of a ``kv_cache`` tensor, which is all the method
-reads of them. The end-to-end proof (no NaN rows under load) is in ``test_e2e.py``.
-"""
+"""``cpu-zero-blocks`` on a real ``CPUModelRunner`` (made without its ``__init__``) with a
+real ``KVCacheConfig`` and ``CompilationConfig``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The README's patch table is the patch table's rows (``scripts/doc_tables.py``).
-
-Static (no torch, no vLLM): runs on every supported Python.
-"""
+"""The README's patch table is the patch table's rows (static)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The scatter fix on a CUDA device, and the bug it fixes in the releases' own code.
-
-Marked ``gpu`` (skipped without CUDA); ``scripts/gpu_check.sh`` runs it on a lent GPU
-machine (docs/testing.md, "GPU check"). Switches:
-
-- ``VLLM_HSFIX_CHECK_DEVICE=cpu``: the byte and padded-batch tests on CPU tensors.
-- ``VLLM_HSFIX_CHECK_PLANT=unclamped|wrong-slot|syncs``: a wrong replacement installed
-  the same way; every test with ``replacement`` in its name must then fail, no other.
-- ``VLLM_HSFIX_RELEASE_CODE=DIR``, ``VLLM_HSFIX_REQUIRE_RELEASE_CODE=1``: where the
-  copied release files are, and a missing one fails instead of skipping.
-"""
+"""The scatter fix on a CUDA device, and the bug it fixes in the releases' own code; marked
+``gpu``. Switches (docs/testing.md, "GPU check"): ``VLLM_HSFIX_CHECK_DEVICE=cpu``,
+``VLLM_HSFIX_CHECK_PLANT=unclamped|wrong-slot|syncs`` (every ``replacement`` test must
+then fail, no other), ``VLLM_HSFIX_RELEASE_CODE=DIR``, ``VLLM_HSFIX_REQUIRE_RELEASE_CODE=1``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The GPU check where there is no GPU: it refuses with a reason, and it can fail.
-
-``scripts/gpu_check.sh`` without CUDA exits 2 and runs nothing; its CPU dry run
-(``VLLM_HSFIX_CHECK_DEVICE=cpu``) passes, and there its planted wrong replacements fail
-exactly the replacement tests; the release tests see the bug, not the release number;
-the scatter benchmark exits 1 on wrong bytes. Independent of the installed vLLM: 0.24.0
-rows only."""
+"""The GPU check without a GPU: it refuses with a reason, its CPU dry run passes, planted
+wrong replacements fail exactly the replacement tests, the release tests see the bug, and
+the scatter benchmark exits 1 on wrong bytes."""
 
 from __future__ import annotations
 
@@ -170,9 +166,8 @@ def test_gpu_check_fails_without_the_release_code(tmp_path: Path) -> None:
 
 
 def test_the_gpu_tests_tell_a_fixed_release_from_an_affected_one() -> None:
-    """0.25.0's own basic_cache (upstream's fix) fails the "original overwrites" check
-    of tests/test_gpu.py and passes the "replacement keeps" one: those checks see the
-    bug, not the release number."""
+    """0.25.0's own basic_cache fails "original overwrites" and passes "replacement keeps":
+    the checks see the bug, not the release number."""
     fixed = GRC.compile_basic_cache(overlay_file("0.25.0"))
     run = scatter_check.padded_run("cpu", torch.bfloat16, strided=True)
     got = scatter_check.run_eager(fixed, run)

@@ -1,10 +1,5 @@
-"""A GPU image's vLLM on this CPU machine: the real CUDA ``vllm`` wheel's Python code.
-
-The whole CUDA wheel (``scripts/vllm_env.py cuda``) unpacked over the CPU torch venv:
-it imports (``current_platform`` is ``UnspecifiedPlatform``), no engine starts. Shown on
-its real code: ``status``'s text; a process doing what a GPU worker does is
-patched by vLLM's plugin loader and logs its line first; ``verify`` runs through it.
-Marked ``gpu_image``; skipped unless the installed vLLM is the CUDA wheel."""
+"""The real CUDA ``vllm`` wheel's Python code unpacked over the CPU torch venv (marked
+``gpu_image``): ``status``, a GPU worker patched by the plugin loader, and ``verify``."""
 
 from __future__ import annotations
 
@@ -65,12 +60,9 @@ def _summary_lines(text: str) -> list[str]:
 
 
 def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_start() -> None:
-    """A process doing what a GPU worker does (``WorkerWrapperBase.init_worker``):
-    vLLM's own ``load_general_plugins()``, no code change, then the model module, the
-    connector and the GPU model runner (never the CPU one). The plugin entry point
-    activates vllm-hsfix; its line comes before the process prints anything itself and
-    says what will be patched and that the CPU block zeroing is not needed; after the
-    imports the patches are live; vLLM's platform here is not its CPU platform."""
+    """A process doing what a GPU worker does (vLLM's ``load_general_plugins()``, then model,
+    connector and GPU runner) is activated by the entry point, logs its line first, saying the
+    CPU block zeroing is not needed, and ends patched; the platform is not vLLM's CPU one."""
     want = stated()
     env = clean_env(PYTHONUNBUFFERED="1")  # one pipe, in the order things happened
     out = child("startup.py", "gpu_worker", MARK, env=env, merge=True)

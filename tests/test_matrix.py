@@ -1,6 +1,5 @@
-"""Per release: the installed vLLM is the release the runner installed
-(``VLLM_HSFIX_EXPECT_RELEASE``, ``VLLM_HSFIX_EXPECT_DISTRIBUTION``), and its targets and
-decisions are what ``vllm_hsfix/tested.json`` pins for that build."""
+"""Per release: the installed vLLM is the one expected, and its targets and decisions are
+what ``vllm_hsfix/tested.json`` pins for that build."""
 
 from __future__ import annotations
 

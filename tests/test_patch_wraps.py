@@ -1,6 +1,5 @@
-"""Each row of the patch table names what it wraps (``PatchSpec.wraps``), and that is
-what its ``apply`` replaces or adds on the real module of the installed release comes
-from that list: a reader of the table sees every method a patch touches."""
+"""Each row of the patch table names every attribute its ``apply`` replaces or adds on the
+installed release."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ from vllm_hsfix.patches import PATCHES
 
 @pytest.mark.needs_vllm
 def test_a_row_wraps_exactly_the_names_it_lists() -> None:
-    """Each row that applies on the installed release, applied by itself to the real
-    module (vllm-hsfix otherwise off): every name it replaces or adds is in the row's
-    ``wraps`` (a row lists the names of every shape it knows: ``cpu-connector-save``
-    wraps ``save_kv_layer`` on 0.22-0.23 and ``_submit_async_write`` from 0.24.0)."""
+    """Each row that applies here, applied alone to the real module: every name it replaces or
+    adds is in its ``wraps``."""
     rows = [p for p in PATCHES if declared(p) == "applied"]
     if not rows:
         pytest.skip(f"no row applies on vLLM {INSTALL.release}")

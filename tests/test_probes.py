@@ -1,6 +1,5 @@
-"""The shape gate on the live targets of the installed release: the same answer as on
-the file, and a refusal of an altered or foreign target. The gate on every release's
-files and on vendor variants: tests/test_shapes.py, tests/test_vendor_builds.py."""
+"""The shape gate on the installed release's live targets: the file's answer, and a refusal
+of an altered or foreign target."""
 
 from __future__ import annotations
 

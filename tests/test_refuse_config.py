@@ -1,11 +1,6 @@
-"""``refuse-config``: the register's hazards whose trigger is a setting, checked at engine start.
-
-The register and the checks agree; ``drafter-skip``'s arithmetic against cases worked
-out by hand from 0.25.0's padding rule; on the installed vLLM, the real connector built
-with a real ``VllmConfig`` in the scheduler role warns (strict: fails) exactly where the
-release has the hazard (expected per release written here), never in the worker role,
-nothing after ``unapply()``. The engine-level evidence: test_hazards_e2e.py.
-"""
+"""``refuse-config``: the register and the checks agree, ``drafter-skip``'s arithmetic
+matches hand-worked cases, and the real connector in the scheduler role warns (strict:
+fails) exactly where the release has the hazard, never as worker or after ``unapply()``."""
 
 from __future__ import annotations
 

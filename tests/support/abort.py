@@ -1,8 +1,5 @@
-"""The abort-before-scheduling cases' engine, prompts and checks (test_hazards_e2e.py,
-test_hazards_serve.py, test_repair_endpoint.py): the tiny dense Qwen3, three 50-token
-prompts, aux layers 1-3, and each request's file compared row by row with a
-transformers forward of its prompt. Expected values come from the prompts and the
-reference model, never from the connector under test."""
+"""The abort-before-scheduling cases: the tiny dense Qwen3, three 50-token prompts, aux
+layers 1-3, each request's file checked against a transformers forward of its prompt."""
 
 from __future__ import annotations
 
@@ -41,9 +38,8 @@ def model_dir() -> Path:
 
 
 def compare_files(paths: dict[str, str | None], expected: dict[str, list[int]]) -> dict[str, Any]:
-    """Load each request's file and compare it with its prompt and a transformers
-    forward of the prompt: token ids, shape, and per token position whether any aux
-    row is off (relative L2 >= THRESHOLD)."""
+    """Each request's file against its prompt and a transformers forward: token ids, shape,
+    and per position whether any aux row is off (relative L2 >= THRESHOLD)."""
     from safetensors.torch import load_file
 
     from support import hsrows

@@ -26,9 +26,8 @@ def cli(
 def repair(
     *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """``vllm-hsfix repair ARGS`` in a scratch directory of its own (the default journal
-    and audit state are written to the current directory), with a user's environment by
-    default: no ``VLLM_CPU_KVCACHE_SPACE``."""
+    """``vllm-hsfix repair ARGS`` in a scratch directory (its journal and state go to the
+    current directory), with a user's environment by default."""
     with tempfile.TemporaryDirectory() as cwd:
         return cli(
             "repair",

@@ -1,6 +1,5 @@
-"""The real-vLLM runs of ``hsfix_demo.e2e``'s cases, once per session: one run per
-(case, patched, run index), shared by every test module that reads it (test_e2e.py,
-test_repair_e2e.py), since one run is 40-60 s on 2 cores."""
+"""The real-vLLM runs of ``hsfix_demo.e2e``'s cases, once per session per (case, patched,
+run index), shared by every test module that reads them."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Experiment switches for vLLM runs in tests: a ``vllm.general_plugins`` entry point of
-the tests (laid out by :func:`env` on the run's ``PYTHONPATH``), in every vLLM process.
-
-* ``HSFIX_EXPERIMENT_KILL_WORKER=1``: the worker SIGKILLs itself when its connector
-  registers the KV caches.
-* ``HSFIX_EXPERIMENT_KILL_AT=ROLE:FLAG``: ``front-end`` (``LLMEngine.step``) or
-  ``engine-core`` (``EngineCore.step``) waits at its first step until ``FLAG`` exists,
-  then SIGKILLs itself: mid-batch at the moment the test chooses."""
+"""Experiment switches for vLLM runs in tests, a ``vllm.general_plugins`` entry point laid
+out by :func:`env`: ``HSFIX_EXPERIMENT_KILL_WORKER=1`` (the worker SIGKILLs itself when it
+registers the KV caches); ``HSFIX_EXPERIMENT_KILL_AT=ROLE:FLAG`` (``front-end`` or
+``engine-core`` waits at its first step until ``FLAG`` exists, then SIGKILLs itself)."""
 
 from __future__ import annotations
 

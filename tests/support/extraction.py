@@ -1,6 +1,5 @@
-"""The extraction config of every test engine: vLLM's ``extract_hidden_states``
-speculative method and ``ExampleHiddenStatesConnector`` writing into a directory, as
-the dicts ``LLM(...)`` takes (``vllm serve`` takes them as JSON)."""
+"""The extraction config of every test engine (``extract_hidden_states`` and
+``ExampleHiddenStatesConnector`` into a directory), as the dicts ``LLM(...)`` takes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Hidden-states files as the connector (or a broken vLLM) writes them, with torch
-(``support.npfiles``: the same without torch). :func:`hs_file`: random rows, damaged on
-request; :func:`make_mixed`: good, corrupt, suspect and junk files; :func:`dataset`:
-chat-like files with causal rows (``npfiles.causal_rows``), wrong ones from elsewhere."""
+"""Hidden-states files as the connector (or a broken vLLM) writes them: :func:`hs_file`,
+:func:`make_mixed` (good, corrupt, suspect, junk) and :func:`dataset` (causal rows)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Hidden states as speculators' pipeline writes them, from a transformers forward (never
-through ``vllm_hsfix.audit``): aux id k < num_hidden_layers is ``hidden_states[k]``;
-k == num_hidden_layers is the last layer's output before the final norm (a hook), or
-with ``last="post"`` after it. Written by the real writers' ``_write_tensors``."""
+"""Hidden states as speculators' pipeline writes them, from a transformers forward: aux id
+k < num_hidden_layers is ``hidden_states[k]``; k == num_hidden_layers is the last layer's
+output before the final norm (or after it, ``last="post"``)."""
 
 from __future__ import annotations
 

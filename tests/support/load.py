@@ -24,9 +24,8 @@ def cores() -> int:
 
 @contextlib.contextmanager
 def busy_cores(n: int | None = None) -> Iterator[list[int]]:
-    """``n`` processes (default: one per core) each spinning a core at normal priority
-    for the duration of the block, all started before it begins; yields their pids.
-    They are killed and reaped when the block ends, whatever happens in it."""
+    """``n`` processes (default: one per core) spinning a core for the block, all started
+    before it; yields their pids and kills and reaps them when it ends."""
     count = cores() if n is None else n
     procs: list[subprocess.Popen[str]] = []
     try:

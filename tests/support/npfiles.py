@@ -1,6 +1,5 @@
-"""Connector-shaped hidden-states files written with numpy alone, for bare data boxes (the
-Ray row): the connector's safetensors layout by hand, rows causal as a model's are (row
-p a function of token ids 0..p), so files sharing a prompt prefix share those rows."""
+"""Connector-shaped hidden-states files written with numpy alone (bare data boxes), rows
+causal as a model's, so files sharing a prompt prefix share those rows."""
 
 from __future__ import annotations
 

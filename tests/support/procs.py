@@ -1,6 +1,5 @@
-"""Running the child programs of ``support/children`` by path, in a fresh interpreter
-(``conftest.run``: a session of its own, killed whole afterwards), and what is left
-of a run that leads its own session."""
+"""Running the child programs of ``support/children`` by path in a fresh interpreter, and
+what is left of a run that leads its own session."""
 
 from __future__ import annotations
 
@@ -24,10 +23,8 @@ def child(
     timeout: float = 300,
     merge: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``support/children/<script> ARGS`` (``python path args``; default environment
-    ``clean_env()``), this checkout and ``tests/`` first on its ``PYTHONPATH`` (a
-    script's own folder is on its path, the working directory is not); ``merge``: one
-    pipe for both."""
+    """Run ``support/children/<script> ARGS`` (default environment ``clean_env()``) with this
+    checkout and ``tests/`` first on ``PYTHONPATH``; ``merge``: one pipe for both."""
     return run([sys.executable, CHILDREN / script, *args], on_path(env), timeout, merge=merge)
 
 

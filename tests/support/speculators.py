@@ -1,9 +1,6 @@
-"""speculators' pipeline, driven as its users drive it (speculators + hs-connectors 0.9.0).
-
-The packages come from the layers ``scripts/run_tests.py``'s ``speculators`` row builds
-(``VLLM_HSFIX_LAYER_HS_CONNECTORS``, ``VLLM_HSFIX_LAYER_SPECULATORS``): the server gets
-vLLM and hs-connectors, the client both. speculators' ``scripts/launch_vllm.py`` is not
-in its wheel: :func:`launcher_command` restates its rules."""
+"""speculators' pipeline driven as its users drive it, from the layers the ``speculators``
+row builds. ``scripts/launch_vllm.py`` is not in its wheel: :func:`launcher_command`
+restates its rules."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""pytest plugin of the ``upstream`` row (``-p hsfix_upstream_plugin``): vllm-hsfix active as
-a user's script activates it, before vLLM's test files are imported.
-
-Loaded by ``scripts/upstream_tests.py`` before collection, so ``import vllm_hsfix`` here is
-the first import of the session, as ``import vllm_hsfix`` is the first line of a user's
-script (with ``VLLM_HSFIX_DISABLE=1`` the same import leaves every target alone: the
-release as shipped). Then:
-
-* ``VLLM_HSFIX_UPSTREAM_SHIMS`` (JSON ``{module: [names]}``): names a test FILE imports at
-  module level that this release lacks are bound to a placeholder that raises on any
-  use, so the file imports; the list (``tests/upstream/upstream_tests.toml``) says why,
-  and no listed test uses one;
-* ``VLLM_HSFIX_UPSTREAM_STATUS`` (a path): vllm-hsfix's status at the end of the
-  session, so the driver can check the patches it expects were applied (or, disabled,
-  were not).
-"""
+"""pytest plugin of the ``upstream`` row: ``import vllm_hsfix`` before vLLM's test files,
+as a user's script does. ``VLLM_HSFIX_UPSTREAM_SHIMS`` (JSON ``{module: [names]}``) binds
+names a test file imports but this release lacks to a placeholder that raises on use;
+``VLLM_HSFIX_UPSTREAM_STATUS`` (a path) gets vllm-hsfix's status at session end."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""TinyLlama as two of vLLM's tests ask the HF hub for it, written into an offline HF
-cache under HF_HOME (a temporary home, never the user's cache): the model's real
-config.json and a stand-in ``LlamaTokenizerFast`` of 500 ids trained on fixed
-sentences, so every id stays below the dummy model's 1000. Why and where:
-docs/upstream-engine-tests.md.
-
-Runs in a release's venv (transformers, tokenizers): ``python offline_tinyllama.py HF_HOME``.
-"""
+"""TinyLlama's real config and a stand-in 500-id tokenizer written into an offline HF cache
+(docs/upstream-engine-tests.md). ``python offline_tinyllama.py HF_HOME``."""
 
 from __future__ import annotations
 
@@ -90,9 +84,8 @@ def check(tok) -> None:
 
 
 def install(hf_home: Path) -> list[Path]:
-    """Write config and stand-in tokenizer into ``hf_home`` (an explicit ``cache_dir``)
-    and ``hf_home/hub`` (the default hub cache), in the hub's cache layout; returns the
-    snapshot directories."""
+    """Write config and tokenizer into ``hf_home`` and ``hf_home/hub`` in the hub's cache
+    layout; returns the snapshot directories."""
     with tempfile.TemporaryDirectory() as tmp:
         src = train(Path(tmp))
         (src / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")

@@ -1,7 +1,5 @@
-"""Child programs: real files, run by path in a fresh interpreter (``support.procs``)
-or imported by child processes (``processes``). They import the ``support`` package,
-so the ``tests`` directory is on their ``sys.path``. Nothing here imports vllm_hsfix:
-importing it activates it, and each child decides when that happens."""
+"""Child programs, run by path in a fresh interpreter (``support.procs``). Nothing here
+imports vllm_hsfix at module level: importing it activates it, and each child decides when."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""One in-process vLLM engine driven through aborts before scheduling (test_hazards_e2e.py).
-
-Prints ``HSFIX_ABORT_RESULT {json}``. The engine core runs here
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its exception reaches this script. With
-``max_num_seqs=1`` the third of three prompts is aborted before any step. Rounds, the
-patch's wrappers switched by ``hsfix_set_active``: ``release`` (off), ``patched`` (on),
-and ``request-finished-only`` (the connector half alone; last: it breaks the engine)."""
+"""One in-process vLLM engine driven through aborts before scheduling; prints
+``HSFIX_ABORT_RESULT {json}``. With ``max_num_seqs=1`` the third of three prompts is aborted
+before any step, in rounds ``release``, ``patched`` and ``request-finished-only`` (last: it
+breaks the engine)."""
 
 from __future__ import annotations
 

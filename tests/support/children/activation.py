@@ -1,7 +1,5 @@
-"""One activation, whatever fires (test_activation.py).
-
-``activation.py CASE [ARG]`` runs ``CASE`` and prints one JSON line. A case imports
-vllm_hsfix and vLLM's targets in the order its test is about."""
+"""One activation: ``activation.py CASE [ARG]`` imports vllm_hsfix and vLLM's targets in
+the order its test is about and prints one JSON line."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``vllm-hsfix audit`` in a process of its own (test_audit_cli.py, test_audit_kernel.py,
-test_audit_prefix.py, test_audit_scale.py).
-
-``audit_runs.py CASE ARG ...`` prints the case's result as JSON; ``without MODULE
-ARGV ...`` runs the CLI as if MODULE were not installed and exits with its code."""
+"""``vllm-hsfix audit`` in a process of its own: ``audit_runs.py CASE ARG ...`` prints the
+case's result as JSON; ``without MODULE ARGV ...`` runs the CLI as if MODULE were missing."""
 
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ def standalone(folder: str) -> list[Any]:
 
 
 def peak() -> int:
-    """Peak RSS of this process. On Linux getrusage's ru_maxrss also carries the peak of
-    the process that forked us (pytest, with torch loaded) across exec, so the
-    per-address-space VmHWM is read where it exists."""
+    """Peak RSS of this process: VmHWM where it exists, since ru_maxrss also carries the
+    peak of the process that forked us across exec."""
     try:
         with open("/proc/self/status") as f:
             line = next(x for x in f if x.startswith("VmHWM:"))

@@ -1,10 +1,7 @@
-"""The real connector built with a real ``VllmConfig`` (test_refuse_config.py).
-
-``connector_start.py MODEL OUT CASES`` (CASES: JSON ``{name: [max_model_len,
-prefix_caching, "SCHEDULER" or "WORKER"]}``) builds one connector per
-case, vllm-hsfix applied, then once more after ``unapply()`` (``"after-unapply"``), and
-prints one JSON line: per case the warnings vllm-hsfix logged and the error raised,
-and the config checks' status."""
+"""``connector_start.py MODEL OUT CASES`` builds the real connector with a real
+``VllmConfig`` per case (``{name: [max_model_len, prefix_caching, role]}``), vllm-hsfix
+applied, then once after ``unapply()``; prints per case the warnings logged, the error
+raised and the config checks' status, as one JSON line."""
 
 from __future__ import annotations
 

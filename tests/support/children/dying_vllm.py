@@ -1,6 +1,5 @@
-"""A vLLM process under ``vllm-hsfix repair`` that says two things on its JSON channel
-and is killed halfway through its third line, a grandchild (its engine core) still
-holding the pipe (test_repair_watch.py). No vLLM: ``python dying_vllm.py``."""
+"""A stand-in vLLM process that says two things on its JSON channel and is killed halfway
+through its third line, its grandchild still holding the pipe. No vLLM."""
 
 import json
 import os

@@ -1,11 +1,7 @@
-"""The repair's engine watch (``vllm_hsfix.repair.engine``) with stand-ins for vLLM's
-processes, no vLLM (test_repair_watch.py).
-
-``engine_watch.py ARGS.json`` (``{"grace_s": float}``) starts an engine core (a
-``multiprocessing`` child named as vLLM names it) with a worker of its own, and a helper
-that ends on its own (no alarm); starts the watch, prints ``HSFIX_WATCH [watched, core,
-worker]``, SIGKILLs the engine core and waits forever: only the watch can end it (exit
-5)."""
+"""The repair's engine watch with stand-ins for vLLM's processes: ``engine_watch.py
+ARGS.json`` starts an engine core (with a worker) and a helper that ends on its own, prints
+``HSFIX_WATCH [watched, core, worker]``, SIGKILLs the core and waits forever (exit 5 by the
+watch only)."""
 
 from __future__ import annotations
 

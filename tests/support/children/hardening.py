@@ -1,7 +1,5 @@
-"""The patcher under stress, one case per function (test_hardening.py).
-
-``hardening.py CASE [ARG]`` runs ``CASE`` and prints one JSON line. Each case imports
-vllm_hsfix and vLLM itself, in the order its test is about: nothing at module level."""
+"""The patcher under stress: ``hardening.py CASE [ARG]`` runs ``CASE`` and prints one JSON
+line; each case imports vllm_hsfix and vLLM in the order its test is about."""
 
 from __future__ import annotations
 
@@ -29,9 +27,8 @@ def scatter_problems(model: Any) -> list[str]:
 
 
 def built_unapplied(hidden_groups: int = 1) -> Any:
-    """A connector built on the release's own code (vllm-hsfix imported, unapplied)
-    from ``checks.hybrid_layout``; two hidden-states groups make the fix's own error
-    (it cannot tell which one). The release's ``__init__`` may raise already."""
+    """A connector built on the release's code (vllm-hsfix unapplied) with two hidden-states
+    groups, which the fix refuses; the release's ``__init__`` may raise already."""
     import vllm_hsfix
     from vllm_hsfix import checks
 

@@ -1,7 +1,5 @@
-"""What an image's interpreter holds, read inside it (test_image.py). Standalone: the
-image's Python has neither the tests nor the checkout on its path.
-
-``image_probe.py CASE [ARG ...]`` prints the case's result as one JSON line."""
+"""What an image's interpreter holds, read inside it; standalone (the image's Python has
+no tests on its path). ``image_probe.py CASE [ARG ...]`` prints one JSON line."""
 
 import importlib
 import importlib.metadata as md

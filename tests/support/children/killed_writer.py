@@ -1,9 +1,6 @@
-"""The release's writer killed mid-write (test_hazards.py).
-
-``killed_writer.py WORK CONNECTOR_MODULE`` prints one JSON line: per case (release or
-patched ``_write_tensors``; an in-place ``save_file`` as safetensors < 0.8.0, or the
-installed one), whether the kernel killed the writer at a 1 MB file-size limit, what a
-reader finds at the path, and what temporary files are left."""
+"""``killed_writer.py WORK CONNECTOR_MODULE``: the writer (release or patched, with an
+in-place or the installed ``save_file``) killed at a 1 MB file-size limit; prints what a
+reader finds at the path and what temporary files are left, as one JSON line."""
 
 import fcntl
 import importlib

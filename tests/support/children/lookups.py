@@ -1,9 +1,6 @@
-"""Fresh interpreters that look something up and print it as one JSON line: what
-``detect`` finds, what activation decides, what a patch wraps, what a file carries
-(test_detect.py, test_matrix.py, test_probes.py, test_patch_wraps.py,
-test_provenance.py, test_gpu_image.py).
-
-``lookups.py CASE [ARG ...]``."""
+"""Fresh interpreters that look something up (what ``detect`` finds, what activation
+decides, what a patch wraps, what a file carries): ``lookups.py CASE [ARG ...]`` prints
+one JSON line."""
 
 from __future__ import annotations
 

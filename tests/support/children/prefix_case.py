@@ -1,13 +1,8 @@
-"""One in-process vLLM engine, prefix caching on: the two prefix hazards (test_hazards_e2e.py).
-
-Prints ``HSFIX_PREFIX_RESULT {json}``. 0.22-0.23 (upstream issue 44485): the connector
-cuts a request's rows with its full prompt length, wrong under a prefix hit or beside
-decodes. 0.25-0.28: a prompt cached but for its last token, beside a decode, is padded
-with the speculative token up to ``max_model_len`` itself; ``_input_fits_in_drafter``
-then says no and nothing of that step is saved.
-Block size 16, ``max_model_len`` 66: W fills the cache, S hits it alone, R decodes, then
-P (a hit) and Q arrive together; each step's requests and ``_input_fits_in_drafter``
-answers are recorded, with the ``refuse-config`` WARNINGs logged at engine start."""
+"""One in-process vLLM engine, prefix caching on, for the two prefix hazards; prints
+``HSFIX_PREFIX_RESULT {json}``. 0.22-0.23: rows cut with the full prompt length under a
+prefix hit; 0.25-0.28: a cached prompt beside a decode padded up to ``max_model_len``, so
+``_input_fits_in_drafter`` says no. Block size 16, ``max_model_len`` 66: W fills the
+cache, S hits it, R decodes, then P and Q arrive together; each step is recorded."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Processes started as vLLM starts them, each printing what its test reads
-(test_startup_line.py, test_processes.py, test_gpu_image.py, test_gpu.py).
-
-``startup.py CASE [ARG]`` runs ``CASE``; the marker lines it prints (``PLUGINS-LOADED``,
-``STATUS ...``) order its output against vllm-hsfix's line; a result, if any, is the
-last line, as JSON."""
+"""Processes started as vLLM starts them: ``startup.py CASE [ARG]``; marker lines
+(``PLUGINS-LOADED``, ``STATUS ...``) order the output against vllm-hsfix's line, and a
+result, if any, is the last line, as JSON."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The tiny hybrid on an engine with ``tensor_parallel_size=2`` (test_tensor_parallel.py).
-
-``tp_engine.py MODEL OUT ARGS.json`` (``{"aux": [...], "prompts": [[...], ...]}``)
-generates one token per prompt, its workers in processes of their own, and prints
-``HSFIX_TP_RESULT [path, ...]``: each request's hidden-states file under ``OUT``."""
+"""``tp_engine.py MODEL OUT ARGS.json``: the tiny hybrid with ``tensor_parallel_size=2``
+generates one token per prompt and prints ``HSFIX_TP_RESULT [path, ...]``."""
 
 from __future__ import annotations
 
