@@ -23,9 +23,6 @@ def only(rep: reports.FileReport, code: str) -> reports.Problem:
     return found[0]
 
 
-# ----------------------------------------------------------------- single files
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_good_file_is_ok_and_described(tmp_path: Path, dtype: torch.dtype) -> None:
     path = hs_file(tmp_path / "good.safetensors", dtype=dtype)
@@ -266,9 +263,6 @@ def test_small_windows_give_the_same_answers(
     for a, b in zip(default.layers, small.layers, strict=True):
         assert a.count == b.count and a.mean_norm == pytest.approx(b.mean_norm, rel=1e-12)
     assert default.codes() == small.codes() == ["zero_rows", "nonfinite", "duplicate_rows"]
-
-
-# ------------------------------------------------------------ signatures
 
 
 def test_every_signature_names_a_row_of_the_register() -> None:

@@ -16,8 +16,6 @@ from support.procs import audit_child
 
 from vllm_hsfix.audit import command
 
-# ----------------------------------------------------------------- CLI
-
 
 def test_cli_json_report_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = make_mixed(tmp_path)
@@ -135,9 +133,6 @@ def test_standalone_process_exit_code_and_progress(tmp_path: Path) -> None:
     assert re.search(r"\d+\.\d+ GB/s$", scan_line), scan_line
     assert "zero_rows (corrupt): 1 file" in out.stdout
     assert "ok 51   suspect 0   corrupt 1" in out.stdout
-
-
-# ----------------------------------------------------------------- bounded memory
 
 
 def write_big_bf16(path: Path, tokens: int, n_aux: int, hidden: int) -> int:

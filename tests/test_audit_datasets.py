@@ -17,8 +17,6 @@ from support.hsfiles import A, H, hs_file, write_raw
 from support.load import busy_cores
 
 from vllm_hsfix.audit import command, parallel, pipeline, reports
-
-# ----------------------------------------------------------------- datasets
 from vllm_hsfix.audit.dataset import Ledger, dataset_pass
 from vllm_hsfix.audit.reports import (
     CORRUPT,
@@ -272,9 +270,6 @@ def test_many_named_files_are_deduplicated(tmp_path: Path) -> None:
         names.append(str(p))
     out = pipeline.expand_paths([*names, names[5], str(tmp_path / "." / "hs_7.safetensors")])
     assert out == names
-
-
-# ------------------------------------------------------------ ledger
 
 
 def report(i: int, medians: list[float | None], shape: tuple[int, int] = (4, 64)) -> FileReport:

@@ -195,8 +195,6 @@ def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None
     assert got["after"] == got["before"], got
 
 
-# ----------------------------------------------------------------- the sketch store
-
 N_AUX, HIDDEN = 4, 64
 
 

@@ -25,9 +25,6 @@ from vllm_hsfix.audit import command, pipeline, progress
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# ----------------------------------------------------------------- verdicts apart
-
-
 def test_list_writes_paths_only_and_keeps_corrupt_and_suspect_apart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -70,9 +67,6 @@ def test_text_shows_the_first_n_per_check_and_says_how_many_more(
     assert command.main([str(tmp_path), "--show", "all"]) == 1
     text = capsys.readouterr().out
     assert all(f"  {z}: " in text for z in zeros) and "more (--show" not in text
-
-
-# ----------------------------------------------------------------- streaming
 
 
 def test_jsonl_streams_files_then_updates_then_summary_and_matches_json(
@@ -137,9 +131,6 @@ def test_records_arrive_while_the_scan_runs_and_reports_are_not_kept(tmp_path: P
     assert report.files == [] and report.count("ok") == 30 and len(report.verdicts) == 30
 
 
-# ----------------------------------------------------------------- progress
-
-
 def test_log_progress_is_a_line_every_interval_and_one_at_the_end() -> None:
     import io
 
@@ -193,9 +184,6 @@ def test_a_terminal_gets_tqdm(tmp_path: Path) -> None:
     assert b"result: all files ok" in out
 
 
-# ----------------------------------------------------------------- pending
-
-
 def test_a_file_whose_writer_holds_the_lock_is_pending_not_judged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -220,9 +208,6 @@ def test_a_file_whose_writer_holds_the_lock_is_pending_not_judged(
         os.close(lock_fd)  # the writer finishes (or dies: the kernel drops the lock)
     assert audit_api.check_file(half).verdict == "corrupt"
     assert command.main([str(tmp_path)]) == 1
-
-
-# ----------------------------------------------------------------- --state
 
 
 def verdicts(report: Any) -> dict[str, tuple[str, list[str]]]:
@@ -310,9 +295,6 @@ def test_the_store_appends_reads_whole_records_and_rewrites_atomically(tmp_path:
     assert store.read(path) == [{"a": 1}, {"b": [1, 2]}]
     store.rewrite(path, [{"z": None}])
     assert path.read_text() == '{"z":null}\n' and os.listdir(tmp_path) == ["j.jsonl"]
-
-
-# ----------------------------------------------------------------- API and usage
 
 
 def test_python_api_is_the_package_surface(tmp_path: Path) -> None:

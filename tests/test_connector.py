@@ -122,9 +122,6 @@ def test_same_answers_as_upstreams_own_fix(name: str) -> None:
     assert patch.find_hidden_group(cfg) == cls._find_cache_kv_group_id(cfg)
 
 
-# --- the real connector, constructed with real vLLM config objects -----------------
-
-
 @pytest.fixture(scope="module")
 def vllm_config(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm.engine.arg_utils import EngineArgs

@@ -33,10 +33,6 @@ def fp8_connector() -> type:
     return mod.FP8HiddenStatesConnector  # type: ignore[no-any-return]
 
 
-# ---------------------------------------------------------------------------
-# 1. Binding: a spy of the target's kind, plain and inside our wrapper type
-
-
 def kind_of(obj: object) -> str:
     kinds = (("classmethod", classmethod), ("staticmethod", staticmethod))
     return next((k for k, t in kinds if isinstance(obj, t)), "function")
@@ -162,10 +158,6 @@ def test_every_replacement_binds_like_the_original(patched: Any) -> None:
     assert applied <= {pid for pid, rec in STATE.records.items() if rec.replacements}
     # and put every wrapper back (the check swaps spies in and out)
     assert [rep.name for rep in reps if not rep.in_effect()] == []
-
-
-# ---------------------------------------------------------------------------
-# 2. The patches' own bodies under those conventions
 
 
 @pytest.mark.applies("hidden-group-block-size")

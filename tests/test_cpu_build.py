@@ -201,9 +201,6 @@ def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: 
         conn._executor.shutdown(wait=True)
 
 
-# --- the sampler ------------------------------------------------------------------
-
-
 def _sampler_module() -> Any:
     return importlib.import_module(SAMPLER_MODULE)
 

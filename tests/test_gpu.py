@@ -63,8 +63,6 @@ REPLACEMENT_LAYOUTS = [
 ]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
-# --- the replacements: bytes, host syncs, CUDA graphs --------------------------------
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("shape", "strided"), REPLACEMENT_LAYOUTS)
@@ -119,9 +117,6 @@ def test_replacement_cuda_graph_replays_new_inputs(shape: str, strided: bool) ->
         for key in ("base", "rows", "slots"):
             static[key].copy_(fresh[key])
         assert scratch_problems(lambda *_: graph.replay(), static) == [], f"seed {seed}"
-
-
-# --- the releases' own basic_cache, original and patched -----------------------------
 
 
 @pytest.mark.parametrize(("version", "strided"), RELEASE_LAYOUTS)

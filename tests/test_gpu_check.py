@@ -162,9 +162,6 @@ def test_gpu_check_fails_without_the_release_code(tmp_path: Path) -> None:
         assert states[name] == "failed", (name, states[name])
 
 
-# --- the releases' own code on the CPU -------------------------------------------------
-
-
 def test_the_gpu_tests_tell_a_fixed_release_from_an_affected_one() -> None:
     """0.25.0's own basic_cache fails "original overwrites" and passes "replacement keeps":
     the checks see the bug, not the release number."""
@@ -186,9 +183,6 @@ def test_release_code_script_names_a_missing_overlay(tmp_path: Path) -> None:
     rc = GRC.main(["--overlays", str(tmp_path / "none"), "--dest", str(tmp_path / "d"), "0.17.0"])
     assert rc == 1
     assert not (tmp_path / "d" / "vllm-0.17.0").exists()
-
-
-# --- the benchmark ---------------------------------------------------------------------
 
 
 def test_bench_passes_then_exits_1_on_wrong_bytes(

@@ -45,10 +45,6 @@ def installed_hazard() -> str:
     return want
 
 
-# ---------------------------------------------------------------------------
-# The register and the checks
-
-
 @pytest.mark.parametrize(
     ("release", "ids"),
     [
@@ -170,9 +166,6 @@ def test_prefix_cache_slicing_is_prefix_caching() -> None:
     assert found is not None and NO_PREFIX in found, found
     assert hazards.prefix_cache_slicing(fake_config(False, 256, 16), None) is None
 
-
-# ---------------------------------------------------------------------------
-# The real connector, a real VllmConfig, on the installed release
 
 ALL_CASES = {
     "trigger": (66, True, "SCHEDULER"),  # 66 - 2 = 64 = four blocks of 16, prefix caching on
