@@ -149,7 +149,7 @@ def test_reference_aux_id_num_hidden_layers_is_the_pre_norm_last_layer(
     conv = doc["dataset"]["reference"]["conventions"]
     assert conv["4"] == "last decoder layer output before the final norm (vLLM's convention)"
 
-    # The old comparison: every right row of aux id 4 against the post-norm state.
+    # Every right row of aux id 4 against the post-norm state: far off.
     model = hsrows.load(model_dir)
     for ids, path in files:
         saved = load_file(str(path))["hidden_states"].float()

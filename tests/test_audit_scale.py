@@ -45,7 +45,7 @@ def test_list_writes_paths_only_and_keeps_corrupt_and_suspect_apart(
         [str(files["junk"]), str(files["zero"])]
     )
     assert (out / "suspect.txt").read_text().splitlines() == [str(files["dup"])]
-    # stdout carries the list and nothing else (the summary moved to stderr).
+    # stdout carries the list and nothing else; the summary goes to stderr.
     assert cap.out.splitlines() == sorted(str(files[k]) for k in ("dup", "junk", "zero"))
     assert "ok 4   suspect 1   corrupt 2" in cap.err
 

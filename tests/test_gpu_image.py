@@ -78,9 +78,7 @@ def test_a_gpu_worker_is_patched_by_vllms_plugin_loader_and_logs_its_line_at_sta
     groups = {g.split(" ", 1)[0]: g for g in line.split(": ", 1)[1].split("; ")}
     applied = [p for p, c in want.items() if c == "would-apply"]
     if applied:
-        # At start the targets are not imported yet: the line lists them as patched on
-        # import ("on import scatter-clamp, hidden-group-block-size"; "applied" would
-        # do too), never as refused, failed or pending.
+        # Targets not imported yet: listed as applied or on import, never refused or failed.
         group = groups.get("applied") or groups.get("on")
         assert group is not None, line
         assert all(p in group for p in applied), line

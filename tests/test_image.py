@@ -103,9 +103,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("image") / "venv"
     venv.create(root, with_pip=True)
     img = Image(root)
-    # The image's own packages without byte-compiling them (--no-compile): the image is
-    # the same, its build about a minute shorter; vllm-hsfix itself is installed as
-    # images install it.
+    # The image's own packages without byte-compiling (the same image, built faster).
     base = ("install", "-q", "--no-deps", "--no-compile")
     img.pip(*base, "-r", lock)
     img.pip(*base, vllm_env.wheel_path(release))

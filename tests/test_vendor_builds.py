@@ -20,8 +20,7 @@ def test_a_build_is_tested_by_its_targets_not_its_version_string(tmp_path: Path)
     assert report["vllm"]["version"] == "0.24.1"
     assert report["tested_build"]["tested"] is True, report["tested_build"]
     assert "matches tested build vllm 0.24.0" in report["tested_build"]["reason"]
-    # (The static venvs do not install vllm-hsfix, so its entry point may be missing
-    # here and fail `status`; the tested requirement itself must hold.)
+    # The static venvs lack vllm-hsfix's entry point; only the tested requirement counts.
     assert not [p for p in report["problems"] if p.startswith("--require tested")], report
     assert {p: v["code"] for p, v in report["patches"].items()} == sk.stated("0.24.0")
 
