@@ -137,8 +137,7 @@ def test_sketches_are_of_the_rows_the_scan_read_even_across_blocks(
 
 
 def test_the_verdicts_do_not_depend_on_the_order_workers_return_files_in() -> None:
-    """A near tie (9 files with one row, 8 with another) gets the same verdicts whatever order
-    the workers return files in."""
+    """A near tie (9 files vs 8) gets the same verdicts whatever order the workers return."""
     import random
 
     import numpy as np
@@ -186,8 +185,7 @@ def test_one_blas_thread_inside_and_the_same_sketches() -> None:
 
 
 def test_a_blas_loaded_after_the_first_batch_is_held_to_one_thread_too() -> None:
-    """A BLAS loaded by a later import (torch's, in a fresh interpreter) is held to one thread
-    too, and given its threads back after."""
+    """A BLAS a later import loads is held to one thread too, then given its threads back."""
     out = audit_child("blas_threads")
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)

@@ -186,8 +186,7 @@ def test_reference_aux_id_past_the_last_layer_is_a_usage_error(
 
 
 def test_sample_one_point_zero_is_every_file_and_an_integer_a_count() -> None:
-    """``--sample 1.0`` recomputed one file (read as the count 1) before: a fraction is
-    written with a decimal point, a count as an integer."""
+    """``--sample 1.0`` is every file: a fraction has a decimal point, a count is an integer."""
     paths = [f"f{i:02d}" for i in range(10)]
     assert reference.sample(paths, "1.0") == paths
     assert reference.sample(paths, "0.5") == paths[::2]

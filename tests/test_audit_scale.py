@@ -263,8 +263,7 @@ def test_state_survives_a_killed_run_and_ignores_other_versions(tmp_path: Path) 
 
 
 def test_state_lines_it_cannot_read_back_are_scanned_again(tmp_path: Path) -> None:
-    """A state line this version cannot read back as a report is scanned again, neither
-    crashing the run nor trusted."""
+    """A state line this version cannot read back is scanned again, not trusted, no crash."""
     root = tmp_path / "d"
     for i in range(5):
         hs_file(root / f"g{i}.safetensors", seed=i)
@@ -282,8 +281,7 @@ def test_state_lines_it_cannot_read_back_are_scanned_again(tmp_path: Path) -> No
 
 
 def test_the_store_appends_reads_whole_records_and_rewrites_atomically(tmp_path: Path) -> None:
-    """``audit.store``: appended records read back in order, a torn or non-object line
-    skipped, a rewrite atomic and replacing the records."""
+    """``audit.store``: records in order, torn or non-object lines skipped, atomic rewrites."""
     from vllm_hsfix.audit import store
 
     path = tmp_path / "j.jsonl"

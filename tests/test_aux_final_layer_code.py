@@ -53,8 +53,7 @@ def test_a_rank_before_the_last_passes_its_tensors_on(forwards: tuple[Any, Any])
 
 
 def test_vllms_compile_cache_keys_tell_the_forwards_apart(forwards: tuple[Any, Any]) -> None:
-    """vLLM's AOT and inductor cache keys tell a patched forward from the release's, so
-    neither process loads the other's graph."""
+    """vLLM's AOT and inductor cache keys tell the patched forward from the release's."""
     decorators = importlib.import_module("vllm.compilation.decorators")
     if not hasattr(decorators, "_model_hash_key"):
         pytest.skip("this release has no AOT compile cache key (_model_hash_key)")

@@ -172,8 +172,7 @@ def test_real_connector_uses_the_hidden_groups_block_size(
 
 @needs_connector_patch
 def test_verify_checks_the_connector_on_a_pre_release_plan_patches(patched: Any) -> None:
-    """0.24.0rc1 is in the row's range for ``plan``, so ``verify`` checks the connector
-    there too (it skipped it, reading 0.24.0rc1 as a release before 0.24.0)."""
+    """0.24.0rc1 is in the row's range for ``plan``, so ``verify`` checks the connector there."""
     from vllm_hsfix import checks
 
     cls, first = connector().ExampleHiddenStatesConnector, by_id(patch.PATCH_ID).first

@@ -163,8 +163,7 @@ def test_gpu_check_fails_without_the_release_code(tmp_path: Path) -> None:
 
 
 def test_the_gpu_tests_tell_a_fixed_release_from_an_affected_one() -> None:
-    """0.25.0's own basic_cache fails "original overwrites" and passes "replacement keeps":
-    the checks see the bug, not the release number."""
+    """0.25.0's own basic_cache fails "original overwrites" and passes "replacement keeps"."""
     fixed = GRC.compile_basic_cache(overlay_file("0.25.0"))
     run = scatter_check.padded_run("cpu", torch.bfloat16, strided=True)
     got = scatter_check.run_eager(fixed, run)

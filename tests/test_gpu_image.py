@@ -27,8 +27,7 @@ MARK = "HSFIX-TEST-MARK first print of the process"
 
 
 def stated() -> dict[str, str]:
-    """What a GPU image must get, stated by hand from the README's table
-    (``support.skeletons.stated``), not read from the code."""
+    """What a GPU image must get, stated by hand from the README's table, not from the code."""
     if RELEASE not in ("0.24.0", "0.25.0"):
         pytest.skip(f"no stated expectation for the CUDA wheel of {RELEASE}")
     return sk.stated(RELEASE)

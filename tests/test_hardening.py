@@ -130,8 +130,7 @@ def test_unapply_leaves_a_later_wrapper_in_place_and_passes_through() -> None:
 
 @needs_connector_patch
 def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_back() -> None:
-    """A late apply that cannot re-resolve an existing connector reports failed and takes its
-    wrappers off the class: never "failed" while live."""
+    """A late apply that cannot re-resolve a connector reports failed, its wrappers off."""
     result = child_json("hardening.py", "late_apply_ambiguous")
     assert result[0] != "init-raised", result
     status, reason, wrappers = result

@@ -12,8 +12,7 @@ from vllm_hsfix.patches import PATCHES
 
 @pytest.mark.needs_vllm
 def test_a_row_wraps_exactly_the_names_it_lists() -> None:
-    """Each row that applies here, applied alone to the real module: every name it replaces or
-    adds is in its ``wraps``."""
+    """Each row applied alone to its real module replaces or adds only names in its ``wraps``."""
     rows = [p for p in PATCHES if declared(p) == "applied"]
     if not rows:
         pytest.skip(f"no row applies on vLLM {INSTALL.release}")

@@ -30,8 +30,7 @@ def test_static_probe_of_the_file_matches_the_live_probe() -> None:
 
 @pytest.mark.applies("scatter-clamp")
 def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
-    """A vendor build whose basic_cache changed: refused, warned, left untouched; in
-    strict mode, activation fails."""
+    """A vendor build whose basic_cache changed: refused, warned, left alone; strict: fails."""
     src = Path(importlib.util.find_spec(MODEL_MODULE).origin).read_text()  # type: ignore[union-attr]
     old = "slot_mapping % block_size" if "slot_mapping % block_size" in src else "[slot_mapping]"
     new = (

@@ -181,8 +181,7 @@ def test_a_repair_where_the_fix_is_not_active_refuses_and_changes_nothing(
 def test_a_regenerated_file_the_audit_calls_suspect_is_named_but_does_not_fail(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A regenerated file the re-audit calls suspect is named with its finding, exit 0; one it
-    calls corrupt still fails."""
+    """A regenerated file the re-audit calls suspect is named, exit 0; a corrupt one fails."""
     from vllm_hsfix import cli
 
     parsed = cli.build_parser().parse_args(["repair", "x", "--model", "m", "--dry-run"])

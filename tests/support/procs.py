@@ -29,8 +29,7 @@ def child(
 
 
 def on_path(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default ``clean_env()``) with this checkout and ``tests/`` first on
-    ``PYTHONPATH``."""
+    """``env`` (default ``clean_env()``) with this checkout and ``tests/`` first on the path."""
     env = dict(clean_env() if env is None else env)
     paths = (str(TESTS.parent), str(TESTS), env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -38,8 +37,7 @@ def on_path(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def child_json(script: str, *args: Any, **kw: Any) -> Any:
-    """``child(script, *args, **kw)``'s last JSON line; fails with its stderr when it
-    does not exit 0."""
+    """The last JSON line of ``child(script, *args, **kw)``; fails with its stderr unless exit 0."""
     out = child(script, *args, **kw)
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-4000:])
     return last_json(out.stdout)

@@ -19,8 +19,7 @@ from vllm_hsfix.repair.engine import EngineWatch
 
 
 def core(conn: Any) -> None:
-    """The engine core: starts its worker (not holding the test's pipes), sends its pid,
-    sleeps."""
+    """The engine core: starts its worker (not holding the test's pipes), sends its pid, sleeps."""
     w = subprocess.Popen(["sleep", "600"], stdout=-3, stderr=-3)
     conn.send(w.pid)
     time.sleep(600)
