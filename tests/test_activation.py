@@ -8,9 +8,8 @@ from support.procs import child, child_json
 
 from vllm_hsfix._version import __version__
 
-# The children assert 0.24.0's answers (each target of support/children/activation.py
-# wrapped once, `_zero_block_ids` and `register_kv_caches` included): the releases
-# where hidden-group-block-size applies, not every release of the clamp.
+# The children assert 0.24.0's answers (every target wrapped once): the releases where
+# hidden-group-block-size applies, not every release of the clamp.
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("hidden-group-block-size")]
 
 

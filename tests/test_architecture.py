@@ -232,9 +232,8 @@ def test_every_patch_module_is_a_row_of_the_table() -> None:
     assert declared == PATCH_MODULES
 
 
-# The hotfix core: what runs inside vLLM's processes plus ``status``, ``verify`` and
-# ``run``. The data tools (``audit``, ``repair``) sit beside it, reached from the command
-# line only; the demo and its harness are not in the package at all (tests/test_wheel.py).
+# The hotfix core: what runs inside vLLM's processes plus ``status``, ``verify`` and ``run``.
+# The data tools (``audit``, ``repair``) sit beside it, reached from the command line only.
 DATA_TOOLS = ("audit", "repair")
 FRONT = {"cli", "__main__"}
 

@@ -170,7 +170,7 @@ def test_a_large_audit_loads_the_kernel_at_its_first_fp8_file_only(tmp_path: Pat
 
 
 def test_the_fp8_kernel_squares_every_byte_value() -> None:
-    """Every float8_e4m3fn byte squares exactly as torch decodes it; NaN makes a row odd."""
+    """Every float8_e4m3fn byte squares to torch's decode squared, scaled; NaN makes a row odd."""
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = every[(every & 0x7F) != 0x7F]  # 254 bytes: all but the two NaNs
     raw = torch.stack([finite, finite.flip(0), finite.roll(7)]).numpy()

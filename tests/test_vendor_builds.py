@@ -45,8 +45,6 @@ def test_a_build_is_tested_by_its_targets_not_its_version_string(tmp_path: Path)
     assert [p for p in report["problems"] if p.startswith("--require tested")], report
 
 
-# Vendor variants of the real 0.24.0 files (the CUDA wheel's skeleton, one function
-# rewritten): fixed code is never refused, a changed layout is, naming what it misses.
 MODEL = "vllm/model_executor/models/extract_hidden_states.py"
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py"
 STORE = "kv_cache[slot_mapping // block_size, slot_mapping % block_size] = to_cache"

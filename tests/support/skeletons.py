@@ -71,11 +71,8 @@ def status(tree: Path, *args: str, **switches: str) -> subprocess.CompletedProce
     return cli("status", *args, env=env, timeout=120)
 
 
-# What the CUDA wheel must get, stated independently of tested.json and of the code:
-# the README's table as data (``scripts/fingerprints.py``'s ``STATED``, written by
-# hand from the upstream PRs): the clamp on 0.17-0.24, the connector patch on 0.24
-# only, never the CPU block zeroing (GPU workers zero new blocks themselves), nothing
-# from 0.25.0 on. A new patch is stated there once.
+# What the CUDA wheel must get, stated by hand from the upstream PRs, independently of
+# tested.json and the code: the README's table as data (``scripts/fingerprints.py``'s ``STATED``).
 def stated(release: str) -> dict[str, str]:
     """Each row's stated code for the CUDA wheel of ``release``, as ``status`` words it."""
     sys.path.insert(0, str(ROOT / "scripts"))
