@@ -48,6 +48,12 @@ def audit_json(*args: str) -> tuple[int, dict[str, Any], str]:
     return code, json.loads(out.getvalue()), err.getvalue()
 
 
+def audit_reference(path: Path, model: Path, n: int) -> tuple[int, dict[str, Any], str]:
+    """``audit --reference`` of ``path`` on ``n`` files, aux layers ``hsrows.AUX``."""
+    aux = ",".join(map(str, hsrows.AUX))
+    return audit_json(str(path), "--reference", str(model), "--aux-layers", aux, "--sample", str(n))
+
+
 def by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {Path(f["path"]).name: f for f in doc["files"]}
 
@@ -73,15 +79,7 @@ def test_right_fp8_and_bf16_files_from_the_real_writers_are_ok(
         root.mkdir()
         for i, (ids, hs) in enumerate(batch):
             write(root / f"hs_{i}.safetensors", hs, ids)
-        code, doc, err = audit_json(
-            str(root),
-            "--reference",
-            str(tiny_models["hybrid"]),
-            "--aux-layers",
-            ",".join(map(str, hsrows.AUX)),
-            "--sample",
-            str(N),
-        )
+        code, doc, err = audit_reference(root, tiny_models["hybrid"], N)
         files = by_name(doc)
         assert code == 0, (kind, {n: f["problems"] for n, f in files.items()})
         assert {f["verdict"] for f in files.values()} == {"ok"}
@@ -138,15 +136,7 @@ def test_wrong_fp8_files_are_corrupt(
     whole = (tmp_path / "ok_0.safetensors").read_bytes()
     (tmp_path / "truncated.safetensors").write_bytes(whole[:-300])
 
-    code, doc, _ = audit_json(
-        str(tmp_path),
-        "--reference",
-        str(tiny_models["hybrid"]),
-        "--aux-layers",
-        ",".join(map(str, hsrows.AUX)),
-        "--sample",
-        "100",
-    )
+    code, doc, _ = audit_reference(tmp_path, tiny_models["hybrid"], 100)
     files = by_name(doc)
     verdicts = {n: f["verdict"] for n, f in files.items()}
     codes = {n: [p["code"] for p in f["problems"]] for n, f in files.items()}
