@@ -312,8 +312,7 @@ def test_the_same_verdicts_when_huge_groups_are_compared_a_chunk_at_a_time(
 def test_token_ids_past_int32_keep_every_verdict(
     data: list[prefix.PrefixData],
 ) -> None:
-    """The 120 files split into two templates of 60, the second's ids past 2**40:
-    exactly the wrong files are flagged, each in its own half."""
+    """Ids past 2**40 in half the files: exactly the wrong files flagged, each in its half."""
     import dataclasses
 
     far = [

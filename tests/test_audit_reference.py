@@ -162,8 +162,7 @@ def test_reference_aux_id_num_hidden_layers_is_the_pre_norm_last_layer(
 def test_reference_post_norm_last_layer_rows_are_corrupt(
     tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The same files with transformers' post-norm state in aux id 4's slot: exactly
-    that slot's rows are wrong, in every file."""
+    """Post-norm rows in aux id 4's slot: exactly that slot's rows are wrong, in every file."""
     files = last_layer_files(tiny_models["hybrid"], tmp_path, "post")
     code, doc, _ = audit_last_layer(tiny_models["hybrid"], tmp_path, capsys)
     assert code == 1 and {f["verdict"] for f in doc["files"]} == {"corrupt"}

@@ -187,8 +187,7 @@ def test_a_terminal_gets_tqdm(tmp_path: Path) -> None:
 def test_a_file_whose_writer_holds_the_lock_is_pending_not_judged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Only a held ``LOCK_EX`` on ``NAME.lock`` (the connector's protocol) makes a file
-    pending; a leftover ``.lock`` does not."""
+    """Only a held lock on ``NAME.lock`` makes a file pending; a leftover ``.lock`` does not."""
     for i in range(3):
         hs_file(tmp_path / f"g{i}.safetensors", seed=i)
         write_raw(tmp_path / f"g{i}.safetensors.lock", b"")  # leftovers of finished writes

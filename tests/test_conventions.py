@@ -162,8 +162,7 @@ def test_every_replacement_binds_like_the_original(patched: Any) -> None:
 
 @pytest.mark.applies("hidden-group-block-size")
 def test_upstreams_helpers_on_the_patched_class(patched: Any) -> None:
-    """Names, kinds, signatures and answers of 0.25.0's helpers: code written against
-    upstream's fix runs on the patched class."""
+    """0.25.0's helpers (names, kinds, signatures, answers) run on the patched class."""
     cls = connector().ExampleHiddenStatesConnector
     config, want = checks.hybrid_layout()
     find = inspect.getattr_static(cls, "_find_cache_kv_group_id")

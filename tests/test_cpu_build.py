@@ -67,8 +67,7 @@ def test_the_save_gate_refuses_a_changed_save_method_and_a_new_event_use() -> No
 
 @needs_save
 def test_a_connector_without_cuda_is_upstream_fixed() -> None:
-    """A release whose connector no longer touches ``torch.cuda`` saves on a CPU by
-    itself: left alone, whatever else changed."""
+    """A connector that no longer touches ``torch.cuda`` saves on a CPU itself: left alone."""
 
     class NoCuda(ast.NodeTransformer):
         def visit_Attribute(self, node: ast.Attribute) -> ast.AST:

@@ -34,8 +34,7 @@ def stated() -> dict[str, str]:
 
 
 def test_the_cuda_wheels_own_distribution_answers_for_vllm() -> None:
-    """cpu-dist-name stays out of the way on the CUDA wheel: the lookup vLLM's CLI makes
-    finds the real ``vllm`` distribution, and no alias is offered beside it."""
+    """cpu-dist-name stays away on the CUDA wheel: ``vllm`` is the real distribution."""
     found = child_json("lookups.py", "distributions", timeout=60)
     assert found == [["vllm", INSTALL.version, False]], found
 

@@ -61,8 +61,7 @@ def test_reloaded_targets_are_reported_and_apply_repairs_them() -> None:
 
 @needs_connector_patch
 def test_apply_after_the_connector_exists_fixes_that_connector() -> None:
-    """A connector built before ``apply()`` (vllm-hsfix unapplied: an ``LLM`` made
-    before it) is re-resolved, and status says so."""
+    """A connector built before ``apply()`` is re-resolved, and status says so."""
     before, after, status, reason = child_json("hardening.py", "apply_after_connector")
     assert (before, after) == (528, 22)
     assert status == "applied"

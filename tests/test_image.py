@@ -69,8 +69,7 @@ class Image:
         self.base_mtimes: dict[str, float] = {}
 
     def run(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
-        """The image's interpreter, run from the image's own directory (never the
-        checkout, whose metadata would otherwise be on ``sys.path``)."""
+        """The image's interpreter, run from the image's own directory, never the checkout."""
         return sh(self.py, *args, env=env or image_env(), cwd=self.root)
 
     def tool(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

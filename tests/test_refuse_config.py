@@ -38,8 +38,7 @@ def expected_hazard(release: str | None) -> str | None:
 
 
 def installed_hazard() -> str:
-    """The hand-written table's hazard of the installed release (the register's ranges
-    selected the test: the two must agree)."""
+    """The hand-written table's hazard of the installed release (the markers agree)."""
     want = expected_hazard(RELEASE)
     assert want is not None, f"the register has a refuse-config hazard on {RELEASE}, EXPECTED none"
     return want

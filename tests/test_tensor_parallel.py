@@ -22,8 +22,7 @@ RUN_TIMEOUT = 480
 
 
 def run_tp2(tmp: Path, model: Path, **env: str) -> tuple[list[str] | None, str]:
-    """One TP=2 engine run (``support/children/tp_engine.py``, a session of its own):
-    the files' paths (None when the run died) and its whole output."""
+    """One TP=2 engine run in a session of its own: the files' paths (None if it died), output."""
     (tmp / "args.json").write_text(json.dumps({"aux": AUX, "prompts": PROMPTS}))
     env = clean_env(TOKENIZERS_PARALLELISM="false", **env)
     args = (model, tmp / "hs", tmp / "args.json")

@@ -26,8 +26,7 @@ def hs_file(
     scale: float = 1.0,
     edit: object = None,
 ) -> Path:
-    """A connector-like file: random normal rows, random token ids; ``edit(hs, ids)``
-    damages them in place before the write."""
+    """A connector-like file of random rows and ids; ``edit(hs, ids)`` damages them in place."""
     g = torch.Generator().manual_seed(seed)
     hs = (torch.randn(tokens, n_aux, hidden, generator=g) * scale).to(dtype)
     ids = torch.randint(0, 32000, (tokens,), generator=g, dtype=torch.int64)

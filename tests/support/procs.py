@@ -62,8 +62,7 @@ def run_child(
 
 
 def marked(text: str, marker: str) -> Any:
-    """The JSON printed after ``marker`` (ending with a space) on a line of its own in
-    ``text``, or None when no line carries it."""
+    """The JSON after ``marker`` (ending with a space) on a line of its own, or None."""
     line = next((x for x in text.splitlines() if x.startswith(marker)), None)
     return None if line is None else json.loads(line[len(marker) :])
 
@@ -76,8 +75,7 @@ def marked_json(proc: subprocess.CompletedProcess[str], marker: str) -> Any:
 
 
 def alive_in_session(sid: int) -> list[int]:
-    """Processes still in session ``sid`` (a run started with ``start_new_session``
-    leads its own): what outlived it."""
+    """Processes still in session ``sid``: what outlived a run that led its own session."""
     alive = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():

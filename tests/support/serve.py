@@ -83,8 +83,7 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 def running(
     cmd: list[str], env: dict[str, str], log: Path, port: int, start_timeout: float = 300
 ) -> Iterator[str]:
-    """Start ``cmd`` (a ``vllm serve`` on ``port``), wait until ``/health`` answers,
-    yield its base URL; always kill its whole session afterwards."""
+    """Start ``cmd`` on ``port``, wait for ``/health``, yield its URL; kill its session after."""
     out = open(log, "w")  # noqa: SIM115
     proc = subprocess.Popen(
         cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -63,8 +63,7 @@ def trees(dist: str) -> list[tuple[str, Path, dict]]:
 
 
 def status(tree: Path, *args: str, **switches: str) -> subprocess.CompletedProcess[str]:
-    """`vllm-hsfix status` (vLLM not imported) with only ``tree`` providing vLLM, and
-    the ``VLLM_HSFIX_*`` ``switches`` set."""
+    """``vllm-hsfix status`` with only ``tree`` providing vLLM, and ``switches`` set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HSFIX_")}
     env.pop("VLLM_PLUGINS", None)
     env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tree}", **switches)

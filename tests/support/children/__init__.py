@@ -12,6 +12,5 @@ CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_
 
 
 def main(cases: dict[str, Callable[..., Any]]) -> Any:
-    """A child's entry point: the case named by ``sys.argv[1]``, called with the
-    arguments after it; its result (the child prints it as JSON)."""
+    """The case named by ``sys.argv[1]``, called with the arguments after it; its result."""
     return cases[sys.argv[1]](*sys.argv[2:])

@@ -75,8 +75,7 @@ def kernel_loads(*paths: str) -> list[list[Any]]:
 
 
 def blas_threads() -> dict[str, Any]:
-    """BLAS threads under ``prefix.single_blas_thread`` for a BLAS (torch's) loaded
-    after its first use: before, inside, after."""
+    """BLAS threads before, inside and after ``prefix.single_blas_thread``, torch's loaded late."""
     from threadpoolctl import threadpool_info
 
     from vllm_hsfix.audit import prefix

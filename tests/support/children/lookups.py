@@ -61,8 +61,7 @@ def altered_target(path: str) -> Any:
 
 
 def wraps(*ids: str) -> dict[str, list[str]]:
-    """Each row of ``ids`` applied by itself to its real module, then restored: the
-    names it replaced or added."""
+    """Each row of ``ids`` applied alone to its real module, then restored: the names it set."""
     from vllm_hsfix.patches import by_id
     from vllm_hsfix.patches._wrap import ABSENT
     from vllm_hsfix.patches.hooks import Hooks
