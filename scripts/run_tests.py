@@ -483,8 +483,6 @@ def main() -> int:
         releases = [r.strip() for r in args.releases.split(",") if r.strip()]
         full = set(releases)
     elif args.matrix:
-        import matrix
-
         releases, full = list(matrix.RELEASES), set(FULL)
     else:
         releases, full = FULL + SUBSET, set(FULL)
