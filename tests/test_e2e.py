@@ -145,8 +145,8 @@ def test_dense_control_is_right(patched: bool, workdir: Path) -> None:
 def test_fixed_release_is_right_and_left_byte_identical(workdir: Path) -> None:
     """On a release with upstream's fixes, what vllm-hsfix still applies there (the
     CPU save path, and any row the table declares for it) changes no saved byte (on
-    AMX at most one bf16 step in a few rows, placed differently each time: its kernels
-    round by how the engine batched, docs/testing.md)."""
+    AMX at most one bf16 step in a few rows, placed differently each time: measured in
+    docs/testing.md)."""
     from safetensors.torch import load_file
 
     plain, with_pkg = result("hybrid-mp", False, workdir), result("hybrid-mp", True, workdir)
