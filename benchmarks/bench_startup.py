@@ -264,7 +264,7 @@ def main() -> None:
     pth = pth_cost(n, child_env())
     if os.environ.get("BENCH_SKIP_CHECK") != "1":
         check_cost()
-    # The targets of issue 18 (start-up cost in every process), next to what was measured.
+    # The start-up budgets (the cost in every process), next to what was measured.
     print(
         f"summary: import vllm_hsfix {cumulative['no-site']:.2f} ms cumulative without site, "
         f"{cumulative['site']:.2f} ms with (target <= 1 ms); plugin {delta:+.1f} ms per vLLM "

@@ -302,7 +302,7 @@ def drafter_skip(vllm_config: Any, kv_cache_config: Any) -> str | None:
 
 
 def prefix_cache_slicing(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """prefix-cache-slicing (0.22-0.23, issue 44485): prefix caching on."""
+    """prefix-cache-slicing (0.22-0.23, vLLM issue 44485): prefix caching on."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return None
     return (
