@@ -104,15 +104,14 @@ def describe(inst: VllmInstall, fingerprints: dict[str, dict[str, str]]) -> dict
     same_release = [b for b in builds() if b[0] == inst.release]
     # Nothing looked at (e.g. a fixed release): the release alone decides.
     matches = [b for b in builds() if not _mismatches(b[2], given)] if given else same_release
-    if matches and releases.newer_than_read(inst.release):
-        release, dist, _ = min(matches, key=prefer)
-        return {
-            "tested": False,
-            "reason": f"vLLM {inst.release} is newer than {releases.LAST_READ}, the last "
-            f"release read; its patch targets are those of tested build {dist} {release}",
-        }
     if matches:
         release, dist, entry = min(matches, key=prefer)
+        if releases.newer_than_read(inst.release):
+            return {
+                "tested": False,
+                "reason": f"vLLM {inst.release} is newer than {releases.LAST_READ}, the last "
+                f"release read; its patch targets are those of tested build {dist} {release}",
+            }
         if not given:
             reason = f"vLLM {inst.release} is a tested release"
         elif release == inst.release:

@@ -68,11 +68,7 @@ SHAPES = {
 }
 
 
-def _templates(bodies: dict[str, str]) -> dict[str, str]:
-    return {template_of(src): name for src, name in bodies.items()}
-
-
-KNOWN = _templates(SHAPES)
+KNOWN = {template_of(src): name for src, name in SHAPES.items()}
 _CLAMPS = {"clamp", "clamp_min", "clamp_", "clamp_min_"}
 
 
