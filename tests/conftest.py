@@ -30,7 +30,7 @@ def connector() -> Any:
 
 
 # Hooks that do nothing, for a patch applied by hand in a test.
-NO_HOOKS = Hooks(on_failure=lambda pid, exc: None, after_register=lambda conn: None)
+NO_HOOKS = Hooks(on_failure=lambda pid, exc: None)
 
 
 def declared_code(patch: Any, release: str | None = None, cpu_build: bool | None = None) -> str:

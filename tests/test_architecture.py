@@ -13,11 +13,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vllm_hsfix"
 ROOT = "vllm_hsfix"
 # The patch modules are the table's: a new row's module takes its place here by itself.
 PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
+# Each unit's row (its package) and, where it has them apart, its checks.
+UNIT_ROWS = {m.rsplit(".", 1)[0] for m in PATCH_MODULES}
+UNIT_CHECKS = {
+    f"{u}.checks" for u in UNIT_ROWS if (PACKAGE / u.replace(".", "/") / "checks.py").exists()
+}
 
 # Lowest first. A module may import only modules of a lower layer, or of its own
 # subpackage group (audit.*, demo.*), which must then form no cycle among themselves.
 LAYERS: list[set[str]] = [
-    {"_version", "errors", "_lazy", "config", "releases", "codes"},
+    {"_version", "errors", "_lazy", "config", "releases", "codes", "patches.spec"},
+    UNIT_ROWS,
     {"detect", "shapes", "patches", "patches.hooks"},
     {
         "patches._wrap",
@@ -25,7 +31,8 @@ LAYERS: list[set[str]] = [
         "tested",
         "backends",
     },
-    {"patches._probe", "provenance", "checks", "hazards"},
+    {"patches._probe", "provenance", "checks", "hazards", "observer"},
+    UNIT_CHECKS,
     PATCH_MODULES,
     {"plan", "state", "audit"},
     {"report"},
@@ -222,14 +229,14 @@ def test_the_graph_sees_function_level_imports() -> None:
     assert "runtime" in graph()["activation"]
 
 
-def test_every_patch_module_is_a_row_of_the_table() -> None:
-    """A public module under ``patches/`` is a patch, and must be declared in ``PATCHES``."""
+def test_every_patch_unit_is_a_row_of_the_table() -> None:
+    """A package under ``patches/`` is a patch unit (row, fix, optional checks), and must
+    be declared in ``PATCHES``; its row names its ``fix`` module."""
     mods = modules()
-    declared = {
-        m for m in mods if m.startswith("patches.") and not m.split(".")[-1].startswith("_")
-    }
-    declared.discard("patches.hooks")
-    assert declared == PATCH_MODULES
+    units = {m for m in mods if m.startswith("patches.") and is_package(m, mods)}
+    assert units == UNIT_ROWS
+    inside = {m for m in mods if m.rsplit(".", 1)[0] in units}
+    assert inside == PATCH_MODULES | UNIT_CHECKS
 
 
 # The hotfix core: what runs inside vLLM's processes plus ``status``, ``verify`` and ``run``.

@@ -83,7 +83,7 @@ def test_without_the_patch_the_fp8_writer_writes_the_final_path(tmp_path, monkey
 
 @pytest.mark.applies("atomic-writes")
 def test_verify_covers_the_fp8_writer_and_names_an_unknown_one(applied) -> None:  # type: ignore[no-untyped-def]
-    from vllm_hsfix.patches import atomic_writes
+    from vllm_hsfix.patches.atomic_writes import fix as atomic_writes
 
     module = connector()
     base = module.ExampleHiddenStatesConnector

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_hsfix import checks
+from vllm_hsfix.patches.aux_final_layer import fix as aux_fix
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("aux-final-layer")]
 MODULE = "vllm.model_executor.models.deepseek_v2"
@@ -27,10 +27,10 @@ def forwards(patched: Any) -> tuple[Any, Any]:
 
 def test_the_check_fails_on_the_release_and_passes_patched(forwards: tuple[Any, Any]) -> None:
     ours, release = forwards
-    assert checks.check_aux_capture(type("Release", (), {"forward": release})) == [
+    assert aux_fix.check_aux_capture(type("Release", (), {"forward": release})) == [
         "2 aux states for 3 ids"
     ]
-    assert checks.check_aux_capture(type("Patched", (), {"forward": ours})) == []
+    assert aux_fix.check_aux_capture(type("Patched", (), {"forward": ours})) == []
 
 
 def test_a_rank_before_the_last_passes_its_tensors_on(forwards: tuple[Any, Any]) -> None:

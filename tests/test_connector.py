@@ -13,7 +13,7 @@ from support.extraction import kv_transfer_config, speculative_config
 from support.serve import free_port
 
 from vllm_hsfix.patches import by_id
-from vllm_hsfix.patches import hidden_group_block_size as patch
+from vllm_hsfix.patches.hidden_group_block_size import fix as patch
 
 
 def _has_hidden_spec() -> bool:
@@ -173,10 +173,10 @@ def test_real_connector_uses_the_hidden_groups_block_size(
 @needs_connector_patch
 def test_verify_checks_the_connector_on_a_pre_release_plan_patches(patched: Any) -> None:
     """0.24.0rc1 is in the row's range for ``plan``, so ``verify`` checks the connector there."""
-    from vllm_hsfix import checks
+    from vllm_hsfix.patches.hidden_group_block_size import checks as connector_checks
 
     cls, first = connector().ExampleHiddenStatesConnector, by_id(patch.PATCH_ID).first
-    (got,) = checks.connector_checks(cls, "0.24.0rc1", first)
+    (got,) = connector_checks.connector_checks(cls, "0.24.0rc1", first)
     assert "skipped" not in got and got["ok"], got
 
 

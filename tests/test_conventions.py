@@ -17,8 +17,8 @@ from conftest import connector
 
 from vllm_hsfix import checks
 from vllm_hsfix.patches import PATCHES
-from vllm_hsfix.patches import cpu_zero_blocks as zero_patch
 from vllm_hsfix.patches._wrap import FunctionSwap, HsfixWrapper, Replacement
+from vllm_hsfix.patches.cpu_zero_blocks import fix as zero_patch
 from vllm_hsfix.state import STATE
 
 pytestmark = pytest.mark.needs_vllm

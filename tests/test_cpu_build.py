@@ -19,8 +19,8 @@ from conftest import INSTALL, connector
 from support.lockfile import held
 
 from vllm_hsfix import checks, releases
-from vllm_hsfix.patches import cpu_connector_save as save
-from vllm_hsfix.patches import cpu_sampler_fp64_flag as sampler
+from vllm_hsfix.patches.cpu_connector_save import fix as save
+from vllm_hsfix.patches.cpu_sampler_fp64_flag import fix as sampler
 
 pytestmark = pytest.mark.needs_vllm
 SAMPLER_MODULE = "vllm.utils.cpu_triton_utils"

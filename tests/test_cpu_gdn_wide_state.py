@@ -21,7 +21,7 @@ from conftest import CACHE
 from support.e2eruns import result
 
 from hsfix_demo import e2e
-from vllm_hsfix.patches import cpu_gdn_wide_conv_state as patch
+from vllm_hsfix.patches.cpu_gdn_wide_conv_state import fix as patch
 
 AMX = torch.cpu._is_amx_tile_supported()
 pytestmark = [

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_hsfix.patches import cpu_zero_blocks as patch
+from vllm_hsfix.patches.cpu_zero_blocks import fix as patch
 
 pytestmark = pytest.mark.needs_vllm
 RUNNER_MODULE = "vllm.v1.worker.cpu_model_runner"

@@ -22,7 +22,7 @@ from support.scatter_check import (
     scratch_problems,
 )
 
-from vllm_hsfix import checks
+from vllm_hsfix.patches.scatter_clamp import checks as scatter_checks
 
 DEVICE_ENV = "VLLM_HSFIX_CHECK_DEVICE"
 
@@ -68,7 +68,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.parametrize(("shape", "strided"), REPLACEMENT_LAYOUTS)
 def test_replacement_bytes(shape: str, strided: bool, dtype: torch.dtype) -> None:
     assert DEVICE is not None
-    case = checks.scratch_case(
+    case = scatter_checks.scratch_case(
         device=DEVICE,
         dtype=dtype,
         strided=strided,
@@ -86,7 +86,7 @@ def test_replacement_bytes(shape: str, strided: bool, dtype: torch.dtype) -> Non
 @cuda_only
 @pytest.mark.parametrize(("shape", "strided"), REPLACEMENT_LAYOUTS)
 def test_replacement_no_host_sync(shape: str, strided: bool) -> None:
-    case = checks.scratch_case(device="cuda", dtype=torch.bfloat16, strided=strided)
+    case = scatter_checks.scratch_case(device="cuda", dtype=torch.bfloat16, strided=strided)
     fn = replacement(shape)
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
@@ -102,7 +102,9 @@ def test_replacement_no_host_sync(shape: str, strided: bool) -> None:
 @pytest.mark.parametrize(("shape", "strided"), REPLACEMENT_LAYOUTS)
 def test_replacement_cuda_graph_replays_new_inputs(shape: str, strided: bool) -> None:
     fn = replacement(shape)
-    static = checks.scratch_case(device="cuda", dtype=torch.bfloat16, strided=strided, seed=1)
+    static = scatter_checks.scratch_case(
+        device="cuda", dtype=torch.bfloat16, strided=strided, seed=1
+    )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -112,7 +114,9 @@ def test_replacement_cuda_graph_replays_new_inputs(shape: str, strided: bool) ->
     with torch.cuda.graph(graph):
         fn(static["rows"], static["kv_cache"], static["slots"])
     for seed in (2, 3):
-        fresh = checks.scratch_case(device="cuda", dtype=torch.bfloat16, strided=strided, seed=seed)
+        fresh = scatter_checks.scratch_case(
+            device="cuda", dtype=torch.bfloat16, strided=strided, seed=seed
+        )
         assert not torch.equal(fresh["slots"], static["slots"])  # really new inputs
         for key in ("base", "rows", "slots"):
             static[key].copy_(fresh[key])

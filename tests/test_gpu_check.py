@@ -15,7 +15,7 @@ import torch
 from conftest import CACHE, RELEASE, ROOT, clean_env
 from support import scatter_check
 
-from vllm_hsfix.patches import scatter_clamp as scatter
+from vllm_hsfix.patches.scatter_clamp import fix as scatter
 
 pytestmark = pytest.mark.skipif(
     RELEASE != "0.24.0",

@@ -134,7 +134,7 @@ def test_a_late_apply_that_cannot_fix_an_existing_connector_takes_its_wrappers_b
     assert result[0] != "init-raised", result
     status, reason, wrappers = result
     assert status == "failed" and "cannot identify the hidden-states KV-cache group" in reason
-    # None of the failed patch's wrappers is left (the in-situ-verify extra may sit on
+    # None of the failed patch's wrappers is left (the observer extra may sit on
     # register_kv_caches: a row of patches.EXTRAS with a record of its own).
     assert "hidden-group-block-size" not in wrappers and wrappers[0] is None
 

@@ -15,9 +15,10 @@ from conftest import CONNECTOR_MODULE, INSTALL, NO_HOOKS, connector
 from support.skeletons import connector_file
 
 from vllm_hsfix import checks, hazards
-from vllm_hsfix.patches import PATCH_IDS, atomic_writes, by_id
-from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
+from vllm_hsfix.patches import PATCH_IDS, by_id
 from vllm_hsfix.patches._wrap import ours_in, wrap
+from vllm_hsfix.patches.abort_before_scheduling import fix as abort_unscheduled
+from vllm_hsfix.patches.atomic_writes import fix as atomic_writes
 from vllm_hsfix.releases import key as release_key
 from vllm_hsfix.shapes import parse
 

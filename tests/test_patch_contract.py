@@ -25,6 +25,6 @@ def test_a_module_without_the_contract_is_refused() -> None:
 
 
 def test_a_module_of_another_row_is_refused() -> None:
-    row = by_id("atomic-writes")._replace(impl="vllm_hsfix.patches.scatter_clamp")
+    row = by_id("atomic-writes")._replace(impl="vllm_hsfix.patches.scatter_clamp.fix")
     with pytest.raises(TypeError, match="the row is 'atomic-writes'"):
         row.implementation()

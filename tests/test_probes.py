@@ -12,7 +12,7 @@ from conftest import MODEL_MODULE, clean_env, last_json
 from support.procs import child, child_json
 
 from vllm_hsfix import shapes
-from vllm_hsfix.patches import scatter_clamp as scatter
+from vllm_hsfix.patches.scatter_clamp import fix as scatter
 
 pytestmark = pytest.mark.needs_vllm
 

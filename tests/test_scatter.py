@@ -9,7 +9,7 @@ import torch
 from conftest import MODEL_MODULE, RELEASE
 from packaging.version import Version
 
-from vllm_hsfix import checks
+from vllm_hsfix.patches.scatter_clamp import checks as scatter_checks
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -34,8 +34,8 @@ def test_unpatched_release_writes_padding_into_the_last_block(dtype: torch.dtype
     vllm_hsfix.unapply()
     module = importlib.import_module(MODEL_MODULE)
     assert getattr(module.basic_cache, "hsfix_patch", None) is None
-    case = checks.scratch_case(device="cpu", dtype=dtype)
-    problems = checks.check_scatter(module.basic_cache, case)
+    case = scatter_checks.scratch_case(device="cpu", dtype=dtype)
+    problems = scatter_checks.check_scatter(module.basic_cache, case)
     # The bug, shown on the release's own code: a padding row lands in the last slot.
     assert _is_padding_row(_last_slot(case), case)
     assert any("padding or stray writes" in p for p in problems)
@@ -52,9 +52,9 @@ def test_patched_release_sends_padding_to_block_zero(
     flat_view_release = Version(RELEASE or "0") < Version("0.22.0")
     if strided and flat_view_release:
         pytest.skip("0.17-0.21's own flat view() cannot take a strided buffer, patched or not")
-    case = checks.scratch_case(device="cpu", dtype=dtype, strided=strided)
+    case = scatter_checks.scratch_case(device="cpu", dtype=dtype, strided=strided)
     sentinel = _last_slot(case).clone()
-    problems = checks.check_scatter(module.basic_cache, case)
+    problems = scatter_checks.check_scatter(module.basic_cache, case)
     assert problems == []
     assert torch.equal(_last_slot(case), sentinel)  # the last block is untouched
     assert _is_padding_row(case["kv_cache"][0, 0], case)  # padding went to the null block
@@ -68,7 +68,7 @@ def test_vllms_own_caller_reaches_the_patched_function(patched: object) -> None:
     """CacheOnlyAttentionImpl.do_kv_cache_update looks basic_cache up at call time."""
     module = importlib.import_module(MODEL_MODULE)
     impl = module.CacheOnlyAttentionImpl(3, 16, "auto", torch.bfloat16, "decoder")
-    case = checks.scratch_case(device="cpu", dtype=torch.bfloat16)
+    case = scatter_checks.scratch_case(device="cpu", dtype=torch.bfloat16)
     sentinel = _last_slot(case).clone()
     impl.do_kv_cache_update(None, case["rows"], case["kv_cache"], case["slots"])
     assert torch.equal(_last_slot(case), sentinel)
@@ -87,5 +87,8 @@ def test_fixed_release_is_left_alone_and_is_right() -> None:
     assert module.basic_cache.__module__ == MODEL_MODULE
     from conftest import INSTALL
 
-    case = checks.scratch_case(device="cpu", dtype=torch.bfloat16)
-    assert checks.check_scatter(checks.live_scatter(module, INSTALL.version), case) == []
+    case = scatter_checks.scratch_case(device="cpu", dtype=torch.bfloat16)
+    assert (
+        scatter_checks.check_scatter(scatter_checks.live_scatter(module, INSTALL.version), case)
+        == []
+    )

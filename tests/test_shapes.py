@@ -14,7 +14,7 @@ from support.digest import digest
 
 from vllm_hsfix import shapes
 from vllm_hsfix.patches import PATCHES
-from vllm_hsfix.patches import scatter_clamp as scatter
+from vllm_hsfix.patches.scatter_clamp import fix as scatter
 
 SIGNATURE = "def basic_cache(to_cache, kv_cache, slot_mapping):\n"
 

@@ -6,15 +6,20 @@ when the scheduler's connector is built. Each row's evidence: ``docs/hazards.md`
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .codes import IN_PLACE, Code
+from .patches import PATCHES
 from .patches import by_id as patch_row
 from .patches._wrap import Replacement, wrap
 from .releases import fixed, reached
+
+if TYPE_CHECKING:
+    from .patches.hooks import ExtraContext
 
 PATCH, REFUSE_CONFIG, DOCUMENTED = "patch", "refuse-config", "documented"
 PROCESS, DATA = "process", "data"  # what is lost
@@ -66,13 +71,15 @@ def patched(hazard_id: str, patch_id: str, **fields: Any) -> Hazard:
     return Hazard(hazard_id, row.first, row.fixed_in, action=PATCH, patch=patch_id, **fields)
 
 
+def _covered() -> tuple[Hazard, ...]:
+    """The hazards the patch units declare (``HAZARD`` beside their row)."""
+    units = (importlib.import_module(p.impl.rsplit(".", 1)[0]) for p in PATCHES)
+    declared = (({**u.HAZARD}, u.ROW.id) for u in units if hasattr(u, "HAZARD"))
+    return tuple(patched(h.pop("id"), row, **h) for h, row in declared)
+
+
 HAZARDS: tuple[Hazard, ...] = (
-    patched(
-        "abort-before-scheduling",
-        "abort-before-scheduling",
-        loses=PROCESS,
-        upstream="vllm-project/vllm#56841 (merged 2026-09-14)",
-    ),
+    *_covered(),
     Hazard(
         id="drafter-skip",
         first="0.25.0",
@@ -98,23 +105,6 @@ HAZARDS: tuple[Hazard, ...] = (
         action=REFUSE_CONFIG,
         setting="enable_prefix_caching=False (--no-enable-prefix-caching)",
     ),
-    patched(
-        "aux-final-layer-dropped",
-        "aux-final-layer",
-        models=(
-            "models on vLLM's DeepseekV2Model backbone (model_executor/models/deepseek_v2.py): "
-            "DeepSeek V2/V3/V3.2, Kimi K2 (and the text stacks of Kimi K2.5 and Kimi-VL), "
-            "GlmMoeDsaForCausalLM, Mistral Large 3"
-        ),
-        loses=DATA,
-        upstream="vllm-project/vllm#46973 (first released in 0.25.0)",
-    ),
-    patched(
-        "torn-files",
-        "atomic-writes",
-        loses=DATA,
-        upstream="none in vLLM; safetensors PR 764 (0.8.0) makes save_file rename into place",
-    ),
     Hazard(
         id="torn-files-in-step",
         first="0.17.0",
@@ -128,20 +118,6 @@ HAZARDS: tuple[Hazard, ...] = (
             "wraps; not patched"
         ),
         workaround="safetensors >= 0.8.0, which renames into place itself",
-    ),
-    patched(
-        "cpu-amx-gdn-conv-state",
-        "cpu-gdn-wide-conv-state",
-        models=(
-            "hybrid models with GDN layers (gated delta net: Qwen3-Next, Qwen3.5/3.6 and "
-            "their -A3B MoE models), on vLLM's CPU build on a CPU with AMX (Intel Xeon "
-            "Sapphire Rapids and later)"
-        ),
-        loses=PROCESS,
-        upstream=(
-            "vllm-project/vllm#46090 (CPU speculative decoding for GDN models; first "
-            "released in 0.26.0); 0.27.0's kernels take the wide state themselves (#48577)"
-        ),
     ),
     Hazard(
         id="cpu-amx-gdn-stale-tiles",
@@ -360,15 +336,16 @@ def _installed(
     return __init__
 
 
-def install(
-    module: object,
-    release: str,
-    on_trigger: Callable[[Hazard, str], None],
-    on_error: Callable[[str, BaseException], None],
-) -> Replacement | None:
+def wanted(ctx: ExtraContext) -> bool:
+    """Where the release has a ``refuse-config`` row."""
+    return bool(refuse_config(ctx.release)) if ctx.release else False
+
+
+def install(module: object, ctx: ExtraContext) -> Replacement | None:
     """The ``refuse-config`` extra: wrap the connector's ``__init__`` to check the rows
-    of ``release`` (None: nothing to check, or no connector class)."""
-    rows, cls = refuse_config(release), getattr(module, ATTRIBUTE, None)
+    of ``ctx.release`` (None: nothing to check, or no connector class)."""
+    rows, cls = refuse_config(ctx.release), getattr(module, ATTRIBUTE, None)
     if not rows or not isinstance(cls, type):
         return None
-    return wrap(cls, "__init__", _installed(rows, release, on_trigger, on_error), EXTRA_ID)
+    checks = _installed(rows, ctx.release, ctx.on_hazard, ctx.on_error)
+    return wrap(cls, "__init__", checks, EXTRA_ID)

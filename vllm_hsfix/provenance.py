@@ -6,9 +6,12 @@ settings) to each file, for ``audit`` and ``repair``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .patches._wrap import Replacement, wrap
+
+if TYPE_CHECKING:
+    from .patches.hooks import ExtraContext
 
 PATCH_ID = "provenance"  # the extra's id and its wrapper's mark (patches.EXTRAS)
 PREFIX = "vllm_hsfix."
@@ -29,12 +32,17 @@ def _installed(metadata: Callable[[], dict[str, str]]) -> Any:
     return save_file
 
 
-def install(module: object, metadata: Callable[[], dict[str, str]]) -> Replacement | None:
+def wanted(ctx: ExtraContext) -> bool:
+    """On every release, wherever ``VLLM_HSFIX_PROVENANCE=1``."""
+    return bool(ctx.config.provenance)
+
+
+def install(module: object, ctx: ExtraContext) -> Replacement | None:
     """The ``provenance`` extra: wrap the connector module's ``save_file`` (None if it
-    has none); ``metadata()`` gives the keys of a file written now."""
+    has none); ``ctx.metadata()`` gives the keys of a file written now."""
     if not callable(getattr(module, "save_file", None)):
         return None
-    return wrap(module, "save_file", _installed(metadata), PATCH_ID)
+    return wrap(module, "save_file", _installed(ctx.metadata), PATCH_ID)
 
 
 def aux_layers(connector: Any) -> tuple[int, ...] | None:

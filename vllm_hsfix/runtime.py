@@ -7,6 +7,7 @@ Every activation path ends in :func:`start`; post-import hooks run detect ->
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import sys
@@ -22,10 +23,7 @@ from .patches import CONNECTOR, EXTRAS, MODULES, PATCH_IDS, PATCHES
 from .state import STATE, Record
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from .hazards import Hazard
-    from .patches._wrap import Replacement
     from .patches.hooks import Hooks
 
 log = logging.getLogger(__name__)
@@ -222,8 +220,9 @@ def _on_failure(patch_id: str, exc: BaseException) -> None:
 
 
 def _after_register(connector: Any) -> None:
-    """Once per process, when a worker registers its KV caches: note what provenance
-    stamps, and run the in-situ check of every applied patch that has one."""
+    """Once per process, when a worker registers its KV caches (the ``observer`` extra):
+    note what provenance stamps, and run the in-situ check of every applied patch that
+    has one."""
     from . import provenance
 
     STATE.aux_layers = provenance.aux_layers(connector)
@@ -273,64 +272,40 @@ def hooks() -> Hooks:
     """The callbacks the patches get, built when a patch is first applied."""
     from .patches.hooks import Hooks
 
-    return Hooks(on_failure=_on_failure, after_register=_after_register)
-
-
-# Its register_kv_caches wrapper runs the in-situ check itself (no in-situ-verify needed).
-SELF_CHECKING = "hidden-group-block-size"
+    return Hooks(on_failure=_on_failure)
 
 
 def _install_extras() -> None:
-    """Install each extra (``patches.EXTRAS``: ``when``) whose condition holds, once the
-    connector module is imported, unless its wrapper is in effect. A failure is logged:
-    an extra never stops a patch."""
+    """Install each extra (``patches.EXTRAS``) whose ``wanted`` holds, once the connector
+    module is imported, unless its wrapper is in effect. A failure never stops a patch:
+    a required extra's is the package's error, another's a WARNING."""
     module, cfg = sys.modules.get(CONNECTOR), STATE.config
     if module is None or cfg is None:
         return
-    from . import hazards, provenance
+    from .patches.hooks import ExtraContext
 
-    applied = [r for r in STATE.records.values() if r.status == APPLIED]
-    release = (STATE.install.release if STATE.install else None) or ""
-    in_situ = any(getattr(r.patch.implementation(), "in_situ", None) for r in applied)
-    checker = STATE.records.get(SELF_CHECKING)
-    if cfg.verify and in_situ and not (checker and checker.status in (APPLIED, ON_IMPORT)):
-        _install("in-situ-verify", lambda: _observe(module))
-    if cfg.provenance and applied:
-        _install("provenance", lambda: provenance.install(module, report.provenance_metadata))
-    if release:
-        on_hazard, on_error = _on_config_hazard, internal_error
-        _install("refuse-config", lambda: hazards.install(module, release, on_hazard, on_error))
-
-
-def _install(extra_id: str, install: Callable[[], Replacement | None]) -> None:
-    rep = STATE.extras.get(extra_id)
-    if rep is not None and rep.in_effect():
-        return
-    try:
-        STATE.extras[extra_id] = install()
-    except Exception as exc:
-        STATE.extras[extra_id] = None
-        if extra_id == "refuse-config":
-            internal_error(f"{extra_id} check not installed: {exc!r}", exc)
-        else:
-            log.warning("%s not hooked: %r", extra_id, exc)
-
-
-def _observe(module: ModuleType) -> Replacement | None:
-    """The ``in-situ-verify`` extra: wrap the connector's own ``register_kv_caches`` to
-    run the in-situ check (None where it has none)."""
-    from .patches._wrap import wrap
-
-    cls = getattr(module, "ExampleHiddenStatesConnector", None)
-    if not isinstance(cls, type) or "register_kv_caches" not in cls.__dict__:
-        return None
-
-    def register_kv_caches(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        result = wrapped(*args, **kwargs)
-        _after_register(instance)
-        return result
-
-    return wrap(cls, "register_kv_caches", register_kv_caches, "in-situ-verify")
+    ctx = ExtraContext(
+        config=cfg,
+        release=(STATE.install.release if STATE.install else None) or "",
+        applied=tuple(r.patch for r in STATE.records.values() if r.status == APPLIED),
+        after_register=_after_register,
+        on_hazard=_on_config_hazard,
+        on_error=internal_error,
+        metadata=report.provenance_metadata,
+    )
+    for extra in EXTRAS:
+        rep = STATE.extras.get(extra.id)
+        if rep is not None and rep.in_effect():
+            continue
+        try:
+            impl = importlib.import_module(extra.impl)
+            STATE.extras[extra.id] = impl.install(module, ctx) if impl.wanted(ctx) else None
+        except Exception as exc:
+            STATE.extras[extra.id] = None
+            if extra.required:
+                internal_error(f"{extra.id} check not installed: {exc!r}", exc)
+            else:
+                log.warning("%s not hooked: %r", extra.id, exc)
 
 
 def _on_config_hazard(hazard: Hazard, message: str) -> None:

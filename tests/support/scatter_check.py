@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_hsfix.patches import scatter_clamp as scatter
 from vllm_hsfix.patches.hooks import Hooks
+from vllm_hsfix.patches.scatter_clamp import fix as scatter
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PLANT_ENV = "VLLM_HSFIX_CHECK_PLANT"
@@ -104,7 +104,7 @@ class Release:
         def on_failure(patch_id: str, exc: BaseException) -> None:
             raise AssertionError(f"{patch_id} reported a failure") from exc
 
-        hooks = Hooks(on_failure=on_failure, after_register=lambda _connector: None)
+        hooks = Hooks(on_failure=on_failure)
         assert self.shape is not None, f"{self.version}: basic_cache's shape is not recognised"
         saved = scatter.REPLACEMENTS[self.shape]
         scatter.REPLACEMENTS[self.shape] = replacement(self.shape)
@@ -237,8 +237,8 @@ def store_problems(
 
 
 def scratch_problems(fn: Callable[..., Any], case: dict[str, torch.Tensor]) -> list[str]:
-    """``fn(rows, kv_cache, slots)`` on a ``checks.scratch_case``: padding may go to the
-    null block's slot 0 only."""
+    """``fn(rows, kv_cache, slots)`` on a ``scatter_clamp.checks.scratch_case``: padding
+    may go to the null block's slot 0 only."""
     before = case["base"].clone()
     fn(case["rows"], case["kv_cache"], case["slots"])
     bs = case["kv_cache"].shape[1]

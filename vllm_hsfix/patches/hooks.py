@@ -1,4 +1,4 @@
-"""What a patch may call back into at run time (patches never import the runtime)."""
+"""What a patch or an extra may call back into at run time (neither imports the runtime)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,20 @@ from typing import Any
 @dataclass(frozen=True)
 class Hooks:
     """``on_failure(patch_id, exc)``: a wrapper met an unexpected error (it is recorded;
-    the wrapper itself decides whether to raise). ``after_register(connector)``: the
-    connector registered its KV caches (the in-situ check runs here)."""
+    the wrapper itself decides whether to raise)."""
 
     on_failure: Callable[[str, BaseException], None]
-    after_register: Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class ExtraContext:
+    """What an extra's ``wanted(ctx)`` and ``install(module, ctx)`` get: the switches,
+    the release, the rows applied in this process, and the runtime's callbacks."""
+
+    config: Any
+    release: str
+    applied: tuple[Any, ...]
+    after_register: Callable[[Any], None]  # a worker registered its KV caches
+    on_hazard: Callable[[Any, str], None]  # a setting triggers a hazard (strict: raises)
+    on_error: Callable[[str, BaseException], None]
+    metadata: Callable[[], dict[str, str]]  # provenance keys of a file written now

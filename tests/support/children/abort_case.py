@@ -71,8 +71,8 @@ def run_round(engine: Any, tag: str, prompts: list[list[int]], sp: Any) -> dict[
 
 def switch(cls: type, on: dict[str, bool]) -> dict[str, bool]:
     """Turn the patch's wrapper on each named method on or off; return what is live."""
-    from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
     from vllm_hsfix.patches._wrap import ours_in
+    from vllm_hsfix.patches.abort_before_scheduling import fix as abort_unscheduled
 
     live = {}
     for name in abort_unscheduled.METHODS:
@@ -108,7 +108,7 @@ def main() -> None:
     with open(sys.argv[1]) as fh:
         args = json.load(fh)
     import vllm_hsfix
-    from vllm_hsfix.patches import abort_before_scheduling as abort_unscheduled
+    from vllm_hsfix.patches.abort_before_scheduling import fix as abort_unscheduled
 
     vllm_hsfix.apply()
     from vllm import SamplingParams

@@ -20,10 +20,10 @@ def scatter_problems(model: Any) -> list[str]:
     """The scatter check on the live ``basic_cache``: [] when padding goes to the null block."""
     import torch
 
-    from vllm_hsfix import checks
+    from vllm_hsfix.patches.scatter_clamp import checks as scatter_checks
 
-    case = checks.scratch_case(device="cpu", dtype=torch.float32)
-    return checks.check_scatter(model.basic_cache, case)
+    case = scatter_checks.scratch_case(device="cpu", dtype=torch.float32)
+    return scatter_checks.check_scatter(model.basic_cache, case)
 
 
 def built_unapplied(hidden_groups: int = 1) -> Any:
@@ -44,7 +44,7 @@ def fails_closed() -> list[Any]:
     _, conn = targets()
     import vllm_hsfix
     from vllm_hsfix import checks
-    from vllm_hsfix.patches import hidden_group_block_size as connector
+    from vllm_hsfix.patches.hidden_group_block_size import fix as connector
 
     def broken(config: Any) -> None:
         raise RuntimeError("injected fault in group resolution")

@@ -14,7 +14,7 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from vllm_hsfix.patches import atomic_writes
+from vllm_hsfix.patches.atomic_writes import fix as atomic_writes
 from vllm_hsfix.patches.hooks import Hooks
 
 LIMIT = 1 << 20  # the writer is killed (SIGXFSZ) when a file grows past 1 MB

@@ -66,7 +66,7 @@ def wraps(*ids: str) -> dict[str, list[str]]:
     from vllm_hsfix.patches._wrap import ABSENT
     from vllm_hsfix.patches.hooks import Hooks
 
-    hooks = Hooks(on_failure=lambda *a: None, after_register=lambda c: None)
+    hooks = Hooks(on_failure=lambda *a: None)
     out = {}
     for row in map(by_id, ids):
         module = importlib.import_module(row.module)

@@ -9,11 +9,11 @@ import functools
 import importlib
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe, method, top_level
-from ._probe import expect, fingerprints, params, probes
-from ._wrap import Replacement, wrap
-from .hooks import Hooks
+from ... import checks
+from ...shapes import Probe, method, top_level
+from .._probe import expect, fingerprints, params, probes
+from .._wrap import Replacement, wrap
+from ..hooks import Hooks
 
 PATCH_ID = "cpu-sampler-fp64-flag"
 IMPL = "_sample_recovered_tokens_kernel_impl"

@@ -5,14 +5,15 @@ slot of a live block (docs/patches.md). Goes when: 0.24.x is no longer supported
 from __future__ import annotations
 
 import ast
-import sys
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe, body_template, strip_docstrings, template_of, top_level
-from ._probe import expect, fingerprints, params, probes
-from ._wrap import Replacement, wrap
-from .hooks import Hooks
+from ...shapes import Probe, body_template, strip_docstrings, template_of, top_level
+from .._probe import expect, fingerprints, params, probes
+from .._wrap import Replacement, wrap
+from ..hooks import Hooks
+from .checks import in_situ, verify
+
+__all__ = ["apply", "in_situ", "probe", "probe_tree", "shape_check", "verify"]
 
 PATCH_ID = "scatter-clamp"
 ATTRIBUTE = "basic_cache"
@@ -146,22 +147,3 @@ def shape_check(tree: ast.Module) -> Probe:
 probe_tree, probe = probes(
     PATCH_ID, lambda tree: fingerprints(tree, (ATTRIBUTE,)), shape_check, (ATTRIBUTE,)
 )
-
-
-def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
-    """The live ``basic_cache`` on scratch caches with padding: real rows land, padding
-    goes to the null block only, nothing else changes; on CUDA also no host sync and
-    CUDA-graph capture and replay."""
-    fn = checks.live_scatter(module, ctx.version)
-    results = checks.scatter_checks(fn, ctx.device, ctx.shape)
-    if ctx.device == "cuda":
-        results += checks.cuda_checks(fn)
-    return results
-
-
-def in_situ(connector: Any) -> dict[str, Any] | None:
-    """The scatter check on a scratch copy of the buffer the worker just registered."""
-    model = sys.modules.get(checks.MODEL_MODULE)
-    if model is None:
-        return None
-    return checks.in_situ_scatter(model.basic_cache, getattr(connector, "_kv_cache", None))

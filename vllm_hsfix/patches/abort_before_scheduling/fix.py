@@ -9,11 +9,11 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe, assigned_attributes, method
-from ._probe import class_def, expect, finds, fingerprints, params, probes
-from ._wrap import Replacement, add, arg, wrap
-from .hooks import Hooks
+from ... import checks
+from ...shapes import Probe, assigned_attributes, method
+from .._probe import class_def, expect, finds, fingerprints, params, probes
+from .._wrap import Replacement, add, arg, wrap
+from ..hooks import Hooks
 
 PATCH_ID = "abort-before-scheduling"
 ATTRIBUTE = "ExampleHiddenStatesConnector"

@@ -13,12 +13,12 @@ import secrets
 import textwrap
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe
-from ._connector_io import TMP_SUFFIX, check_writer
-from ._probe import calls, definition, expect, finds, fingerprints, params, probes
-from ._wrap import Replacement, arg, original_of, subclasses, wrap
-from .hooks import Hooks
+from ... import checks
+from ...shapes import Probe
+from .._connector_io import TMP_SUFFIX, check_writer
+from .._probe import calls, definition, expect, finds, fingerprints, params, probes
+from .._wrap import Replacement, arg, original_of, subclasses, wrap
+from ..hooks import Hooks
 
 PATCH_ID = "atomic-writes"
 ATTRIBUTE = "ExampleHiddenStatesConnector"

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import ast
 import linecache
+from types import SimpleNamespace
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe, method
-from ._probe import class_def, expect, fingerprints, probes
-from ._wrap import FunctionSwap, swap
-from .hooks import Hooks
+from ... import checks
+from ...shapes import Probe, method
+from .._probe import class_def, expect, fingerprints, probes
+from .._wrap import FunctionSwap, swap
+from ..hooks import Hooks
 
 PATCH_ID = "aux-final-layer"
 CLASS, METHOD = "DeepseekV2Model", "forward"
@@ -160,7 +161,7 @@ probe_tree, probe = probes(
 
 def apply(module: Any, shape: str, hooks: Hooks) -> list[FunctionSwap]:
     """Install the forward with upstream's capture (``shape``: ``pre-norm-capture``)."""
-    from ..shapes import module_tree
+    from ...shapes import module_tree
 
     tree = module_tree(module)
     assert tree is not None
@@ -172,4 +173,54 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     """The live ``forward`` on a small stand-in model (plain layers, one pipeline rank):
     every aux id gets its own state, id ``num_layers`` the last layer's output."""
     name = f"{CLASS}.{METHOD} returns one state per aux id, the final layer's included"
-    return checks.one(name, lambda: checks.check_aux_capture(getattr(module, CLASS)))
+    return checks.one(name, lambda: check_aux_capture(getattr(module, CLASS)))
+
+
+def check_aux_capture(model_cls: type, num_layers: int = 4) -> list[str]:
+    """Call the live ``DeepseekV2Model.forward`` on a small stand-in model (one pipeline
+    rank) asking for aux ids ``1, 2, num_layers``: each must be its own layer's state
+    (the input of layers 1 and 2, the last layer's output before the norm)."""
+    import types
+
+    import torch
+
+    forward = model_cls.__dict__["forward"]
+    rank = SimpleNamespace(is_first_rank=True, is_last_rank=True)
+    glb = {**forward.__globals__, "get_pp_group": lambda: rank}
+    fn = types.FunctionType(forward.__code__, glb, "forward", forward.__defaults__)
+
+    def layer(i: int) -> Any:
+        def run(positions: Any, h: Any, r: Any, *rest: Any, **kw: Any) -> Any:
+            r = h if r is None else h + r
+            return r * 0.5 + (i + 1), r
+
+        run.use_sequence_parallel_moe = False  # type: ignore[attr-defined]
+        return run
+
+    layers = [layer(i) for i in range(num_layers)]
+    ids = torch.arange(3)
+    model = SimpleNamespace(
+        config=SimpleNamespace(),
+        layers=layers,
+        start_layer=0,
+        end_layer=num_layers,
+        aux_hidden_state_layers=(1, 2, num_layers),
+        hidden_size=1,
+        embed_input_ids=lambda x: x.float()[:, None],
+        norm=lambda h, r: (h + r, h + r),
+    )
+    out = fn(model, ids, ids, None)
+    h, r, want = ids.float()[:, None], None, []
+    for i, f in enumerate(layers):
+        if i in (1, 2):
+            want.append(h + r)
+        h, r = f(ids, h, r)
+    want.append(h + r)
+    got = out[1] if isinstance(out, tuple) else []
+    if len(got) != len(want):
+        return [f"{len(got)} aux states for {len(want)} ids"]
+    return [
+        f"aux slot {k} is not its layer's state"
+        for k, (g, w) in enumerate(zip(got, want, strict=True))
+        if not torch.equal(g, w)
+    ]

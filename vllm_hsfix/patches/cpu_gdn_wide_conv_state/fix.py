@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe, top_level
-from ._probe import expect, fingerprints, params, probes
-from ._wrap import Replacement, wrap
-from .hooks import Hooks
+from ... import checks
+from ...shapes import Probe, top_level
+from .._probe import expect, fingerprints, params, probes
+from .._wrap import Replacement, wrap
+from ..hooks import Hooks
 
 PATCH_ID = "cpu-gdn-wide-conv-state"
 FWD = "causal_conv1d_fwd_cpu"

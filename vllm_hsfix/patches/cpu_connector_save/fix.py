@@ -12,9 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import checks, tested
-from ..shapes import Probe, attribute_chains, method, top_level
-from ._connector_io import (
+from ... import checks, tested
+from ...shapes import Probe, attribute_chains, method, top_level
+from .._connector_io import (
     BLOCK_SIZE,
     HOST_COPY_DONE,
     save_case,
@@ -22,9 +22,9 @@ from ._connector_io import (
     save_request,
     wait_unlocked,
 )
-from ._probe import calls, class_def, expect, finds, fingerprints, probes
-from ._wrap import Replacement, arg, wrap
-from .hooks import Hooks
+from .._probe import calls, class_def, expect, finds, fingerprints, probes
+from .._wrap import Replacement, arg, wrap
+from ..hooks import Hooks
 
 __all__ = ["save_case", "save_request", "wait_unlocked"]  # the check's pieces, for tests
 PATCH_ID = "cpu-connector-save"

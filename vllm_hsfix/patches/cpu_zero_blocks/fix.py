@@ -9,11 +9,11 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
-from .. import checks
-from ..shapes import Probe, attribute_chains
-from ._probe import calls, definition, expect, fingerprints, params, probes
-from ._wrap import Replacement, arg, wrap
-from .hooks import Hooks
+from ... import checks
+from ...shapes import Probe, attribute_chains
+from .._probe import calls, definition, expect, fingerprints, params, probes
+from .._wrap import Replacement, arg, wrap
+from ..hooks import Hooks
 
 PATCH_ID = "cpu-zero-blocks"
 ATTRIBUTE = "CPUModelRunner"
