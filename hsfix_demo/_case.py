@@ -66,6 +66,7 @@ def main():
         kwargs["max_num_seqs"] = args["max_num_seqs"]
     if args["mp"]:
         kwargs["distributed_executor_backend"] = "mp"
+    kwargs.update(args.get("engine") or {})  # a case's own engine settings win
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     t_start = time.monotonic() - t0
@@ -78,7 +79,7 @@ def main():
         return real_step(*a, **kw)
 
     engine.step = counted_step
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    sp = SamplingParams(max_tokens=args.get("max_tokens") or 1, temperature=0.0)
     t1 = time.monotonic()
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], sp, use_tqdm=False)
     paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]

@@ -72,8 +72,11 @@ class Case:
     mp: bool  # worker in its own process (distributed_executor_backend="mp")
     note: str
     # mixed: 4 prompts of 37-150 tokens; load: LOAD_PROMPTS concurrent prompts of mixed
-    # lengths (blocks freed and reused); chat: prompts sharing template prefixes.
+    # lengths (blocks freed and reused); chat: prompts sharing template prefixes;
+    # shared: prompts sharing a prefix longer than a CPU KV block (prefix-cache hits).
     prompts: str = "mixed"
+    # Engine settings over the harness's (which turn prefix caching and chunking off).
+    engine: tuple[tuple[str, Any], ...] = ()
 
 
 CASES = {
@@ -167,7 +170,22 @@ def chat_prompts(seed: int = 0, count: int = 48) -> list[list[int]]:
     return out
 
 
+def shared_prompts(seed: int = 0, count: int = 16, prefix: int = 140) -> list[list[int]]:
+    """Prompts of ``prefix`` + 10-60 tokens sharing their first ``prefix`` tokens (a
+    system prompt longer than one of the CPU build's 128-token blocks)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(4, tiny_model.TEXT_VOCAB, (prefix,), generator=gen).tolist()
+    tails = [10 + (i * 23) % 51 for i in range(count)]
+    return [
+        head + torch.randint(4, tiny_model.TEXT_VOCAB, (n,), generator=gen).tolist() for n in tails
+    ]
+
+
 def batch_for(case: Case, count: int | None = None) -> list[list[int]]:
+    if case.prompts == "shared":
+        return shared_prompts(count=count or 16)
     if case.prompts == "load":
         return load_prompts(count=count or LOAD_PROMPTS)
     if case.prompts == "chat":
@@ -416,6 +434,7 @@ def run_case(
         "max_num_seqs": LOAD_MAX_SEQS if case.prompts in ("load", "chat") else None,
         "out": str(out_dir / "hs"),
         "prompts": batch,
+        "engine": dict(case.engine),
     }
     (out_dir / "args.json").write_text(json.dumps(args))
     log = out_dir / "run.log"

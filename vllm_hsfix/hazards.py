@@ -94,18 +94,6 @@ HAZARDS: tuple[Hazard, ...] = (
         ),
     ),
     Hazard(
-        id="prefix-cache-slicing",
-        first="0.22.0",
-        fixed_in="0.24.0",
-        loses=DATA,
-        upstream=(
-            "vllm-project/vllm#44485 (open); the 0.24.0 rewrite saves from the request's "
-            "own blocks at finish"
-        ),
-        action=REFUSE_CONFIG,
-        setting="enable_prefix_caching=False (--no-enable-prefix-caching)",
-    ),
-    Hazard(
         id="torn-files-in-step",
         first="0.17.0",
         fixed_in=None,
@@ -277,23 +265,9 @@ def drafter_skip(vllm_config: Any, kv_cache_config: Any) -> str | None:
     )
 
 
-def prefix_cache_slicing(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """prefix-cache-slicing (0.22-0.23, vLLM issue 44485): prefix caching on."""
-    if not vllm_config.cache_config.enable_prefix_caching:
-        return None
-    return (
-        "prefix caching is on: a prompt partly served from the prefix cache is saved with "
-        "fewer rows than its token_ids, or with another request's rows (vLLM issue 44485; "
-        f"vLLM 0.24.0's connector saves right). Change: {NO_PREFIX_CACHING}, or upgrade "
-        "to vLLM >= 0.24.0 (a new prompt in a step with running decodes is cut wrong too: "
-        "no setting avoids that but batches of new prompts only)"
-    )
-
-
 # One check per refuse-config row of the register (tests/test_refuse_config.py).
 CHECKS: dict[str, Check] = {
     "drafter-skip": drafter_skip,
-    "prefix-cache-slicing": prefix_cache_slicing,
 }
 
 

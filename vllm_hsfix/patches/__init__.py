@@ -23,6 +23,7 @@ UNITS = (
     "cpu_zero_blocks",
     "abort_before_scheduling",
     "cpu_connector_save",
+    "slots_from_blocks",  # after cpu_connector_save: its save wrapper goes outside
     "cpu_sampler_fp64_flag",
     "cpu_gdn_wide_conv_state",
     "atomic_writes",
