@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import clean_env, declared_all, last_json
+from conftest import clean_env, declared_all, declared_code, last_json
 from support.procs import child, child_json
 
 from vllm_hsfix._version import __version__
+from vllm_hsfix.patches import PATCHES
 
 # The children assert 0.24.0's answers (every target wrapped once): the releases where
 # hidden-group-block-size applies, not every release of the clamp.
@@ -17,8 +18,9 @@ def strict_env(strict: bool) -> dict[str, str]:
     return clean_env(VLLM_HSFIX_STRICT="1" if strict else None)
 
 
-# Each target wrapped exactly once, by us.
-ONCE = dict.fromkeys(["basic_cache", "__init__", "register_kv_caches", "_zero_block_ids"], 1)
+# Each target wrapped exactly once by each of ours: register_kv_caches by the
+# hidden-group-block-size patch and by the observer extra.
+ONCE = {"basic_cache": 1, "__init__": 1, "register_kv_caches": 2, "_zero_block_ids": 1}
 
 
 def test_status_after_import_shows_both_patches_applied_and_one_log_line() -> None:
@@ -45,7 +47,7 @@ def test_import_plugin_bootstrap_and_apply_patch_once(order: str) -> None:
     assert sources[0] == "bootstrap"
     # `import vllm_hsfix` after the bootstrap finds the module already imported: no event.
     assert {"bootstrap", "plugin", "apply"} <= set(sources)
-    assert set(statuses.values()) == {"applied"}
+    assert statuses == declared_all()
 
 
 def test_concurrent_activation_from_threads_patches_once() -> None:
@@ -57,8 +59,8 @@ def test_disable_switches() -> None:
     assert off == [
         dict.fromkeys(ONCE, 0),
         {
-            pid: ("disabled" if st == "applied" else "not-needed")
-            for pid, st in declared_all().items()
+            p.id: ("disabled" if code == "would-apply" else code)
+            for p, code in ((p, declared_code(p)) for p in PATCHES)
         },
     ]
     env = clean_env(VLLM_HSFIX_DISABLED_PATCHES="scatter-clamp")
@@ -67,8 +69,8 @@ def test_disable_switches() -> None:
         {**ONCE, "basic_cache": 0},
         {
             **{
-                pid: ("applied" if st == "applied" else "not-needed")
-                for pid, st in declared_all().items()
+                p.id: ("applied" if code == "would-apply" else code)
+                for p, code in ((p, declared_code(p)) for p in PATCHES)
             },
             "scatter-clamp": "disabled",
         },

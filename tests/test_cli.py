@@ -161,7 +161,7 @@ def test_verify_leaves_out_the_connector_before_it_reads_its_block_size(verified
             marks=pytest.mark.hazard("drafter-skip"),  # 0.25-0.28
         ),
         pytest.param(
-            {"prefix-cache-slicing": "checked-at-start", "drafter-skip": "not-affected"},
+            {"prefix-cache-slicing": "patched", "drafter-skip": "not-affected"},
             marks=pytest.mark.hazard("prefix-cache-slicing"),  # 0.22-0.23
         ),
         pytest.param(

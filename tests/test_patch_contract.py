@@ -11,7 +11,7 @@ from vllm_hsfix.patches import PATCHES, PatchModule, by_id
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.id)
 def test_every_row_keeps_the_contract(patch) -> None:  # type: ignore[no-untyped-def]
     """The row's module implements the contract for its id and lists each wrapped name once."""
-    assert patch.impl == "vllm_hsfix.patches." + patch.id.replace("-", "_")
+    assert patch.impl == "vllm_hsfix.patches." + patch.id.replace("-", "_") + ".fix"
     mod = patch.implementation()
     assert isinstance(mod, PatchModule)
     assert patch.id == mod.PATCH_ID

@@ -17,20 +17,16 @@ from support.procs import child
 from vllm_hsfix import hazards
 
 # Which hazard a trigger config must raise, by release line; others stay silent.
-EXPECTED = {
-    **dict.fromkeys(["0.22", "0.23"], "prefix-cache-slicing"),
-    **dict.fromkeys(["0.25", "0.26", "0.27", "0.28"], "drafter-skip"),
-}
+EXPECTED = dict.fromkeys(["0.25", "0.26", "0.27", "0.28"], "drafter-skip")
 NO_PREFIX = "--no-enable-prefix-caching"
 # Tests of the installed release: one where the register has a refuse-config hazard,
 # the other where it has none (conftest reads the markers).
-ROWS = ("drafter-skip", "prefix-cache-slicing")
+ROWS = ("drafter-skip",)
 with_hazard = pytest.mark.hazard(*ROWS)
 without_hazard = pytest.mark.no_hazard(*ROWS)
-# A trigger's length minus one: drafter-skip is silent there, prefix caching alone
-# is prefix-cache-slicing's trigger; the length advice only drafter-skip has.
-OTHER_LENGTH_WARNINGS = {"drafter-skip": 0, "prefix-cache-slicing": 1}
-LENGTH_ADVICE = {"drafter-skip": "--max-model-len 65", "prefix-cache-slicing": NO_PREFIX}
+# A trigger's length minus one: drafter-skip is silent there; its length advice.
+OTHER_LENGTH_WARNINGS = {"drafter-skip": 0}
+LENGTH_ADVICE = {"drafter-skip": "--max-model-len 65"}
 
 
 def expected_hazard(release: str | None) -> str | None:
@@ -48,8 +44,8 @@ def installed_hazard() -> str:
     ("release", "ids"),
     [
         ("0.21.0", ()),
-        ("0.22.0", ("prefix-cache-slicing",)),
-        ("0.23.0", ("prefix-cache-slicing",)),
+        ("0.22.0", ()),  # prefix-cache-slicing is patched there (slots-from-blocks)
+        ("0.23.0", ()),
         ("0.24.0", ()),
         ("0.25.0", ("drafter-skip",)),
         ("0.28.0", ("drafter-skip",)),
@@ -69,8 +65,6 @@ def test_rows_checked_per_release(release: str | None, ids: tuple[str, ...]) -> 
         ("drafter-skip", "0.25.0", False, "exposed"),
         ("drafter-skip", "0.24.0", True, "not-affected"),
         ("drafter-skip", "0.29.0", True, "fixed-upstream"),
-        ("prefix-cache-slicing", "0.22.0", True, "checked-at-start"),
-        ("prefix-cache-slicing", "0.24.0", True, "fixed-upstream"),
     ],
 )
 def test_assess_a_refuse_config_hazard(hazard: str, release: str, active: bool, state: str) -> None:
@@ -159,11 +153,6 @@ def test_drafter_skip_names_the_settings() -> None:
     found = hazards.drafter_skip(fake_config(True, 66, 1), None)
     assert found is not None and NO_PREFIX in found and "--max-model-len" not in found, found
 
-
-def test_prefix_cache_slicing_is_prefix_caching() -> None:
-    found = hazards.prefix_cache_slicing(fake_config(True, 256, 16), None)
-    assert found is not None and NO_PREFIX in found, found
-    assert hazards.prefix_cache_slicing(fake_config(False, 256, 16), None) is None
 
 
 ALL_CASES = {

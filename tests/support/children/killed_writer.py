@@ -41,7 +41,7 @@ def one(case, patched, writer):
     save_file(old, final)
     if writer is not None:
         module.save_file = writer
-    reps = atomic_writes.apply(module, atomic_writes.SHAPE, Hooks(print, print)) if patched else []
+    reps = atomic_writes.apply(module, atomic_writes.SHAPE, Hooks(print)) if patched else []
     pid = os.fork()
     if pid == 0:  # the writer: killed by the kernel at the limit, as by the OOM killer
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
