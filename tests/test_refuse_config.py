@@ -154,7 +154,6 @@ def test_drafter_skip_names_the_settings() -> None:
     assert found is not None and NO_PREFIX in found and "--max-model-len" not in found, found
 
 
-
 ALL_CASES = {
     "trigger": (66, True, "SCHEDULER"),  # 66 - 2 = 64 = four blocks of 16, prefix caching on
     "trigger-worker": (66, True, "WORKER"),
