@@ -10,9 +10,10 @@ pinned-copy stand-ins for the connector, the 0.24.0 sampler keyword); vllm-hsfix
 fixes both now (``cpu-connector-save``, ``cpu-sampler-fp64-flag``), so the runs go
 through the product's code, as a user's would. What is left is a measurement, not a
 stand-in: a record of the block sizes the worker reads with (``HSFIX_DEMO_OBSERVE_DIR``),
-for the demo's table, which changes nothing in the run. On a CPU with AMX the runs take
-vLLM's AMX kernels, as a user's do (``cpu-gdn-wide-conv-state`` lets the gated-delta-net
-layers run there with a speculative method).
+for the demo's table, and of each process's file writes; neither changes the run. On
+a CPU with AMX the runs take vLLM's AMX kernels, as a user's do
+(``cpu-gdn-wide-conv-state`` lets the gated-delta-net layers run there with a
+speculative method).
 
 The tests' experiment switches (a worker killed mid-start, vLLM's CPU block zeroing
 made a no-op) are a plugin of the tests (``tests/support/experiments.py``), not of
@@ -54,6 +55,17 @@ def install_connector_hooks(module: Any) -> None:
                     json.dump(seen, fh)
 
         wrapt.wrap_function_wrapper(cls, "register_kv_caches", observe)
+    if observe_dir and callable(getattr(module, "save_file", None)):
+        import wrapt
+
+        def record(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            # Harness-only record of who writes each file (one writer per file).
+            os.makedirs(observe_dir, exist_ok=True)
+            with open(os.path.join(observe_dir, f"writes-{os.getpid()}.jsonl"), "a") as fh:
+                fh.write(json.dumps({"pid": os.getpid(), "path": str(args[1])}) + "\n")
+            return wrapped(*args, **kwargs)
+
+        wrapt.wrap_function_wrapper(module, "save_file", record)
 
 
 def register() -> None:

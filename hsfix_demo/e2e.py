@@ -212,6 +212,7 @@ class Result:
     cpu: dict[str, Any] = field(default_factory=dict)
     mismatched: list[str] = field(default_factory=list)
     block_sizes: list[dict[str, Any]] = field(default_factory=list)
+    writes: list[dict[str, Any]] = field(default_factory=list)  # each save_file: pid, path
     statuses: list[dict[str, Any]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -466,6 +467,8 @@ def run_case(
         )
     for f in sorted(observe_dir.glob("*.json")):
         result.block_sizes.append(json.loads(f.read_text()))
+    for f in sorted(observe_dir.glob("writes-*.jsonl")):
+        result.writes += [json.loads(line) for line in f.read_text().splitlines()]
     if killed or rc != 0 or line is None:
         why = killed or f"exit {rc}"
         # First line: the root cause and the kept log (the demo prints only that line).

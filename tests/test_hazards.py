@@ -55,6 +55,7 @@ def test_a_patched_hazard_spans_the_releases_its_bug_is_in() -> None:
         "torn-files": ">=0.22.0",
         "cpu-amx-gdn-conv-state": ">=0.22.0,<0.26.0",
         "prefix-cache-slicing": ">=0.22.0,<0.24.0",
+        "every-rank-writes": ">=0.17.0,<0.24.0",
     }
     got = {h.id: h.releases for h in hazards.HAZARDS if h.action == hazards.PATCH}
     assert got == stated

@@ -24,6 +24,7 @@ UNITS = (
     "abort_before_scheduling",
     "cpu_connector_save",
     "slots_from_blocks",  # after cpu_connector_save: its save wrapper goes outside
+    "tp_rank_zero_writes",  # outside both save wrappers: a rank other than 0 saves nothing
     "cpu_sampler_fp64_flag",
     "cpu_gdn_wide_conv_state",
     "atomic_writes",
