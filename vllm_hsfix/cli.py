@@ -16,11 +16,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .codes import NOTHING_TO_DO, Code
+from .codes import Code
+from .report import not_in_place
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 ENTRY_POINT = "vllm_hsfix"
-OK_CODES = {Code.APPLY} | NOTHING_TO_DO
 
 
 def _entry_point() -> dict[str, Any]:
@@ -75,7 +75,11 @@ def static_status() -> dict[str, Any]:
         "patches": patches,
         "releases_read": {"last": releases.LAST_READ, "newer": newer, "by_shape": by_shape},
         "hazards": hazards.assess_all(
-            inst.release if inst.present else None, codes, not cfg.disabled, inst.cpu_build
+            inst.release if inst.present else None,
+            codes,
+            not cfg.disabled,
+            inst.cpu_build,
+            hazards.cpu_has_amx(),
         ),
         "hs_connectors": backends.describe(codes),
         "activation": {
@@ -97,11 +101,9 @@ def status_exit_code(
     codes = {p["code"] for p in report["patches"].values()}
     if not report["vllm"]["present"]:
         return 2, ["no vLLM is importable by this interpreter (is this the image's Python?)"]
-    problems = [
-        f"{pid}: {p['code']}: {p['reason']}"
-        for pid, p in report["patches"].items()
-        if p["code"] not in OK_CODES and not (p["code"] == Code.DISABLED and p.get("optional"))
-    ]
+    problems = not_in_place(
+        (pid, p["code"], p["reason"], p["optional"]) for pid, p in report["patches"].items()
+    )
     ep = report["activation"]["entry_point"]
     affected = Code.APPLY in codes
     if affected and not ep["registered"]:
@@ -110,21 +112,29 @@ def status_exit_code(
         problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
     if "applied" in require and not affected:
         problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
-    if "fixed" in require and (
-        codes - {Code.NOT_NEEDED} != {Code.UPSTREAM_FIX} or report["releases_read"]["by_shape"]
-    ):
-        problems.append("--require fixed: this vLLM does not carry the upstream fix")
+    if "fixed" in require:
+        unfixed = [
+            pid
+            for pid, p in report["patches"].items()
+            if p["code"] not in (Code.NOT_NEEDED, Code.UPSTREAM_FIX)
+        ]
+        unfixed += [pid for pid in report["releases_read"]["by_shape"] if pid not in unfixed]
+        if unfixed:
+            problems.append(
+                "--require fixed: this vLLM does not carry the upstream fix of "
+                + ", ".join(unfixed)
+            )
     if "tested" in require and not report["tested_build"]["tested"]:
         problems.append(f"--require tested: {report['tested_build']['reason']}")
     return (1 if problems else 0), problems
 
 
 def _print_hazards(found: dict[str, Any]) -> None:
-    """The release's hazards that concern it, one line each."""
-    print("known hazards (vllm_hsfix.hazards):")
-    for hid, h in found.items():
-        if h["state"] in ("not-affected", "fixed-upstream"):
-            continue
+    """The release's hazards that concern it, one line each (none: no header)."""
+    shown = {k: h for k, h in found.items() if h["state"] not in ("not-affected", "fixed-upstream")}
+    if shown:
+        print("known hazards (vllm_hsfix.hazards):")
+    for hid, h in shown.items():
         models = f" [only {h['models']}]" if h.get("models") else ""
         print(f"  {hid:<24} {h['state']:<22} {h['reason']}{models}")
 
