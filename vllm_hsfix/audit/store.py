@@ -72,7 +72,8 @@ def append(path: str | os.PathLike[str], record: Record, sync: bool = False) -> 
 
 # Bump when a per-file check changes what it reports: old states are then rescanned.
 # 2: fp8 files de-quantized (were corrupt), unknown formats ``unsupported``.
-CHECKS_REVISION = 2
+# 3: a hidden_states that is not 3-D, token_ids not 1-D: ``unsupported`` (were corrupt).
+CHECKS_REVISION = 3
 _HEADER = {"kind": "vllm-hsfix audit state", "version": __version__, "checks": CHECKS_REVISION}
 # Findings that say nothing lasting about the file.
 TRANSIENT = frozenset({"unreadable"})
