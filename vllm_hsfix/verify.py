@@ -54,7 +54,9 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
             why = f"{patch.id}: {rec['code']}: {rec['reason']}"
         if why is not None:  # a needed row turned off fails (report.not_in_place)
             row = (patch.id, rec["code"], rec["reason"], patch.optional)
-            results.append(checks.result(patch.id, report.not_in_place([row]), skipped=why))
+            missing = report.not_in_place([row])
+            skipped = {} if missing else {"skipped": why}
+            results.append(checks.result(patch.id, missing, **skipped))
             continue
         try:
             module = importlib.import_module(patch.module)
