@@ -328,8 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .audit import outfiles
+
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    return outfiles.run_guarded(args.fn, args)
 
 
 if __name__ == "__main__":

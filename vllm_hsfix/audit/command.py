@@ -13,8 +13,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import outfiles
 from .format import SUFFIX
 from .output import (
+    CSV_FIELDS,
     DEFAULT_SHOW,
     LIST_KINDS,
     Digest,
@@ -27,6 +29,8 @@ from .parallel import STALL_S, default_workers
 from .pipeline import Reference, audit_paths, expand_paths
 from .progress import DEFAULT_INTERVAL, SILENT, for_stream
 from .reports import CORRUPT
+
+CSV_HEAD = ",".join(CSV_FIELDS).encode()
 
 
 def _show(value: str) -> int | None:
@@ -214,12 +218,17 @@ def _usage(args: argparse.Namespace) -> str | None:
 
 
 def _open_outputs(args: argparse.Namespace) -> JsonlWriter | None:
-    """The ``--jsonl`` writer, and every output file tried for writing before the scan
-    (not after hours of it). Raises ``OSError``."""
-    jsonl = JsonlWriter(args.jsonl) if args.jsonl else None
-    for dest in [d for _, d in args.list if d != "-"] + ([args.csv] if args.csv else []):
-        open(dest, "a", encoding="utf-8").close()
-    return jsonl
+    """The ``--jsonl`` writer, once every output path is known to be writable and free
+    of the user's files, before the scan (not after hours of it); nothing is written
+    before. Raises ``OSError`` or ``outfiles.NotOurs``."""
+    wanted = [("--list", d, outfiles.is_list, "a --list file") for _, d in args.list]
+    wanted += [("--csv", args.csv, lambda line: line.startswith(CSV_HEAD), "an audit CSV")]
+    wanted += [("--jsonl", args.jsonl, outfiles.is_records, "an audit's --jsonl output")]
+    wanted += [("--state", args.state, outfiles.is_state, "an audit state file")]
+    for option, dest, ours, what in wanted:
+        if dest and dest != "-":
+            outfiles.claim(dest, option, ours, what)
+    return JsonlWriter(args.jsonl) if args.jsonl else None
 
 
 def _say_reference(report: Any, model_dir: str, err: Any) -> None:
@@ -252,11 +261,7 @@ def run(args: argparse.Namespace) -> int:
         print(problem, file=err)
         return 2
     digest = Digest(args.show)
-    try:
-        jsonl = _open_outputs(args)
-    except OSError as exc:
-        print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
-        return 2
+    jsonl = _open_outputs(args)
     sinks: list[Callable[[dict[str, Any]], None]] = [digest] + ([jsonl] if jsonl else [])
     reference = None
     if args.reference:
@@ -307,4 +312,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = ap.parse_args(["audit", *(sys.argv[1:] if argv is None else argv)])
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
-    return int(args.fn(args))
+    return outfiles.run_guarded(args.fn, args)
