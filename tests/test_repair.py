@@ -46,8 +46,9 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
     jl.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"type": "file", "pa')
     assert sorted(files.from_audit_output(str(jl), False)) == ["/d/a", "/d/b"]
     assert sorted(files.from_audit_output(str(jl), True)) == ["/d/a", "/d/b", "/d/c"]
-    (tmp_path / "corrupt.txt").write_text("/d/x\n/d/y\n")
-    assert files.from_audit_output(str(tmp_path / "corrupt.txt"), False) == ["/d/x", "/d/y"]
+    (tmp_path / "corrupt.txt").write_text("/d/x.safetensors\n/d/y.safetensors\n")
+    listed = files.from_audit_output(str(tmp_path / "corrupt.txt"), False)
+    assert listed == ["/d/x.safetensors", "/d/y.safetensors"]
     paths = [f"/p/{i}" for i in range(7)]
     parts = [command.shard(paths, command.parse_shard(f"{k}/3")) for k in range(3)]
     assert sorted(p for part in parts for p in part) == sorted(paths) and all(parts)

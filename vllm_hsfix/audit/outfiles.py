@@ -72,7 +72,8 @@ def claim(path: str, option: str, ours: Callable[[bytes], bool], what: str) -> b
         )
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        code = errno.ENOTDIR if os.path.exists(directory) else errno.ENOENT
+        raise OSError(code, os.strerror(code), path)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
     return line is not None
