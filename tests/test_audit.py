@@ -325,6 +325,6 @@ def test_one_state_in_two_aux_slots_is_aux_final_layer_dropped(tmp_path: Path) -
     assert {p.code: p.hazard for p in rep.problems} == {
         "aux_layers_identical": "aux-final-layer-dropped"
     }
-    assert "aux layers 1 and 2 hold identical rows at all 20" in rep.reason()
+    assert "aux slots 1 and 2 hold identical rows at all 20" in rep.reason()
     ok = hs_file(tmp_path / "ok.safetensors", tokens=20)
     assert pipeline.check_file(ok).verdict == "ok"  # real layers never agree everywhere

@@ -48,7 +48,7 @@ def test_files_holding_other_memory_are_flagged_at_their_first_row(
     flags = prefix_flags(report)
     assert set(flags) == {"f002.safetensors", "f009.safetensors", "f015.safetensors"}
     assert all(
-        d.startswith("row 0 (aux layer 0) differs from the consensus of the 20")
+        d.startswith("row 0 (aux slot 0) differs from the consensus of the 20")
         for d in flags.values()
     )
     assert {Path(p).name for p in report.regenerate} == set(flags)

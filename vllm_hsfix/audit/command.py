@@ -240,8 +240,9 @@ def _say_reference(report: Any, model_dir: str, err: Any) -> None:
             f"per file after {ref['model_load_s']:.1f} s to load the model",
             file=err,
         )
-        for k, rule in ref.get("conventions", {}).items():
-            print(f"reference: aux id {k} = {rule}", file=err)
+        rules = ref.get("conventions", {})
+        for slot, k in enumerate(ref.get("aux_layers", [])):  # one numbering: the slot's
+            print(f"reference: aux slot {slot} (id {k}) = {rules.get(str(k))}", file=err)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -403,12 +403,12 @@ def _flag(
 def describe(f: PrefixFinding) -> str:
     if f.distance is None:
         return (
-            f"row {f.position} (aux layer {f.aux}) disagrees among the {f.group_size} files "
+            f"row {f.position} (aux slot {f.aux}) disagrees among the {f.group_size} files "
             "that share its prompt prefix, and no majority of them agree: none can be "
             "trusted (a dataset written by a broken vLLM)"
         )
     return (
-        f"row {f.position} (aux layer {f.aux}) differs from the consensus of the "
+        f"row {f.position} (aux slot {f.aux}) differs from the consensus of the "
         f"{f.group_size} files that share its first {f.position + 1} token ids "
         f"(relative L2 {f.distance:.2f}, agreeing files differ by < {TOLERANCE}): "
         "hidden states from other memory"
