@@ -100,6 +100,17 @@ def test_unwritable_csv_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert err.startswith("vllm-hsfix audit: cannot use ") and err.count("\n") == 1
 
 
+def test_reference_options_without_reference_warn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hs_file(tmp_path / "good.safetensors")
+    assert command.main([str(tmp_path), "--aux-layers", "1,2", "--sample", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --aux-layers and --sample ignored: only --reference uses them" in err
+    assert command.main([str(tmp_path), "--no-progress"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_add_parser_wires_into_a_cli(tmp_path: Path) -> None:
     """What ``vllm_hsfix.cli`` does: a subcommand whose ``fn(args)`` is the exit code."""
     import argparse

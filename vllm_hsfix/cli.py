@@ -1,8 +1,9 @@
 """``vllm-hsfix``: status | verify | run | bootstrap-dir, and audit | repair.
 
-Exit codes (for a Dockerfile ``RUN``): ``status`` 0 fix in place or not needed, 1 it
-cannot apply or a ``--require`` fails, 2 no vLLM; ``verify`` 0 passed, 1 a check failed
-or a patch is not in place, 2 cannot run here; ``run`` the command's own.
+Exit codes (for a Dockerfile ``RUN``; each subcommand's ``--help`` lists its own):
+``status`` 0 fix in place or not needed, 1 it cannot apply or a ``--require`` fails, 2
+no vLLM; ``verify`` 0 passed, 1 a check failed or a patch is not in place, 2 cannot run
+here; ``run`` the command's own; 141 for any when the reader of stdout goes away.
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ def static_status() -> dict[str, Any]:
 
 
 REQUIREMENTS = ("applied", "fixed", "tested")
+PIPE = "141 the reader of stdout went away (e.g. | head)"
+STATUS_EXITS = f"""exit codes: 0 the fix is in place here or not needed; 1 a row this release
+needs is disabled, refused or failed, the plugin is not registered or filtered out by
+VLLM_PLUGINS, or a --require does not hold; 2 no vLLM here (or usage); {PIPE}."""
+VERIFY_EXITS = f"""exit codes: 0 verified; 1 a check failed, or a row this release needs is
+not in place (disabled, refused, failed); 2 cannot run here (no vLLM, no torch, no GPU
+for --device cuda, a target that does not import); {PIPE}."""
+RUN_EXITS = """exit codes: the command's own; 2 no command given; 127 it cannot be run."""
 
 
 def status_exit_code(
@@ -300,8 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"vllm-hsfix {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("status", help="what is (or would be) patched here, without importing vLLM")
-    p.add_argument("--json", action="store_true")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "status",
+        help="what is (or would be) patched here, without importing vLLM",
+        epilog=STATUS_EXITS,
+        formatter_class=raw,
+    )
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON document")
     p.add_argument(
         "--require",
         type=_requirements,
@@ -311,14 +326,38 @@ def build_parser() -> argparse.ArgumentParser:
         "upstream fix (fixed), or this exact build was tested (tested); comma lists combine",
     )
     p.set_defaults(fn=cmd_status)
-    p = sub.add_parser("verify", help="import vLLM, activate, and check the live patched code")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p = sub.add_parser(
+        "verify",
+        help="import vLLM, activate, and check the live patched code",
+        epilog=VERIFY_EXITS,
+        formatter_class=raw,
+    )
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON document")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the checks run (default auto: cuda when a GPU is available, else cpu)",
+    )
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("run", help="run CMD with vllm-hsfix active in it and its Python children")
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p = sub.add_parser(
+        "run",
+        help="run CMD with vllm-hsfix active in it and its Python children",
+        epilog=RUN_EXITS,
+        formatter_class=raw,
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ARGS...",
+        help="the command to run, e.g. -- vllm serve MODEL or -- python train.py",
+    )
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("bootstrap-dir", help="print the directory to put first on PYTHONPATH")
+    p = sub.add_parser(
+        "bootstrap-dir",
+        help="print the directory to put first on PYTHONPATH",
+        epilog="exit codes: 0.",
+    )
     p.set_defaults(fn=cmd_bootstrap_dir)
     from . import audit, repair
 

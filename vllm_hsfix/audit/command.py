@@ -31,6 +31,7 @@ from .progress import DEFAULT_INTERVAL, SILENT, for_stream
 from .reports import CORRUPT
 
 CSV_HEAD = ",".join(CSV_FIELDS).encode()
+SAMPLE = "0.05"  # --sample's default
 
 
 def _show(value: str) -> int | None:
@@ -49,6 +50,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "audit",
         help="find hidden-states files written by a broken vLLM (exit 1: corrupt files)",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 no corrupt file (suspect, pending and unsupported files are "
+        "listed, not failed); 1 at least one corrupt file; 2 usage (no such path, nothing to "
+        "audit, an output path that cannot be written or is not the audit's own, numpy or Ray "
+        "missing, a run ended by --stall-timeout); 141 the reader of stdout went away.",
     )
     p.add_argument("paths", nargs="+", help="files or directories (searched for *.safetensors)")
     out = p.add_argument_group("outputs (any combination; at most one of them on stdout)")
@@ -131,7 +136,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     ref.add_argument(
         "--sample",
-        default="0.05",
+        default=None,
         help="fraction (0.1; 1.0 = every file) or number (20) of files to recompute (default 0.05)",
     )
     ref.add_argument(
@@ -157,7 +162,7 @@ def _reference_usage(args: argparse.Namespace) -> str | None:
         aux = [int(a) for a in (args.aux_layers or "").split(",") if a.strip()]
         if not aux:
             return "vllm-hsfix audit: --reference needs --aux-layers (e.g. 1,2,3)"
-        reference.sample(["x"], args.sample)
+        reference.sample(["x"], args.sample or SAMPLE)
     except ValueError as exc:
         return f"vllm-hsfix audit: {exc}"
     try:
@@ -261,13 +266,17 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=err)
         return 2
+    ignored = [o for o, v in (("--aux-layers", args.aux_layers), ("--sample", args.sample)) if v]
+    if ignored and not args.reference:
+        print(f"vllm-hsfix audit: warning: {' and '.join(ignored)} ignored: only --reference "
+              "uses them", file=err)  # fmt: skip
     digest = Digest(args.show)
     jsonl = _open_outputs(args)
     sinks: list[Callable[[dict[str, Any]], None]] = [digest] + ([jsonl] if jsonl else [])
     reference = None
     if args.reference:
         aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
-        reference = Reference(args.reference, aux, args.sample, args.reference_dtype)
+        reference = Reference(args.reference, aux, args.sample or SAMPLE, args.reference_dtype)
     progress = SILENT if args.no_progress else for_stream(err, args.progress_interval)
     try:
         report = audit_paths(

@@ -24,7 +24,9 @@ EPILOG = """\
 exit codes: 0 every targeted file is ok now (or nothing needed repair; --dry-run);
 1 a targeted file is still bad or was skipped, the vLLM run failed, or the fix is not
 active where vLLM runs (then nothing is written); 2 usage (no such path, no model, no
-aux layers known, a bad --shard or --engine-arg, an engine argument vLLM rejects).
+aux layers known, a bad --shard or --engine-arg, an engine argument vLLM rejects, a
+--state, --from-audit or --backup path that cannot be used or is not its own: then
+nothing is written); 141 the reader of stdout went away.
 
 several machines: run `repair --shard K/N` on each (K = 0..N-1, the same PATHS or
 --from-audit file): each takes every N-th target of the sorted list from the K-th, so
@@ -77,7 +79,8 @@ def _positive(text: str) -> int:
 
 
 OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", {"help": "the verifier the dataset was made with (a local dir)"}),
+    ("--model", {"metavar": "MODEL_DIR", "help": "required (except with --dry-run or "
+                 "--endpoint): the verifier the dataset was made with (a local dir)"}),
     ("--aux-layers", {"type": parse_aux_layers, "help": "eagle_aux_hidden_state_layer_ids, "
                       "e.g. 1,2,3 (else from the files' provenance metadata)"}),
     ("--from-audit", {"metavar": "FILE", "help": "an audit's --jsonl or --list output"}),
@@ -115,6 +118,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="the dataset: files or directories")
     for flag, kwargs in OPTIONS:
         p.add_argument(flag, **kwargs)
+    # --model is required but for --dry-run and --endpoint: shown without brackets.
+    usage = p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1)
+    p.usage = usage.replace("[--model MODEL_DIR]", "--model MODEL_DIR").strip()
     p.set_defaults(fn=run)
     return p
 
