@@ -206,7 +206,7 @@ def _usage(args: argparse.Namespace) -> str | None:
     try:
         import numpy  # noqa: F401
     except ImportError:
-        hint = "pip install 'vllm-hsfix[audit]'"
+        hint = "pip install numpy threadpoolctl tqdm (the package's [audit] extra)"
         return f"vllm-hsfix audit needs numpy, which is not installed here: {hint}"
     problem = _output_usage(args) or (_reference_usage(args) if args.reference else None)
     if not problem and args.ray is not None:
