@@ -54,6 +54,7 @@ CASES = {
     },
     "repair-backup-TEXT": [*REPAIR, "--aux-layers", "1,2,3", "--backup", "TEXT"],
     "repair-input-missing": ["repair", "MISSING", "--dry-run"],
+    "repair-no-model": ["repair", "DATA", "--aux-layers", "1,2,3"],
     # Stops on its usage after the audit: the audit state it began is not left behind.
     "repair-no-aux-layers": REPAIR,
 }

@@ -106,6 +106,7 @@ def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     m = model_dir(tmp_path)
     for argv, message in [
         (["{d}", "--model", "{tmp}/nope"], "no config.json there (missing model)"),
+        (["{d}"], "--model MODEL_DIR is required (unless --dry-run or --endpoint)"),
         (["{tmp}/missing", "--model", "{m}"], "no such file or directory"),
         (["{d}", "--model", "{m}", "--shard", "2/2"], "expected K/N"),
         (["{d}", "--model", "{m}", "--engine-arg", "dtype"], "expected KEY=VALUE"),
