@@ -96,7 +96,19 @@ def test_usage_errors_exit_2(
 def test_unwritable_csv_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hs_file(tmp_path / "good.safetensors")
     assert command.main([str(tmp_path), "--csv", str(tmp_path / "no" / "dir" / "r.csv")]) == 2
-    assert "cannot write" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-hsfix audit: cannot use ") and err.count("\n") == 1
+
+
+def test_reference_options_without_reference_warn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hs_file(tmp_path / "good.safetensors")
+    assert command.main([str(tmp_path), "--aux-layers", "1,2", "--sample", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --aux-layers and --sample ignored: only --reference uses them" in err
+    assert command.main([str(tmp_path), "--no-progress"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_add_parser_wires_into_a_cli(tmp_path: Path) -> None:
@@ -188,6 +200,7 @@ def test_missing_numpy_is_a_one_line_usage_error_not_corrupt(tmp_path: Path) -> 
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert lines == [
-        "vllm-hsfix audit needs numpy, which is not installed here: pip install 'vllm-hsfix[audit]'"
+        "vllm-hsfix audit needs numpy, which is not installed here: pip install numpy "
+        "threadpoolctl tqdm (the package's [audit] extra)"
     ], out.stderr
     assert "Traceback" not in out.stderr

@@ -318,7 +318,7 @@ def test_outliers_and_shapes_by_file_index() -> None:
         11: ["norm_outlier"],
         13: ["shape_outlier"],
     }
-    assert "aux layer 2: median row norm 30 is" in findings[7][0].detail
+    assert "aux slot 2: median row norm 30 is" in findings[7][0].detail
     assert info["majority_shape"] == [4, 64]
     refs = {(r["n_aux"], r["aux"]): r["files"] for r in info["norm_reference"]}
     # [4, 64]: 62 judged, one of them of [3, 64]; 61 left; layer 1 lacks file 17,

@@ -88,7 +88,7 @@ def test_right_fp8_and_bf16_files_from_the_real_writers_are_ok(
         assert doc["dataset"]["prefix"]["files_checked"] == N
         assert doc["dataset"]["prefix"]["files_flagged"] == 0
         assert doc["dataset"]["reference"]["files_wrong"] == 0
-        assert "aux id 4 = last decoder layer output before the final norm" in err
+        assert "aux slot 3 (id 4) = last decoder layer output before the final norm" in err
         assert f"format {kind}: {N} files" in err  # the text summary went to stderr
     # The statistics are of de-quantized values: torch's float8 conversion x the scales.
     f0 = by_name(audit_json(str(tmp_path / "fp8" / "hs_0.safetensors"))[1])["hs_0.safetensors"]

@@ -144,8 +144,14 @@ def test_reference_aux_id_num_hidden_layers_is_the_pre_norm_last_layer(
     files = last_layer_files(model_dir, tmp_path, "pre")
     code, doc, err = audit_last_layer(model_dir, tmp_path, capsys)
     assert code == 0 and {f["verdict"] for f in doc["files"]} == {"ok"}, doc["files"]
-    assert "reference: aux id 4 = last decoder layer output before the final norm (vLLM's " in err
-    assert "reference: aux id 1 = input of decoder layer 1 (transformers' hidden_states[1])" in err
+    assert (
+        "reference: aux slot 3 (id 4) = last decoder layer output before the final norm (vLLM's "
+        in err
+    )
+    assert (
+        "reference: aux slot 0 (id 1) = input of decoder layer 1 (transformers' hidden_states[1])"
+        in err
+    )
     conv = doc["dataset"]["reference"]["conventions"]
     assert conv["4"] == "last decoder layer output before the final norm (vLLM's convention)"
 
@@ -172,7 +178,7 @@ def test_reference_post_norm_last_layer_rows_are_corrupt(
         n = len(ids)
         detail = f["problems"][0]["detail"]
         assert detail.startswith(f"{n} of {4 * n} rows differ"), detail
-        assert "first at token position 0, aux layer 3" in detail
+        assert "first at token position 0, aux slot 3 (id 4)" in detail
 
 
 def test_reference_aux_id_past_the_last_layer_is_a_usage_error(

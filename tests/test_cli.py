@@ -99,6 +99,10 @@ def test_status_require(require: str) -> None:
     assert out.returncode == expect, (require, report["problems"])
     for w in wanted:
         assert any(p.startswith(f"--require {w}") for p in report["problems"]) == (not holds[w])
+    if "fixed" in wanted and not holds["fixed"]:  # it names the rows still patched here
+        unfixed = [p.id for p in PATCHES if declared_code(p) == "would-apply"]
+        line = next(p for p in report["problems"] if p.startswith("--require fixed"))
+        assert line.endswith(", ".join(unfixed)), line
 
 
 def test_status_require_unknown_value_is_a_usage_error() -> None:
@@ -192,6 +196,35 @@ def test_verify_without_vllm_cannot_run() -> None:
     out = cli("verify", "--json", env=clean_env(PYTHONPATH=None))
     assert out.returncode == 2
     assert "not installed" in json.loads(out.stdout)["error"]
+    text = cli("verify", env=clean_env(PYTHONPATH=None))
+    assert text.returncode == 2 and "result: NOT verified" in text.stdout
+    assert "known hazards" not in text.stdout  # no header over nothing
+
+
+# Each subcommand's --help: its exit codes, and a word on every option.
+HELP = {
+    "status": ["exit codes: 0", "1 a row this release", "2 no vLLM", "--json  ", "document"],
+    "verify": [
+        "exit codes: 0 verified",
+        "1 a check failed",
+        "2 cannot run",
+        "where the checks run",
+    ],
+    "run": ["exit codes: the command's own", "127", "the command to run"],
+    "bootstrap-dir": ["exit codes: 0"],
+    "audit": ["exit codes: 0 no corrupt file", "1 at least one corrupt", "2 usage"],
+    "repair": ["exit codes: 0 every targeted", "2 usage", "--model MODEL_DIR [--aux"],
+}
+
+
+@pytest.mark.parametrize("sub", sorted(HELP))
+def test_each_subcommands_help_lists_its_exit_codes(sub: str) -> None:
+    out = cli(sub, "--help")
+    text = " ".join(out.stdout.split())  # argparse wraps lines where it likes
+    assert out.returncode == 0
+    missing = [w for w in HELP[sub] if " ".join(w.split()) not in text]
+    assert missing == [], out.stdout
+    assert "141 the reader of stdout went away" in text or sub in ("run", "bootstrap-dir")
 
 
 def test_run_without_a_command_is_a_usage_error() -> None:

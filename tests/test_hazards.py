@@ -115,6 +115,27 @@ def test_assess(hazard: str, release: str | None, codes: dict[str, str], state: 
     assert (got["state"], got["action"], got["loses"]) == (state, h.action, h.loses), got
 
 
+@pytest.mark.parametrize(
+    ("amx", "state"), [(False, "not-affected"), (True, "exposed"), (None, "exposed")]
+)
+def test_an_amx_hazard_is_exposed_only_where_the_cpu_has_amx(amx: bool | None, state: str) -> None:
+    stale = hazards.by_id("cpu-amx-gdn-stale-tiles")
+    got = hazards.assess(stale, "0.24.0", {}, True, cpu_build=True, amx=amx)
+    assert got["state"] == state
+    assert (got["reason"] == "this CPU has no AMX") == (amx is False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "amx"),
+    [("fpu sse avx512f amx_bf16 amx_tile amx_int8", True), ("fpu sse avx512f", False)],
+)
+def test_cpu_has_amx_reads_the_kernels_flags(tmp_path: Path, flags: str, amx: bool) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert hazards.cpu_has_amx(str(info)) is amx
+    assert hazards.cpu_has_amx(str(tmp_path / "absent")) is None
+
+
 def test_assess_says_why() -> None:
     torn = hazards.by_id("torn-files-in-step")
     assert hazards.assess(torn, "0.20.0", {}) | {"reason": ""} == {

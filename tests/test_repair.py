@@ -46,8 +46,9 @@ def test_targets_from_an_audits_jsonl_or_list_and_shards(tmp_path: Path) -> None
     jl.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"type": "file", "pa')
     assert sorted(files.from_audit_output(str(jl), False)) == ["/d/a", "/d/b"]
     assert sorted(files.from_audit_output(str(jl), True)) == ["/d/a", "/d/b", "/d/c"]
-    (tmp_path / "corrupt.txt").write_text("/d/x\n/d/y\n")
-    assert files.from_audit_output(str(tmp_path / "corrupt.txt"), False) == ["/d/x", "/d/y"]
+    (tmp_path / "corrupt.txt").write_text("/d/x.safetensors\n/d/y.safetensors\n")
+    listed = files.from_audit_output(str(tmp_path / "corrupt.txt"), False)
+    assert listed == ["/d/x.safetensors", "/d/y.safetensors"]
     paths = [f"/p/{i}" for i in range(7)]
     parts = [command.shard(paths, command.parse_shard(f"{k}/3")) for k in range(3)]
     assert sorted(p for part in parts for p in part) == sorted(paths) and all(parts)
@@ -105,6 +106,7 @@ def test_usage_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     m = model_dir(tmp_path)
     for argv, message in [
         (["{d}", "--model", "{tmp}/nope"], "no config.json there (missing model)"),
+        (["{d}"], "--model MODEL_DIR is required (unless --dry-run or --endpoint)"),
         (["{tmp}/missing", "--model", "{m}"], "no such file or directory"),
         (["{d}", "--model", "{m}", "--shard", "2/2"], "expected K/N"),
         (["{d}", "--model", "{m}", "--engine-arg", "dtype"], "expected KEY=VALUE"),

@@ -69,6 +69,10 @@ def test_the_metadata_checks_and_names_the_changelogs_release(dist: dict[str, Pa
     assert version and released and version[1] == released[1]
     assert cli("--version").stdout.strip() == f"vllm-hsfix {released[1]}"
     assert "Description-Content-Type: text/markdown" in meta
+    # The description opens with what an installed user can run (the README's opening,
+    # scripts/demo.py, is in neither the wheel nor the sdist).
+    first = meta.split("\n\n", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert "scripts/" not in first and "vllm-hsfix status" in first, first
     requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
     # Nothing that could move an image's pin, in any extra.
     assert not [r for r in requires if any(p in r.lower() for p in ("vllm", "torch"))], requires

@@ -1,8 +1,9 @@
 """``vllm-hsfix``: status | verify | run | bootstrap-dir, and audit | repair.
 
-Exit codes (for a Dockerfile ``RUN``): ``status`` 0 fix in place or not needed, 1 it
-cannot apply or a ``--require`` fails, 2 no vLLM; ``verify`` 0 passed, 1 a check failed
-or a patch is not in place, 2 cannot run here; ``run`` the command's own.
+Exit codes (for a Dockerfile ``RUN``; each subcommand's ``--help`` lists its own):
+``status`` 0 fix in place or not needed, 1 it cannot apply or a ``--require`` fails, 2
+no vLLM; ``verify`` 0 passed, 1 a check failed or a patch is not in place, 2 cannot run
+here; ``run`` the command's own; 141 for any when the reader of stdout goes away.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .codes import NOTHING_TO_DO, Code
+from .codes import Code
+from .report import not_in_place
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 ENTRY_POINT = "vllm_hsfix"
-OK_CODES = {Code.APPLY} | NOTHING_TO_DO
 
 
 def _entry_point() -> dict[str, Any]:
@@ -75,7 +76,11 @@ def static_status() -> dict[str, Any]:
         "patches": patches,
         "releases_read": {"last": releases.LAST_READ, "newer": newer, "by_shape": by_shape},
         "hazards": hazards.assess_all(
-            inst.release if inst.present else None, codes, not cfg.disabled, inst.cpu_build
+            inst.release if inst.present else None,
+            codes,
+            not cfg.disabled,
+            inst.cpu_build,
+            hazards.cpu_has_amx(),
         ),
         "hs_connectors": backends.describe(codes),
         "activation": {
@@ -88,6 +93,14 @@ def static_status() -> dict[str, Any]:
 
 
 REQUIREMENTS = ("applied", "fixed", "tested")
+PIPE = "141 the reader of stdout went away (e.g. | head)"
+STATUS_EXITS = f"""exit codes: 0 the fix is in place here or not needed; 1 a row this release
+needs is disabled, refused or failed, the plugin is not registered or filtered out by
+VLLM_PLUGINS, or a --require does not hold; 2 no vLLM here (or usage); {PIPE}."""
+VERIFY_EXITS = f"""exit codes: 0 verified; 1 a check failed, or a row this release needs is
+not in place (disabled, refused, failed); 2 cannot run here (no vLLM, no torch, no GPU
+for --device cuda, a target that does not import); {PIPE}."""
+RUN_EXITS = """exit codes: the command's own; 2 no command given; 127 it cannot be run."""
 
 
 def status_exit_code(
@@ -97,11 +110,9 @@ def status_exit_code(
     codes = {p["code"] for p in report["patches"].values()}
     if not report["vllm"]["present"]:
         return 2, ["no vLLM is importable by this interpreter (is this the image's Python?)"]
-    problems = [
-        f"{pid}: {p['code']}: {p['reason']}"
-        for pid, p in report["patches"].items()
-        if p["code"] not in OK_CODES and not (p["code"] == Code.DISABLED and p.get("optional"))
-    ]
+    problems = not_in_place(
+        (pid, p["code"], p["reason"], p["optional"]) for pid, p in report["patches"].items()
+    )
     ep = report["activation"]["entry_point"]
     affected = Code.APPLY in codes
     if affected and not ep["registered"]:
@@ -110,21 +121,29 @@ def status_exit_code(
         problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
     if "applied" in require and not affected:
         problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
-    if "fixed" in require and (
-        codes - {Code.NOT_NEEDED} != {Code.UPSTREAM_FIX} or report["releases_read"]["by_shape"]
-    ):
-        problems.append("--require fixed: this vLLM does not carry the upstream fix")
+    if "fixed" in require:
+        unfixed = [
+            pid
+            for pid, p in report["patches"].items()
+            if p["code"] not in (Code.NOT_NEEDED, Code.UPSTREAM_FIX)
+        ]
+        unfixed += [pid for pid in report["releases_read"]["by_shape"] if pid not in unfixed]
+        if unfixed:
+            problems.append(
+                "--require fixed: this vLLM does not carry the upstream fix of "
+                + ", ".join(unfixed)
+            )
     if "tested" in require and not report["tested_build"]["tested"]:
         problems.append(f"--require tested: {report['tested_build']['reason']}")
     return (1 if problems else 0), problems
 
 
 def _print_hazards(found: dict[str, Any]) -> None:
-    """The release's hazards that concern it, one line each."""
-    print("known hazards (vllm_hsfix.hazards):")
-    for hid, h in found.items():
-        if h["state"] in ("not-affected", "fixed-upstream"):
-            continue
+    """The release's hazards that concern it, one line each (none: no header)."""
+    shown = {k: h for k, h in found.items() if h["state"] not in ("not-affected", "fixed-upstream")}
+    if shown:
+        print("known hazards (vllm_hsfix.hazards):")
+    for hid, h in shown.items():
         models = f" [only {h['models']}]" if h.get("models") else ""
         print(f"  {hid:<24} {h['state']:<22} {h['reason']}{models}")
 
@@ -290,8 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"vllm-hsfix {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("status", help="what is (or would be) patched here, without importing vLLM")
-    p.add_argument("--json", action="store_true")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "status",
+        help="what is (or would be) patched here, without importing vLLM",
+        epilog=STATUS_EXITS,
+        formatter_class=raw,
+    )
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON document")
     p.add_argument(
         "--require",
         type=_requirements,
@@ -301,14 +326,38 @@ def build_parser() -> argparse.ArgumentParser:
         "upstream fix (fixed), or this exact build was tested (tested); comma lists combine",
     )
     p.set_defaults(fn=cmd_status)
-    p = sub.add_parser("verify", help="import vLLM, activate, and check the live patched code")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p = sub.add_parser(
+        "verify",
+        help="import vLLM, activate, and check the live patched code",
+        epilog=VERIFY_EXITS,
+        formatter_class=raw,
+    )
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON document")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the checks run (default auto: cuda when a GPU is available, else cpu)",
+    )
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("run", help="run CMD with vllm-hsfix active in it and its Python children")
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p = sub.add_parser(
+        "run",
+        help="run CMD with vllm-hsfix active in it and its Python children",
+        epilog=RUN_EXITS,
+        formatter_class=raw,
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ARGS...",
+        help="the command to run, e.g. -- vllm serve MODEL or -- python train.py",
+    )
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("bootstrap-dir", help="print the directory to put first on PYTHONPATH")
+    p = sub.add_parser(
+        "bootstrap-dir",
+        help="print the directory to put first on PYTHONPATH",
+        epilog="exit codes: 0.",
+    )
     p.set_defaults(fn=cmd_bootstrap_dir)
     from . import audit, repair
 
@@ -318,8 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .audit import outfiles
+
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    return outfiles.run_guarded(args.fn, args)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class Hazard:
     models: str = ""  # only these models are concerned ("" = any)
     ends: str | None = None
     cpu_only: bool = False  # vLLM's CPU build only (a patched hazard: its row's platform)
+    amx_only: bool = False  # only on a CPU with AMX (a kernel path no other CPU takes)
 
     @property
     def until(self) -> str | None:
@@ -113,6 +114,7 @@ HAZARDS: tuple[Hazard, ...] = (
         fixed_in="0.27.0",
         models="vLLM's CPU build on AMX; GDN models with 64-dim linear heads (released: 128)",
         cpu_only=True,
+        amx_only=True,
         loses=PROCESS,
         upstream="0.27.0's rewritten GDN prefill kernels call brgemm_release() (no PR named)",
         action=DOCUMENTED,
@@ -165,13 +167,17 @@ def assess(
     patch_codes: dict[str, str],
     active: bool = True,
     cpu_build: bool | None = None,
+    amx: bool | None = None,
 ) -> dict[str, str]:
     """One hazard's state on ``version`` (None: unknown), given each patch's ``status``
-    code; ``open`` (its patch not in place) is the only state of vllm-hsfix's making."""
+    code; ``open`` (its patch not in place) is the only state of vllm-hsfix's making.
+    ``cpu_build``, ``amx`` (None: unknown): whether this is vLLM's CPU build, on AMX."""
     fields = ("action", "releases", "loses", "upstream", "models")  # models: where it has one
     out = {k: getattr(hazard, k) for k in fields if getattr(hazard, k)}
     if hazard.cpu_only and cpu_build is False:
         return {**out, "state": NOT_AFFECTED, "reason": "not vLLM's CPU build"}
+    if hazard.amx_only and amx is False:
+        return {**out, "state": NOT_AFFECTED, "reason": "this CPU has no AMX"}
     if version is None:
         return {**out, "state": UNKNOWN, "reason": "the installed vLLM release is unknown"}
     try:
@@ -186,8 +192,21 @@ def assess_all(
     patch_codes: dict[str, str],
     active: bool = True,
     cpu_build: bool | None = None,
+    amx: bool | None = None,
 ) -> dict[str, dict[str, str]]:
-    return {h.id: assess(h, version, patch_codes, active, cpu_build) for h in HAZARDS}
+    return {h.id: assess(h, version, patch_codes, active, cpu_build, amx) for h in HAZARDS}
+
+
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this machine's CPU has AMX tiles (the kernel's ``amx_tile`` flag), from
+    ``cpuinfo`` without importing torch; None where that cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    flags = [ln for ln in text.splitlines() if ln.startswith("flags")]
+    return any("amx_tile" in ln.split() for ln in flags) if flags else None
 
 
 def refuse_config(version: str | None) -> tuple[Hazard, ...]:

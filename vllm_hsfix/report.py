@@ -8,16 +8,41 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from . import _lazy
 from ._version import __version__
-from .codes import APPLIED, FAILED, REFUSED, Code
+from .codes import APPLIED, FAILED, IN_PLACE, NOTHING_TO_DO, REFUSED, Code
 from .config import Config
 from .state import STATE
 
 log = logging.getLogger("vllm_hsfix")
+
+# Codes under which a row is fine here: in place (or will be), not needed, not decided
+# yet, or taken back by the program's own ``unapply()``.
+FINE = IN_PLACE | NOTHING_TO_DO | {Code.WAITING, Code.REVERTED, Code.NO_VLLM}
+
+
+def not_in_place(rows: Iterable[tuple[str, str, str, bool]]) -> list[str]:
+    """The one policy of ``status``, ``verify`` and strict mode: of the rows
+    ``(patch id, code, reason, optional)``, those whose fix cannot apply here, as
+    ``"id: code: reason"``. A row the release needs that is disabled, refused, failed or
+    overwritten counts; an optional row (``atomic-writes``, beyond upstream: no data is
+    wrong without it) may be turned off. No vLLM is each caller's own answer (exit 2)."""
+    return [
+        f"{pid}: {Code(code)}: {reason}"
+        for pid, code, reason, optional in rows
+        if Code(code) not in FINE and not (Code(code) == Code.DISABLED and optional)
+    ]
+
+
+def records_not_in_place() -> list[str]:
+    """:func:`not_in_place` of this process's records (strict mode, ``verify``)."""
+    return not_in_place(
+        (pid, rec.code, rec.reason, rec.patch.optional) for pid, rec in STATE.records.items()
+    )
 
 
 class FallbackStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -144,11 +144,9 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
                     report.deviation(rec)
         _install_extras()
         _report()
-        bad = [r for r in STATE.records.values() if r.status in (REFUSED, FAILED)]
+        bad = report.records_not_in_place()  # the one policy: status and verify use it too
         if bad and STATE.config is not None and STATE.config.strict:
-            raise HsfixError(
-                "strict mode: " + "; ".join(f"{r.patch.id} {r.status}: {r.reason}" for r in bad)
-            )
+            raise HsfixError("strict mode: the fix cannot apply: " + "; ".join(bad))
 
 
 def _decide(rec: Record, module: ModuleType, late: bool) -> None:

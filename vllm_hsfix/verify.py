@@ -8,8 +8,9 @@ import importlib
 import traceback
 from typing import Any
 
-from . import checks, hazards, runtime
-from .codes import FAILED, REFUSED, Code
+from . import checks, hazards, report, runtime
+from .codes import Code
+from .errors import HsfixError
 from .patches import PATCHES
 
 # Decisions under which a patch's target is not checked here.
@@ -23,24 +24,24 @@ def origin(exc: BaseException) -> str:
 
 
 def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
-    report: dict[str, Any] = {"ok": False, "device": device, "checks": []}
+    out: dict[str, Any] = {"ok": False, "device": device, "checks": []}
     inst = runtime.install()
-    report["vllm"] = inst.as_dict()
+    out["vllm"] = inst.as_dict()
     if not inst.present:
-        report["error"] = "vLLM is not installed in this environment: nothing to verify"
-        return 2, report
+        out["error"] = "vLLM is not installed in this environment: nothing to verify"
+        return 2, out
     try:
         import torch
     except ImportError as exc:
-        report["error"] = f"torch cannot be imported: {exc}"
-        return 2, report
+        out["error"] = f"torch cannot be imported: {exc}"
+        return 2, out
     has_cuda = torch.cuda.is_available()
     if device == "auto":
         device = "cuda" if has_cuda else "cpu"
     if device == "cuda" and not has_cuda:
-        report["error"] = "--device cuda: no CUDA GPU is available on this machine"
-        return 2, report
-    report["device"] = device
+        out["error"] = "--device cuda: no CUDA GPU is available on this machine"
+        return 2, out
+    out["device"] = device
     runtime.start("verify")
     results: list[dict[str, Any]] = []
     for patch in PATCHES:
@@ -51,28 +52,42 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
             why = f"{patch.id}: concerns {patch.platform} builds only: {patch.other_platforms}"
         elif rec["code"] in SKIP_CODES:
             why = f"{patch.id}: {rec['code']}: {rec['reason']}"
-        if why is not None:
-            results.append(checks.result(patch.id, [], skipped=why))
+        if why is not None:  # a needed row turned off fails (report.not_in_place)
+            row = (patch.id, rec["code"], rec["reason"], patch.optional)
+            missing = report.not_in_place([row])
+            skipped = {} if missing else {"skipped": why}
+            results.append(checks.result(patch.id, missing, **skipped))
             continue
         try:
             module = importlib.import_module(patch.module)
+        except HsfixError:  # strict mode refuses the import: the policy below says why
+            break
         except Exception as exc:
-            report["error"] = (
+            out["error"] = (
                 f"cannot import vLLM's target {patch.module}: {exc!r} (raised at {origin(exc)})"
             )
-            return 2, report
+            return 2, out
         rec = runtime.status()["patches"][patch.id]  # decided on that import
         ctx = checks.Context(device=device, version=inst.version, shape=rec["shape"])
         results += [{"patch": patch.id, **r} for r in patch.implementation().verify(module, ctx)]
+    return _verdict(out, results)
+
+
+def _verdict(out: dict[str, Any], results: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """The checks' results, the patches and hazards as they stand, and the exit code:
+    1 when a check failed or a row the release needs is not in place."""
     st = runtime.status()
-    report["patches"] = {
+    out["patches"] = {
         k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
     }
-    report["checks"] = results
+    out["checks"] = results
     codes = {k: v["code"] for k, v in st["patches"].items()}
-    report["hazards"] = hazards.assess_all(inst.release, codes, st["enabled"], inst.cpu_build)
-    bad_patch = [k for k, v in st["patches"].items() if v["status"] in (REFUSED, FAILED)]
-    if bad_patch:
-        report["error"] = f"patches not in place: {bad_patch}"
-    report["ok"] = all(c["ok"] for c in results) and not bad_patch
-    return (0 if report["ok"] else 1), report
+    v = st["vllm"]
+    out["hazards"] = hazards.assess_all(
+        v["release"], codes, st["enabled"], v["cpu_build"], hazards.cpu_has_amx()
+    )
+    bad = report.records_not_in_place()
+    if bad:
+        out["error"] = "the fix is not in place: " + "; ".join(bad)
+    out["ok"] = all(c["ok"] for c in results) and not bad
+    return (0 if out["ok"] else 1), out

@@ -13,8 +13,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import outfiles
 from .format import SUFFIX
 from .output import (
+    CSV_FIELDS,
     DEFAULT_SHOW,
     LIST_KINDS,
     Digest,
@@ -27,6 +29,9 @@ from .parallel import STALL_S, default_workers
 from .pipeline import Reference, audit_paths, expand_paths
 from .progress import DEFAULT_INTERVAL, SILENT, for_stream
 from .reports import CORRUPT
+
+CSV_HEAD = ",".join(CSV_FIELDS).encode()
+SAMPLE = "0.05"  # --sample's default
 
 
 def _show(value: str) -> int | None:
@@ -45,6 +50,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "audit",
         help="find hidden-states files written by a broken vLLM (exit 1: corrupt files)",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 no corrupt file (suspect, pending and unsupported files are "
+        "listed, not failed); 1 at least one corrupt file; 2 usage (no such path, nothing to "
+        "audit, an output path that cannot be written or is not the audit's own, numpy or Ray "
+        "missing, a run ended by --stall-timeout); 141 the reader of stdout went away.",
     )
     p.add_argument("paths", nargs="+", help="files or directories (searched for *.safetensors)")
     out = p.add_argument_group("outputs (any combination; at most one of them on stdout)")
@@ -127,7 +136,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     ref.add_argument(
         "--sample",
-        default="0.05",
+        default=None,
         help="fraction (0.1; 1.0 = every file) or number (20) of files to recompute (default 0.05)",
     )
     ref.add_argument(
@@ -153,7 +162,7 @@ def _reference_usage(args: argparse.Namespace) -> str | None:
         aux = [int(a) for a in (args.aux_layers or "").split(",") if a.strip()]
         if not aux:
             return "vllm-hsfix audit: --reference needs --aux-layers (e.g. 1,2,3)"
-        reference.sample(["x"], args.sample)
+        reference.sample(["x"], args.sample or SAMPLE)
     except ValueError as exc:
         return f"vllm-hsfix audit: {exc}"
     try:
@@ -197,7 +206,7 @@ def _usage(args: argparse.Namespace) -> str | None:
     try:
         import numpy  # noqa: F401
     except ImportError:
-        hint = "pip install 'vllm-hsfix[audit]'"
+        hint = "pip install numpy threadpoolctl tqdm (the package's [audit] extra)"
         return f"vllm-hsfix audit needs numpy, which is not installed here: {hint}"
     problem = _output_usage(args) or (_reference_usage(args) if args.reference else None)
     if not problem and args.ray is not None:
@@ -214,12 +223,17 @@ def _usage(args: argparse.Namespace) -> str | None:
 
 
 def _open_outputs(args: argparse.Namespace) -> JsonlWriter | None:
-    """The ``--jsonl`` writer, and every output file tried for writing before the scan
-    (not after hours of it). Raises ``OSError``."""
-    jsonl = JsonlWriter(args.jsonl) if args.jsonl else None
-    for dest in [d for _, d in args.list if d != "-"] + ([args.csv] if args.csv else []):
-        open(dest, "a", encoding="utf-8").close()
-    return jsonl
+    """The ``--jsonl`` writer, once every output path is known to be writable and free
+    of the user's files, before the scan (not after hours of it); nothing is written
+    before. Raises ``OSError`` or ``outfiles.NotOurs``."""
+    wanted = [("--list", d, outfiles.is_list, "a --list file") for _, d in args.list]
+    wanted += [("--csv", args.csv, lambda line: line.startswith(CSV_HEAD), "an audit CSV")]
+    wanted += [("--jsonl", args.jsonl, outfiles.is_records, "an audit's --jsonl output")]
+    wanted += [("--state", args.state, outfiles.is_state, "an audit state file")]
+    for option, dest, ours, what in wanted:
+        if dest and dest != "-":
+            outfiles.claim(dest, option, ours, what)
+    return JsonlWriter(args.jsonl) if args.jsonl else None
 
 
 def _say_reference(report: Any, model_dir: str, err: Any) -> None:
@@ -231,8 +245,9 @@ def _say_reference(report: Any, model_dir: str, err: Any) -> None:
             f"per file after {ref['model_load_s']:.1f} s to load the model",
             file=err,
         )
-        for k, rule in ref.get("conventions", {}).items():
-            print(f"reference: aux id {k} = {rule}", file=err)
+        rules = ref.get("conventions", {})
+        for slot, k in enumerate(ref.get("aux_layers", [])):  # one numbering: the slot's
+            print(f"reference: aux slot {slot} (id {k}) = {rules.get(str(k))}", file=err)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,17 +266,17 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=err)
         return 2
+    ignored = [o for o, v in (("--aux-layers", args.aux_layers), ("--sample", args.sample)) if v]
+    if ignored and not args.reference:
+        print(f"vllm-hsfix audit: warning: {' and '.join(ignored)} ignored: only --reference "
+              "uses them", file=err)  # fmt: skip
     digest = Digest(args.show)
-    try:
-        jsonl = _open_outputs(args)
-    except OSError as exc:
-        print(f"vllm-hsfix audit: cannot write {exc.filename}: {exc.strerror or exc}", file=err)
-        return 2
+    jsonl = _open_outputs(args)
     sinks: list[Callable[[dict[str, Any]], None]] = [digest] + ([jsonl] if jsonl else [])
     reference = None
     if args.reference:
         aux = tuple(int(a) for a in args.aux_layers.split(",") if a.strip())
-        reference = Reference(args.reference, aux, args.sample, args.reference_dtype)
+        reference = Reference(args.reference, aux, args.sample or SAMPLE, args.reference_dtype)
     progress = SILENT if args.no_progress else for_stream(err, args.progress_interval)
     try:
         report = audit_paths(
@@ -307,4 +322,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = ap.parse_args(["audit", *(sys.argv[1:] if argv is None else argv)])
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
-    return int(args.fn(args))
+    return outfiles.run_guarded(args.fn, args)

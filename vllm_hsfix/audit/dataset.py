@@ -158,7 +158,7 @@ def _norm_outliers(
         v = float(vals[k])
         ratio = v / med if med else math.inf
         detail = (
-            f"aux layer {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
+            f"aux slot {a}: median row norm {v:.4g} is {ratio:.3g}x the dataset "
             f"median {med:.4g} (robust z {float(z[k]):.1f} > {OUTLIER_MADS:g})"
         )
         add_finding(findings, ledger, int(members[k]), Problem("norm_outlier", SUSPECT, detail))

@@ -157,8 +157,14 @@ def check_keys(rep: FileReport, tensors: dict[str, Any]) -> tuple[bool, bool]:
 
     rep.dtype = hs["dtype"]
     hs_ok = _check_encoding(rep, hs, tensors.get(SCALES_KEY))
-    if len(hs["shape"]) != 3:
-        rep.add("bad_shape", CORRUPT, f"{HIDDEN_KEY} has shape {hs['shape']}, expected 3-D")
+    if len(hs["shape"]) != 3:  # no writer the audit knows makes it: no rule, not damage
+        rep.format = None
+        rep.add(
+            "unsupported_layout",
+            UNSUPPORTED,
+            f"{HIDDEN_KEY} shape {hs['shape']}: the audit knows [tokens, aux layers, "
+            "hidden] (3-D) only",
+        )
         hs_ok = False
     else:
         rep.n_tokens, rep.n_aux, rep.hidden = hs["shape"]
@@ -182,7 +188,11 @@ def _check_token_ids(rep: FileReport, ti: dict[str, Any]) -> bool:
         )
         ok = False
     if len(ti["shape"]) != 1:
-        rep.add("bad_shape", CORRUPT, f"{TOKEN_KEY} has shape {ti['shape']}, expected 1-D")
+        rep.add(
+            "unsupported_layout",
+            UNSUPPORTED,
+            f"{TOKEN_KEY} shape {ti['shape']}: the audit knows [tokens] (1-D) only",
+        )
         return False
     rep.n_token_ids = ti["shape"][0]
     if rep.n_token_ids == 0:

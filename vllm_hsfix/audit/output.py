@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import heapq
+import io
 import json
 import os
 import sys
 from collections import Counter
 from typing import IO
 
+from . import outfiles
 from .format import FORMATS
 from .reports import (
     CORRUPT,
@@ -160,8 +162,7 @@ def write_list(report: AuditReport, kind: str, dest: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        with open(dest, "w", encoding="utf-8") as f:
-            f.write(text)
+        outfiles.write_lines(dest, [text])
 
 
 CSV_FIELDS = [
@@ -187,10 +188,12 @@ CSV_FIELDS = [
 
 
 def write_csv(report: AuditReport, dest: str | os.PathLike[str] | IO[str]) -> None:
-    """One row per file, for spreadsheets and ``pandas.read_csv``."""
+    """One row per file, for spreadsheets and ``pandas.read_csv`` (a path: written
+    whole, through a temporary file)."""
     if isinstance(dest, (str, os.PathLike)):
-        with open(dest, "w", newline="", encoding="utf-8") as out:
-            write_csv(report, out)
+        out = io.StringIO()
+        write_csv(report, out)
+        outfiles.write_lines(os.fspath(dest), [out.getvalue()])
         return
     w = csv.DictWriter(dest, fieldnames=CSV_FIELDS)
     w.writeheader()

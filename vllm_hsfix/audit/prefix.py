@@ -325,6 +325,9 @@ def check(
         lcp = np.minimum(same, np.minimum(length[1:], length[:-1]))
         where = positions[cols.index[order]]
         checked = np.zeros(len(order), dtype=bool)
+        # A group is a set of files: the same files at several depths are one group.
+        groups: set[tuple[int, int]] = set()
+        lost: set[tuple[int, int]] = set()  # groups with a position of no consensus
         for depth in range(1, PREFIX_ROWS + 1):
             if not len(lcp) or lcp.max(initial=0) < depth:
                 break
@@ -335,9 +338,12 @@ def check(
                 if e - s < 2:
                     continue
                 checked[s:e] = True
-                result.groups += 1
-                _check_group(result, cols, order[s:e], where[s:e], depth - 1)
+                groups.add((int(s), int(e)))
+                if not _check_group(result, cols, order[s:e], where[s:e], depth - 1):
+                    lost.add((int(s), int(e)))
         result.checked += int(checked.sum())
+        result.groups += len(groups)
+        result.no_consensus_groups += len(lost)
         if tick:
             tick(len(rows))
     if tick and total > taking:
@@ -356,9 +362,10 @@ def _check_group(
     sel: NDArray[Any],
     where: NDArray[Any],
     position: int,
-) -> None:
+) -> bool:
     """One group at one position (files ``sel`` of ``cols``, ``where`` their numbers):
-    per aux layer a consensus of a sample of sound rows, then every sound row against it."""
+    per aux slot a consensus of a sample of sound rows, then every sound row against it.
+    Whether every slot had a consensus."""
     import numpy as np
 
     sound = cols.sound[sel, position]  # [files, n_aux]
@@ -375,7 +382,7 @@ def _check_group(
         refs.append(ref)
         if ref is not None:
             result.max_agreeing_distance = max(result.max_agreeing_distance, spread)
-    result.no_consensus_groups += int(any(refs[a] is None for a in live))
+    agreed = not any(refs[a] is None for a in live)
     compare = [a for a in live if refs[a] is not None]
     for c0 in range(0, size if live else 0, GROUP_CHUNK):
         c1 = min(c0 + GROUP_CHUNK, size)
@@ -391,6 +398,7 @@ def _check_group(
             dist = _distance(rows[:, aux], ref[None, :])
             for k in np.flatnonzero(ok & (dist >= TOLERANCE)):
                 _flag(result, int(where[c0 + k]), position, aux, float(dist[k]), size)
+    return agreed
 
 
 def _flag(
@@ -403,12 +411,12 @@ def _flag(
 def describe(f: PrefixFinding) -> str:
     if f.distance is None:
         return (
-            f"row {f.position} (aux layer {f.aux}) disagrees among the {f.group_size} files "
+            f"row {f.position} (aux slot {f.aux}) disagrees among the {f.group_size} files "
             "that share its prompt prefix, and no majority of them agree: none can be "
             "trusted (a dataset written by a broken vLLM)"
         )
     return (
-        f"row {f.position} (aux layer {f.aux}) differs from the consensus of the "
+        f"row {f.position} (aux slot {f.aux}) differs from the consensus of the "
         f"{f.group_size} files that share its first {f.position + 1} token ids "
         f"(relative L2 {f.distance:.2f}, agreeing files differ by < {TOLERANCE}): "
         "hidden states from other memory"

@@ -148,7 +148,7 @@ def compare_file(model: Any, path: str, aux_layers: list[int], model_dir: str) -
     return (
         f"{int(bad.sum())} of {err.numel()} rows differ from a transformers forward of "
         f"{model_dir} (relative L2 >= {THRESHOLD}; first at token position {pos}, aux "
-        f"layer {aux}; worst {float(err.max()):.2f})"
+        f"slot {aux} (id {aux_layers[aux]}); worst {float(err.max()):.2f})"
     )
 
 

@@ -121,7 +121,7 @@ def _row_findings(
         rep.add(
             "zero_rows",
             CORRUPT,
-            f"{rep.zero_rows} of {n_rows} rows are all zero (per aux layer {layers}; "
+            f"{rep.zero_rows} of {n_rows} rows are all zero (per aux slot {layers}; "
             f"first at token position {first})",
         )
     if scan.nan or scan.inf:
@@ -147,7 +147,7 @@ def _row_findings(
             "near_zero_rows",
             SUSPECT,
             f"{rep.near_zero_rows} rows have a norm under {NEAR_ZERO_FRACTION:g} x their "
-            f"layer's median (per aux layer {layers})",
+            f"slot's median (per aux slot {layers})",
         )
 
 
@@ -201,13 +201,13 @@ def duplicates(
             if len(ts) > 1 and len({int(token_ids[t]) for t in ts}) > 1:
                 per_layer[a] += len(ts) - 1
                 if len(examples) < 3:
-                    examples.append(f"aux {a}: token positions {sorted(ts)[:4]}")
+                    examples.append(f"aux slot {a}: token positions {sorted(ts)[:4]}")
     total = sum(per_layer)
     if total:
         rep.add(
             "duplicate_rows",
             SUSPECT,
-            f"{total} rows repeat a row of a different token in the same aux layer "
+            f"{total} rows repeat a row of a different token in the same aux slot "
             f"(e.g. {'; '.join(examples)})",
         )
     return per_layer
@@ -247,7 +247,7 @@ def identical_aux(
             rep.add(
                 "aux_layers_identical",
                 CORRUPT,
-                f"aux layers {a} and {b} hold identical rows at all {len(sound)} "
+                f"aux slots {a} and {b} hold identical rows at all {len(sound)} "
                 "token positions (unless the file was written with one aux layer id "
                 "twice)",
             )

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._version import __version__
+from . import outfiles
 from .prefix import PrefixData
 from .reports import PENDING, VERDICTS, FileReport
 
@@ -27,7 +28,7 @@ def read(path: str | os.PathLike[str]) -> list[Record]:
     """Every whole record of ``path`` in order ([] when it does not exist); a line that
     is not a JSON object (the last one cut short by a killed writer) is skipped."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return []
@@ -45,19 +46,8 @@ def read(path: str | os.PathLike[str]) -> list[Record]:
 def rewrite(path: str | os.PathLike[str], records: Iterable[Record | str]) -> None:
     """Replace ``path`` with ``records`` (dicts, or lines already made by :func:`dumps`)
     through a temporary file, fsync and rename: never a half-written file."""
-    p = os.fspath(path)
-    tmp = f"{p}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write((r if isinstance(r, str) else dumps(r)) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    lines = ((r if isinstance(r, str) else dumps(r)) + "\n" for r in records)
+    outfiles.write_lines(os.fspath(path), lines)
 
 
 def append(path: str | os.PathLike[str], record: Record, sync: bool = False) -> None:
@@ -72,8 +62,9 @@ def append(path: str | os.PathLike[str], record: Record, sync: bool = False) -> 
 
 # Bump when a per-file check changes what it reports: old states are then rescanned.
 # 2: fp8 files de-quantized (were corrupt), unknown formats ``unsupported``.
-CHECKS_REVISION = 2
-_HEADER = {"kind": "vllm-hsfix audit state", "version": __version__, "checks": CHECKS_REVISION}
+# 3: a hidden_states that is not 3-D, token_ids not 1-D: ``unsupported`` (were corrupt).
+CHECKS_REVISION = 3
+_HEADER = {"kind": outfiles.STATE_KIND, "version": __version__, "checks": CHECKS_REVISION}
 # Findings that say nothing lasting about the file.
 TRANSIENT = frozenset({"unreadable"})
 
@@ -120,11 +111,12 @@ class State:
         self.note = ""  # why an existing state was not used, for the run's output
         self._old: dict[str, Record] = {}
         self._new: dict[str, Record | str] = {}
+        outfiles.claim(path, "--state", outfiles.is_state, "an audit state file")
         records = read(path)
         if records and records[0] != _HEADER:
             self.note = (
                 f"--state {self.path}: written by another vllm-hsfix version or checks "
-                "revision (or not a state file): every file is scanned again"
+                "revision: every file is scanned again"
             )
             records = []
         self._old = {r["path"]: r for r in records[1:] if isinstance(r.get("path"), str)}

@@ -8,11 +8,13 @@ The targets (an audit, or ``--from-audit``; :mod:`.files`), the engine settings
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any
 
 from .. import detect
+from ..audit import outfiles
 from . import files, settings
 from .files import OK, SUSPECT, Fates, Journal, Target
 from .session import regenerate, stop
@@ -22,7 +24,9 @@ EPILOG = """\
 exit codes: 0 every targeted file is ok now (or nothing needed repair; --dry-run);
 1 a targeted file is still bad or was skipped, the vLLM run failed, or the fix is not
 active where vLLM runs (then nothing is written); 2 usage (no such path, no model, no
-aux layers known, a bad --shard or --engine-arg, an engine argument vLLM rejects).
+aux layers known, a bad --shard or --engine-arg, an engine argument vLLM rejects, a
+--state, --from-audit or --backup path that cannot be used or is not its own: then
+nothing is written); 141 the reader of stdout went away.
 
 several machines: run `repair --shard K/N` on each (K = 0..N-1, the same PATHS or
 --from-audit file): each takes every N-th target of the sorted list from the K-th, so
@@ -75,7 +79,8 @@ def _positive(text: str) -> int:
 
 
 OPTIONS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", {"help": "the verifier the dataset was made with (a local dir)"}),
+    ("--model", {"metavar": "MODEL_DIR", "help": "required (except with --dry-run or "
+                 "--endpoint): the verifier the dataset was made with (a local dir)"}),
     ("--aux-layers", {"type": parse_aux_layers, "help": "eagle_aux_hidden_state_layer_ids, "
                       "e.g. 1,2,3 (else from the files' provenance metadata)"}),
     ("--from-audit", {"metavar": "FILE", "help": "an audit's --jsonl or --list output"}),
@@ -113,6 +118,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="the dataset: files or directories")
     for flag, kwargs in OPTIONS:
         p.add_argument(flag, **kwargs)
+    # --model is required but for --dry-run and --endpoint: shown without brackets.
+    usage = p.format_usage().removeprefix("usage: ").replace(p.prog, "%(prog)s", 1)
+    p.usage = usage.replace("[--model MODEL_DIR]", "--model MODEL_DIR").strip()
     p.set_defaults(fn=run)
     return p
 
@@ -122,8 +130,15 @@ def _usage(args: argparse.Namespace) -> str | None:
     if missing:
         return f"no such file or directory: {missing[0]}"
     needs_model = not args.dry_run and not args.endpoint
-    if needs_model and not (args.model and os.path.isfile(os.path.join(args.model, "config.json"))):
+    if needs_model and not args.model:
+        return "--model MODEL_DIR is required (unless --dry-run or --endpoint)"
+    if needs_model and not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"--model {args.model}: no config.json there (missing model)"
+    backup = args.backup
+    if backup and os.path.exists(backup) and not os.path.isdir(backup):
+        return f"--backup {backup}: exists and is not a directory"
+    if backup and os.path.isdir(backup) and not os.access(backup, os.W_OK | os.X_OK):
+        return f"--backup {backup}: cannot write there"
     return None
 
 
@@ -147,16 +162,20 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return stop(problem, 2)
     audit_state = args.state + ".audit"
+    journal, fates = Journal(args.state), Fates()  # both paths checked before any work
+    had_state = outfiles.claim(audit_state, "--state", outfiles.is_state, "an audit state")
     if args.from_audit:
         paths = files.from_audit_output(args.from_audit, args.include_suspect)
     else:
         verdicts = files.audit(args.paths, args, audit_state)
         paths = [p for p, v in verdicts.items() if v in files.wanted(args.include_suspect)]
     paths = shard(paths, args.shard)
-    journal, fates = Journal(args.state), Fates()
     targets = _targets(paths, journal, fates)
     aux = _aux(args, targets)
     if isinstance(aux, str):
+        if not had_state:  # a run that stops on its usage leaves nothing behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(audit_state)
         return stop(aux, 2)
     engine, said, targets = _engine(args, targets, aux, fates)
     _plan(paths, targets, fates, journal)

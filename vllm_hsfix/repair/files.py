@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..audit import decode, store
+from ..audit import decode, outfiles, store
 from ..audit import format as fmt
 from ..audit.pipeline import audit_paths
 from ..audit.prefix import TOLERANCE
@@ -98,9 +98,18 @@ def read_target(path: str) -> Target:
 def from_audit_output(path: str, include_suspect: bool) -> list[str]:
     """The target paths in an audit's ``--jsonl`` output (the last verdict per path) or
     ``--list`` output (one path per line, every one a target)."""
-    with open(path, encoding="utf-8") as f:
-        lines = [ln.strip() for ln in f if ln.strip()]
-    if not lines or not lines[0].startswith("{"):
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except UnicodeDecodeError:
+        lines = ["\0"]
+    first = lines[0].encode() if lines else b""
+    if not (outfiles.is_records(first) or outfiles.is_list(first)):
+        raise outfiles.NotOurs(
+            f"--from-audit {path}: not an audit's --jsonl or --list output (it begins "
+            f"{first[:40]!r})"
+        )
+    if not lines[0].startswith("{"):
         return lines
     kinds = ("file", "update")  # a line cut short by a kill is skipped
     last = {r["path"]: r["verdict"] for r in store.read(path) if r.get("type") in kinds}
@@ -159,10 +168,7 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
             fout.flush()
             os.fsync(fout.fileno())
         if backup and os.path.exists(target.path):
-            rel = os.path.relpath(os.path.abspath(target.path), root or directory)
-            dest = os.path.join(backup, os.path.basename(rel) if rel.startswith("..") else rel)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copy2(target.path, dest)
+            _back_up(target.path, backup, root or directory)
         os.replace(tmp, target.path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -170,6 +176,24 @@ def install(new: str, target: Target, backup: str | None, root: str | None) -> t
         raise
     _fsync(directory)
     return digest.hexdigest(), size
+
+
+def _back_up(path: str, backup: str, root: str) -> None:
+    """Copy ``path`` to ``backup/<path under root>`` whole (a temporary file renamed),
+    never over a file already there: :class:`Refused` then, and the old file stays."""
+    rel = os.path.relpath(os.path.abspath(path), root)
+    dest = os.path.join(backup, os.path.basename(rel) if rel.startswith("..") else rel)
+    if os.path.lexists(dest):
+        raise Refused(f"--backup {dest} exists already: the old file is left in place")
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    try:
+        shutil.copy2(path, tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _fsync(path: str) -> None:
@@ -266,6 +290,7 @@ class Journal:
     def __init__(self, path: str) -> None:
         self.path = path
         self.lock = threading.Lock()
+        outfiles.claim(path, "--state", outfiles.is_journal, "a repair journal")
         self.done: dict[str, dict[str, Any]] = {
             rec["path"]: rec for rec in store.read(path) if isinstance(rec.get("path"), str)
         }
