@@ -49,7 +49,8 @@ Default (CI): the whole suite on 0.24.0 (every row applies), on 0.25.0 (46301 fi
 abort-before-scheduling and the CPU rows still applied) the release-sensitive tests and
 every end-to-end test (``LEAN``; its image tests only with ``--image-on-fixed``), the
 release-sensitive tests (``RELEASE_TESTS``) on a representative subset of the matrix:
-0.17.0 (flat-view shape, torch 2.10), 0.22.0 (2-D shape, clamp only) and 0.32.0 (fixed,
+0.17.0 (flat-view shape, torch 2.10), 0.19.1 (the last release before 0.20.0's fixes of
+issue 57's rows, torch 2.10: a new overlay only), 0.22.0 (2-D shape, clamp only) and 0.32.0 (fixed,
 newer buffer layout, torch 2.13); plus the static rows, 0.24.0 on py3.12 and the rows
 below. ``--extended`` adds the ``extended`` tests, 0.25.0 whole and 0.25.0 on py3.12:
 what CI leaves out to stay under 45 minutes (docs/testing.md lists it, with the times).
@@ -93,7 +94,7 @@ FULL = ["0.24.0", "0.25.0"]
 # workers). One file per worker (--dist loadfile): a file's module fixtures are built
 # once. The engine and image runs stay one at a time: each already uses every core.
 XDIST = ["-n", str(max(1, min(4, os.cpu_count() or 1))), "--dist", "loadfile"]
-SUBSET = ["0.17.0", "0.22.0", "0.32.0"]
+SUBSET = ["0.17.0", "0.19.1", "0.22.0", "0.32.0"]
 # Full releases whose CI row runs only what can differ by release: the release-sensitive
 # tests and every end-to-end test, not the release-independent rest (CLI, activation,
 # audit, repair units), which runs on 0.24.0. ``--extended`` (or ``--releases``) runs
@@ -113,6 +114,11 @@ RELEASE_TESTS = [
     "tests/test_cpu_build.py",
     "tests/test_hazards.py",
     "tests/test_patch_wraps.py",
+    # 0.17-0.19 rows (issue 57): the release's own config, drafter, proposer, connector
+    "tests/test_nested_text_config.py",
+    "tests/test_hidden_cache_dtype.py",
+    "tests/test_draft_column.py",
+    "tests/test_no_new_blocks.py",
     # verify on the release's live code: patched rows checked, fixed ones as upstream has them
     *(
         f"tests/test_cli.py::test_verify_{name}"

@@ -56,6 +56,11 @@ def test_a_patched_hazard_spans_the_releases_its_bug_is_in() -> None:
         "cpu-amx-gdn-conv-state": ">=0.22.0,<0.26.0",
         "prefix-cache-slicing": ">=0.22.0,<0.24.0",
         "every-rank-writes": ">=0.17.0,<0.24.0",
+        # issue 57: read in the 0.17.0-0.20.0 wheels
+        "nested-text-config": ">=0.17.0,<0.20.0",
+        "hidden-cache-dtype": ">=0.17.0,<0.20.0",
+        "draft-column": ">=0.17.0,<0.20.0",
+        "no-new-blocks": ">=0.17.0,<0.18.0",
     }
     got = {h.id: h.releases for h in hazards.HAZARDS if h.action == hazards.PATCH}
     assert got == stated

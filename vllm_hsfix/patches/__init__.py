@@ -29,6 +29,11 @@ UNITS = (
     "cpu_gdn_wide_conv_state",
     "atomic_writes",
     "cpu_dist_name",
+    # 0.17-0.19: an engine that fails to start, or dies from one request (issue 57)
+    "nested_text_config",
+    "hidden_cache_dtype",
+    "draft_column",
+    "no_new_blocks",
 )
 PATCHES: tuple[PatchSpec, ...] = tuple(
     importlib.import_module(f"{__name__}.{unit}").ROW for unit in UNITS

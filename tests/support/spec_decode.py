@@ -1,0 +1,72 @@
+"""The engine's configs for the hidden-states method, built from the release's own
+classes on tiny checkpoints (tests of the 0.17-0.19 rows, issue 57): no engine starts
+(vLLM's CPU build runs no speculative method before 0.22)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+AUX_LAYERS = [1, 2]
+
+
+def qwen3_vl_checkpoint(path: Path) -> Path:
+    """A Qwen3-VL checkpoint at toy size, from transformers' own classes: Qwen3-VL-2B's
+    head dim (128), grouped KV heads, interleaved M-RoPE sections and deepstack vision
+    tower, with a nested ``text_config`` (model_type ``qwen3_vl_text``)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if (path / "config.json").exists():
+        return path
+    rope = {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+    text = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                max_position_embeddings=4096, rope_scaling=rope, rope_theta=5000000.0,
+                tie_word_embeddings=True)  # fmt: skip
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=256, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0])  # fmt: skip
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def model_config(path: Path) -> Any:
+    """The release's ``ModelConfig`` of a checkpoint, as the engine builds it."""
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(path), dtype="bfloat16", max_model_len=256,
+                       skip_tokenizer_init=True)  # fmt: skip
+
+
+def speculative_config(target: Any) -> Any:
+    """The release's ``SpeculativeConfig`` for ``extract_hidden_states``, as vLLM builds
+    it from ``--speculative-config`` (the aux layers in the draft's hf_config)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(
+        method="extract_hidden_states",
+        num_speculative_tokens=1,
+        draft_model_config={"hf_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}},
+        target_model_config=target,
+        target_parallel_config=ParallelConfig(),
+    )
+
+
+def engine_config(path: Path, cache_dtype: str = "auto", **engine: Any) -> Any:
+    """The release's ``VllmConfig`` of an extraction engine on ``path``, built as
+    ``LLM(...)`` and ``vllm serve`` build it (``EngineArgs.create_engine_config``)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(path), dtype="bfloat16", max_model_len=256, skip_tokenizer_init=True,
+        max_num_seqs=8, kv_cache_dtype=cache_dtype, enforce_eager=True,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {
+                                "eagle_aux_hidden_state_layer_ids": AUX_LAYERS}}},
+        **engine,
+    )  # fmt: skip
+    return args.create_engine_config()
