@@ -125,8 +125,9 @@ def test_verify_cpu_json_passes_on_the_real_release(verified: dict) -> None:
     # Every row of the register, judged on the patches as they are in this process.
     assert set(verified["hazards"]) == {
         "abort-before-scheduling", "drafter-skip", "prefix-cache-slicing",
-        "aux-final-layer-dropped", "torn-files", "torn-files-in-step",
-        "cpu-amx-gdn-conv-state", "cpu-amx-gdn-stale-tiles",
+        "aux-final-layer-dropped", "torn-files", "torn-files-in-step", "every-rank-writes",
+        "cpu-amx-gdn-conv-state", "cpu-amx-gdn-stale-tiles", "nested-text-config",
+        "hidden-cache-dtype", "draft-column", "no-new-blocks",
     }  # fmt: skip
 
 
@@ -161,7 +162,7 @@ def test_verify_leaves_out_the_connector_before_it_reads_its_block_size(verified
             marks=pytest.mark.applies("hidden-group-block-size"),  # 0.24.x
         ),
         pytest.param(
-            {"abort-before-scheduling": "patched", "drafter-skip": "checked-at-start"},
+            {"abort-before-scheduling": "patched", "drafter-skip": "patched"},
             marks=pytest.mark.hazard("drafter-skip"),  # 0.25-0.28
         ),
         pytest.param(

@@ -20,10 +20,12 @@ from vllm_hsfix import hazards
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_vllm]
 
 
-def run_script(script: str, args: dict[str, Any], work: Path, marker: str) -> dict[str, Any]:
+def run_script(
+    script: str, args: dict[str, Any], work: Path, marker: str, **env_: str
+) -> dict[str, Any]:
     """Run ``tests/support/children/<script>`` with ``args`` in a fresh interpreter
     (in-process engine); return the JSON it prints after ``marker``."""
-    env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **env_)
     proc = run_child(script, args, work, env=env, timeout=900)
     result: dict[str, Any] = marked_json(proc, marker + " ")
     print(f"vLLM {INSTALL.version}: {json.dumps(result, indent=1)[:6000]}")
@@ -104,9 +106,12 @@ def prefix_prompts() -> dict[str, list[int]]:
     return {"W": [*base, 5], "S": [*base, 6], "R": rand(10), "P": [*base, 7], "Q": rand(20)}
 
 
-@pytest.fixture(scope="module")
-def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("prefix")
+SLICING, SKIP = "prefix-cache-slicing", "drafter-skip"
+# The rows that fix the two prefix hazards: disabled, the release alone.
+ROWS = {SLICING: "slots-from-blocks", SKIP: "drafter-skip-guard"}
+
+
+def prefix_case(work: Path, **env: str) -> dict[str, Any]:
     args = {
         "model": str(model_dir()),
         "aux_ids": AUX_IDS,
@@ -114,35 +119,50 @@ def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "prompts": prefix_prompts(),
         "max_model_len": PREFIX_MAX_MODEL_LEN,
     }
-    result = run_script("prefix_case.py", args, work, "HSFIX_PREFIX_RESULT")
+    result = run_script("prefix_case.py", args, work, "HSFIX_PREFIX_RESULT", **env)
     assert result["error"] is None, result["error"]
     result["files"] = compare_files(result["paths"], prefix_prompts())
     print(json.dumps(result["files"]))
     return result
 
 
-SLICING, SKIP = "prefix-cache-slicing", "drafter-skip"
+@pytest.fixture(scope="module")
+def prefix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """vllm-hsfix as a user runs it."""
+    return prefix_case(tmp_path_factory.mktemp("prefix"))
 
 
-@pytest.mark.no_hazard(SLICING)
-def test_prefix_hit_alone_is_right(prefix_run: dict[str, Any]) -> None:
-    """S (64 of 65 tokens from the prefix cache, alone in its step) and W (the first,
-    nothing cached): right; the audit finds no slicing in S's file."""
+@pytest.fixture(scope="module")
+def release_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same engine with the prefix hazards' rows disabled: the release's own code."""
+    disabled = ",".join(ROWS.values())
+    return prefix_case(tmp_path_factory.mktemp("alone"), VLLM_HSFIX_DISABLED_PATCHES=disabled)
+
+
+def test_prefix_files_are_right(prefix_run: dict[str, Any]) -> None:
+    """Every release: W (fills the cache), S (64 of 65 tokens from the prefix cache,
+    alone), R (decodes), P (a hit but for one token) and Q (new) beside R's decode:
+    every file right row by row, the drafter run in every step, no WARNING."""
     files = prefix_run["files"]
-    assert right(files["W"]) and right(files["S"]), (files["W"], files["S"])
-    _, found = audit(prefix_run["paths"]["S"])
-    assert SLICING not in found.values(), found
+    assert all(right(files[r]) for r in "WSRPQ"), files
+    assert all(prefix_run["fits"]), prefix_run["fits"]
+    assert prefix_run["hsfix_warnings"] == [], prefix_run["hsfix_warnings"]
+    for hazard, row in ROWS.items():
+        if hazards.by_id(hazard).affects(RELEASE):
+            assert prefix_run["patches"][row] == "applied", prefix_run["patches"]
 
 
 @pytest.mark.hazard(SLICING)
-def test_prefix_hit_alone_is_cut_short_and_the_audit_names_it(prefix_run: dict[str, Any]) -> None:
-    """0.22-0.23: S comes out wrong, short of rows; the audit's finding on it names the
-    hazard (fewer rows than token ids). W stays right."""
-    files = prefix_run["files"]
+def test_prefix_hit_alone_is_cut_short_and_the_audit_names_it(
+    release_alone: dict[str, Any],
+) -> None:
+    """0.22-0.23, the release alone: S comes out wrong, short of rows; the audit's
+    finding on it names the hazard (fewer rows than token ids). W stays right."""
+    files = release_alone["files"]
     assert right(files["W"]), files["W"]
     assert not right(files["S"]), files["S"]
     assert files["S"]["shape"][0] < len(prefix_prompts()["S"]), files["S"]
-    verdict, found = audit(prefix_run["paths"]["S"])
+    verdict, found = audit(release_alone["paths"]["S"])
     assert found.get("token_mismatch") == SLICING and verdict == "corrupt", found
 
 
@@ -154,49 +174,21 @@ def audit(path: str) -> tuple[str, dict[str, str | None]]:
     return rep.verdict, {p.code: p.hazard for p in rep.problems}
 
 
-# P (a prefix hit but for one token) and Q (new) arrive while R decodes; R is right.
-@pytest.mark.no_hazard(SLICING, SKIP)
-def test_padded_prefix_hit_with_a_decode_is_right(prefix_run: dict[str, Any]) -> None:
-    files = prefix_run["files"]
-    assert all(prefix_run["fits_after_pq"]), prefix_run["fits_after_pq"]
-    assert right(files["R"]) and right(files["P"]) and right(files["Q"]), files
-
-
 @pytest.mark.hazard(SKIP)
-def test_padded_prefix_hit_skips_the_drafter(prefix_run: dict[str, Any]) -> None:
-    """0.25-0.28: P is padded to max_model_len and the drafter skipped for that step: P's
-    last row and every row of Q are never written."""
-    files, p = prefix_run["files"], prefix_prompts()
+def test_padded_prefix_hit_skips_the_drafter(release_alone: dict[str, Any]) -> None:
+    """0.25-0.28, the release alone: P is padded to max_model_len and the drafter skipped
+    for that step: P's last row and every row of Q are never written."""
+    files, p = release_alone["files"], prefix_prompts()
     assert right(files["R"]), files["R"]
-    assert False in prefix_run["fits_after_pq"], prefix_run["fits_after_pq"]
+    assert False in release_alone["fits_after_pq"], release_alone["fits_after_pq"]
     assert files["P"]["wrong_positions"] == [len(p["P"]) - 1], files["P"]
     assert files["Q"]["wrong_positions"] == list(range(len(p["Q"]))), files["Q"]
 
 
 @pytest.mark.hazard(SLICING)
-def test_padded_prefix_hit_with_a_decode_is_sliced_wrong(prefix_run: dict[str, Any]) -> None:
-    """0.22-0.23: the step's slot mapping is sliced from offset 0 while R's decode comes
-    first: P or Q wrong."""
-    files = prefix_run["files"]
+def test_padded_prefix_hit_with_a_decode_is_sliced_wrong(release_alone: dict[str, Any]) -> None:
+    """0.22-0.23, the release alone: the step's slot mapping is sliced from offset 0
+    while R's decode comes first: P or Q wrong."""
+    files = release_alone["files"]
     assert right(files["R"]), files["R"]
     assert not (right(files["P"]) and right(files["Q"])), (files["P"], files["Q"])
-
-
-@pytest.mark.no_hazard(SLICING, SKIP)
-def test_prefix_engine_start_says_nothing_without_the_hazards(prefix_run: dict[str, Any]) -> None:
-    assert prefix_run["hsfix_warnings_at_start"] == [], prefix_run["hsfix_warnings_at_start"]
-    assert prefix_run["config_checks"] == {"checked": [], "triggered": {}}, prefix_run
-
-
-@pytest.mark.hazard(SLICING, SKIP)
-def test_prefix_engine_start_warns_per_register(prefix_run: dict[str, Any]) -> None:
-    """refuse-config at a real engine start, the same start whose files show the damage:
-    block size 16, max_model_len 66, prefix caching on is drafter-skip's trigger on
-    0.25-0.28 and prefix-cache-slicing's on 0.22-0.23: one WARNING naming the hazard and
-    the setting (drafter-skip's: the length too)."""
-    (want,) = [h for h in (SLICING, SKIP) if hazards.by_id(h).affects(RELEASE)]
-    (warning,) = prefix_run["hsfix_warnings_at_start"]
-    assert warning.startswith(f"hazard {want} on vLLM {RELEASE}"), warning
-    assert "--no-enable-prefix-caching" in warning, warning
-    assert want == SLICING or "--max-model-len 65" in warning, warning
-    assert list(prefix_run["config_checks"]["triggered"]) == [want], prefix_run["config_checks"]

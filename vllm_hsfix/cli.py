@@ -78,7 +78,6 @@ def static_status() -> dict[str, Any]:
         "hazards": hazards.assess_all(
             inst.release if inst.present else None,
             codes,
-            not cfg.disabled,
             inst.cpu_build,
             hazards.cpu_has_amx(),
         ),

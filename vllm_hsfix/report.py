@@ -100,15 +100,6 @@ def _extra_in_effect(extra_id: str) -> bool:
     return rep is not None and rep.in_effect()
 
 
-def _config_checked(release: str | None) -> list[str]:
-    """The ``refuse-config`` hazards checked at engine start in this process."""
-    if not (release and _extra_in_effect("refuse-config")):
-        return []
-    from . import hazards
-
-    return [h.id for h in hazards.refuse_config(release)]
-
-
 def status_dict() -> dict[str, Any]:
     from . import tested  # reads tested.json: not at activation
 
@@ -129,10 +120,6 @@ def status_dict() -> dict[str, Any]:
         "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
         "verify": STATE.verify,
         "provenance": _extra_in_effect("provenance"),
-        "config_checks": {
-            "checked": _config_checked(inst.release),
-            "triggered": dict(STATE.config_hazards),
-        },
         "errors": list(STATE.errors) + _lazy.errors(),
     }
 

@@ -23,7 +23,6 @@ from .patches import CONNECTOR, EXTRAS, MODULES, PATCH_IDS, PATCHES
 from .state import STATE, Record
 
 if TYPE_CHECKING:
-    from .hazards import Hazard
     from .patches.hooks import Hooks
 
 log = logging.getLogger(__name__)
@@ -287,7 +286,6 @@ def _install_extras() -> None:
         release=(STATE.install.release if STATE.install else None) or "",
         applied=tuple(r.patch for r in STATE.records.values() if r.status == APPLIED),
         after_register=_after_register,
-        on_hazard=_on_config_hazard,
         on_error=internal_error,
         metadata=report.provenance_metadata,
     )
@@ -304,23 +302,6 @@ def _install_extras() -> None:
                 internal_error(f"{extra.id} check not installed: {exc!r}", exc)
             else:
                 log.warning("%s not hooked: %r", extra.id, exc)
-
-
-def _on_config_hazard(hazard: Hazard, message: str) -> None:
-    """A setting at engine start triggers a hazard: one WARNING, or in strict mode an
-    error out of the connector's __init__, so the engine fails to start."""
-    with LOCK:
-        STATE.config_hazards[hazard.id] = message
-        report.write_status_file()
-        strict = STATE.config is not None and STATE.config.strict
-    if not strict:
-        log.warning("%s", message)
-        return
-    log.error("%s", message)
-    raise HsfixError(
-        f"strict mode ({config.STRICT}=1): refusing to start: {message} "
-        f"(or run without {config.STRICT}=1 to start with this WARNING)"
-    )
 
 
 def unapply() -> None:

@@ -63,8 +63,6 @@ class State:
         self.errors: list[str] = []
         # unapply() was called: only an explicit apply() patches this process again.
         self.unapplied = False
-        # refuse-config: hazard id -> the WARNING an engine start in this process gave.
-        self.config_hazards: dict[str, str] = {}
 
 
 STATE = State()

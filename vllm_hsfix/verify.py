@@ -83,9 +83,7 @@ def _verdict(out: dict[str, Any], results: list[dict[str, Any]]) -> tuple[int, d
     out["checks"] = results
     codes = {k: v["code"] for k, v in st["patches"].items()}
     v = st["vllm"]
-    out["hazards"] = hazards.assess_all(
-        v["release"], codes, st["enabled"], v["cpu_build"], hazards.cpu_has_amx()
-    )
+    out["hazards"] = hazards.assess_all(v["release"], codes, v["cpu_build"], hazards.cpu_has_amx())
     bad = report.records_not_in_place()
     if bad:
         out["error"] = "the fix is not in place: " + "; ".join(bad)

@@ -24,7 +24,9 @@ UNITS = (
     "abort_before_scheduling",
     "cpu_connector_save",
     "slots_from_blocks",  # after cpu_connector_save: its save wrapper goes outside
+    "atomic_writes_in_step",  # 0.17-0.21's in-step writer; the rank check goes outside
     "tp_rank_zero_writes",  # outside both save wrappers: a rank other than 0 saves nothing
+    "drafter_skip_guard",
     "cpu_sampler_fp64_flag",
     "cpu_gdn_wide_conv_state",
     "atomic_writes",
@@ -75,17 +77,6 @@ EXTRAS: tuple[Extra, ...] = (
             "written under, so audit and repair know what wrote it"
         ),
         impl="vllm_hsfix.provenance",
-    ),
-    Extra(
-        "refuse-config",
-        "ExampleHiddenStatesConnector.__init__",
-        when="the release has hazards whose trigger is a setting (hazards.refuse_config)",
-        why=(
-            "check those settings when the scheduler builds its connector: one WARNING, or "
-            "a refusal to start in strict mode"
-        ),
-        impl="vllm_hsfix.hazards",
-        required=True,
     ),
 )
 

@@ -1,11 +1,13 @@
-"""Live checks of the connector's write path (``cpu-connector-save``, ``atomic-writes``):
-save a request through the live connector, read a file once its ``.lock`` is released."""
+"""The connector's write path: where the atomic-writes rows write before the rename, and
+the live checks (``cpu-connector-save``, ``atomic-writes``): save a request through the
+live connector, read a file once its ``.lock`` is released."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import secrets
 import tempfile
 import threading
 import time
@@ -18,6 +20,21 @@ TMP_SUFFIX = ".hsfix-tmp"
 NUM_BLOCKS, BLOCK_SIZE, HEAD = 5, 4, 3
 HEADS = BLOCK_SIZE
 CHECK_LAYER = "cache_only_layers.0"
+
+
+def temp_path(filename: str) -> str:
+    """A fresh name next to ``filename`` (same directory, so the rename is atomic): the
+    atomic-writes rows write there, then rename."""
+    head, tail = os.path.split(filename)
+    return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_case(

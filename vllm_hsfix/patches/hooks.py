@@ -24,6 +24,5 @@ class ExtraContext:
     release: str
     applied: tuple[Any, ...]
     after_register: Callable[[Any], None]  # a worker registered its KV caches
-    on_hazard: Callable[[Any, str], None]  # a setting triggers a hazard (strict: raises)
     on_error: Callable[[str, BaseException], None]
     metadata: Callable[[], dict[str, str]]  # provenance keys of a file written now

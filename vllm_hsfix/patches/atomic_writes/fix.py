@@ -9,13 +9,12 @@ import contextlib
 import importlib
 import inspect
 import os
-import secrets
 import textwrap
 from typing import Any
 
 from ... import checks
 from ...shapes import Probe
-from .._connector_io import TMP_SUFFIX, check_writer
+from .._connector_io import check_writer, fsync, temp_path
 from .._probe import calls, definition, expect, finds, fingerprints, params, probes
 from .._wrap import Replacement, arg, original_of, subclasses, wrap
 from ..hooks import Hooks
@@ -28,20 +27,6 @@ SHAPE = "write-in-place"
 HOOK = "__init_subclass__"
 
 
-def temp_path(filename: str) -> str:
-    """A fresh name next to ``filename`` (same directory, so the rename is atomic)."""
-    head, tail = os.path.split(filename)
-    return os.path.join(head, f".{tail}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-
-
-def _fsync(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomically(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -52,11 +37,11 @@ def write_atomically(
     tmp = temp_path(filename)
     try:
         wrapped(tensors, event, tmp, None)
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, filename)
         # The rename itself on disk; some file systems cannot fsync a directory.
         with contextlib.suppress(OSError):
-            _fsync(os.path.dirname(filename) or ".", directory=True)
+            fsync(os.path.dirname(filename) or ".", directory=True)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
