@@ -35,25 +35,6 @@ def dense() -> Any:
     return tiny_model.build(CACHE / "models" / "dense", "dense")
 
 
-def proposer(path: Any) -> tuple[Any, Any]:
-    """The release's proposer on an engine config, its drafter model loaded as the
-    runner loads it, its hidden-states KV cache allocated from the layer's own spec."""
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
-    from vllm.v1.worker.utils import bind_kv_cache
-
-    config = spec_decode.engine_config(path)
-    with set_current_vllm_config(config):
-        drafter = ExtractHiddenStatesProposer(config, torch.device("cpu"))
-        drafter.load_model(None)
-        (name,) = drafter.attn_layer_names
-        spec = config.compilation_config.static_forward_context[name].get_kv_cache_spec(config)
-        kv = torch.zeros(8, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype)
-        bind_kv_cache({name: kv}, config.compilation_config.static_forward_context, [])
-    return drafter, kv
-
-
 def propose(drafter: Any) -> Any:
     """``propose`` as ``GPUModelRunner.propose_draft_token_ids`` calls it on a decode step
     (0.17.x also passes the step's scheduler output and gets a pair back)."""
@@ -126,7 +107,7 @@ def test_unpatched_release_hands_the_runner_every_column(dense: Any) -> None:
     vllm_hsfix.unapply()
     module = importlib.import_module(ROW.module)
     assert getattr(module.ExtractHiddenStatesProposer.propose, "hsfix_patch", None) is None
-    drafter, _ = proposer(dense)
+    drafter, _ = spec_decode.proposer(dense)
     draft = propose(drafter)
     assert draft.shape[:2] == (2, 2)
     for use_async, outputs in COPIES.values():
@@ -144,7 +125,7 @@ def test_patched_release_proposes_one_token_per_request(
 
     importlib.import_module(ROW.module)
     assert patched.status()["patches"][ROW.id]["status"] == "applied"
-    drafter, kv = proposer(dense)
+    drafter, kv = spec_decode.proposer(dense)
     draft = propose(drafter)
     assert tuple(draft.shape) == (2, 1)
     tokens, req_ids = runner_copy(drafter.vllm_config, draft, *COPIES[copy])

@@ -1,6 +1,6 @@
 """The engine's configs for the hidden-states method, built from the release's own
-classes on tiny checkpoints (tests of the 0.17-0.19 rows, issue 57): no engine starts
-(vLLM's CPU build runs no speculative method before 0.22)."""
+classes on tiny checkpoints (tests of the 0.17-0.19 rows, issue 57, and of the proposer's
+rows on every release): no engine starts."""
 
 from __future__ import annotations
 
@@ -70,3 +70,34 @@ def engine_config(path: Path, cache_dtype: str = "auto", **engine: Any) -> Any:
         **engine,
     )  # fmt: skip
     return args.create_engine_config()
+
+
+def proposer(path: Any) -> tuple[Any, Any]:
+    """The release's proposer on an engine config, its drafter model loaded as the
+    runner loads it, its hidden-states KV cache allocated from the layer's own spec."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+    from vllm.v1.worker.utils import bind_kv_cache
+
+    config = engine_config(path)
+    with set_current_vllm_config(config):
+        drafter = ExtractHiddenStatesProposer(config, torch.device("cpu"))
+        drafter.load_model(None)
+        (name,) = drafter.attn_layer_names
+        spec = config.compilation_config.static_forward_context[name].get_kv_cache_spec(config)
+        kv = torch.zeros(8, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype)
+        bind_kv_cache({name: kv}, config.compilation_config.static_forward_context, [])
+    return drafter, kv
+
+
+def bare_proposer(path: Path) -> Any:
+    """The release's proposer as the runner constructs it, its drafter not loaded (what
+    the runner calls between steps needs none; 0.32's loader needs an accelerator)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+
+    config = engine_config(path)
+    with set_current_vllm_config(config):
+        return ExtractHiddenStatesProposer(config, torch.device("cpu"))

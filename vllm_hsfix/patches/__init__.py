@@ -27,6 +27,7 @@ UNITS = (
     "atomic_writes_in_step",  # 0.17-0.21's in-step writer; the rank check goes outside
     "tp_rank_zero_writes",  # outside both save wrappers: a rank other than 0 saves nothing
     "drafter_skip_guard",
+    "next_token_last_valid",
     "cpu_sampler_fp64_flag",
     "cpu_gdn_wide_conv_state",
     "atomic_writes",

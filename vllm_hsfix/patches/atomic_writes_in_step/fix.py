@@ -77,8 +77,7 @@ def shape_check(tree: ast.Module) -> Probe:
             params(save)[:4] == ("self", "layer_name", "kv_layer", "attn_metadata")
         ),
         f"{SAVE} saves each request of self._get_connector_metadata() at request.filename": (
-            "self._get_connector_metadata()" in source
-            and "request.filename" in source
+            "self._get_connector_metadata()" in source and "request.filename" in source
         ),
     }
     return expect(SHAPE, "save_file at the final path inside the step", wanted)
