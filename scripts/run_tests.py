@@ -143,6 +143,9 @@ RELEASE_TESTS = [
 NEXT_RELEASE_TESTS = "tests/test_next_release.py"
 # The newest release's row also runs these engine tests (what no older row can show).
 NEWEST_E2E = [NEXT_RELEASE_TESTS, "tests/test_provenance_engine.py"]
+# Engine tests a subset row runs besides its release-sensitive tests: what only that
+# release shows (0.22.0: prefix caching and tensor parallelism, issue 54's rows).
+SUBSET_E2E = {"0.22.0": ["tests/test_prefix_cache.py", "tests/test_tensor_parallel_writes.py"]}
 STATIC_TESTS = [
     NEXT_RELEASE_TESTS,
     "tests/test_plan.py",
@@ -200,11 +203,17 @@ GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
 # speculators' real pipeline (tests/test_speculators.py): `vllm serve` as its launcher
 # starts it, `speculators generate-offline-data` and the online ArrowDataset path, from
 # the layers of scripts/locks/{hs-connectors,speculators}-0.9.0.txt over the release venv
-# (nothing in the venv moves). CI: 0.24.0 (the release 46301 is for); --extended adds
-# 0.25.0 and the fp8 failing-first case.
-SPECULATORS_RELEASES = ["0.24.0"]
+# (nothing in the venv moves). CI: 0.24.0 (the release 46301 is for) and 0.22.0 (its
+# file-backend run, SPECULATORS_PART); --extended adds 0.25.0, the fp8 failing-first case
+# and the rest of 0.22.0's.
+SPECULATORS_RELEASES = ["0.24.0", "0.22.0"]
 SPECULATORS_EXTENDED = ["0.25.0"]
 SPECULATORS_TESTS = ["tests/test_speculators.py", "tests/test_aux_final_layer.py"]
+# A release whose row runs part of them: 0.22.0, speculators' own minimum (prefix caching
+# on, a template longer than a block, 8 concurrent requests: prefix-cache-slicing's case).
+SPECULATORS_PART = {
+    "0.22.0": ["tests/test_speculators.py::test_pipeline_writes_right_hidden_states[file]"]
+}
 # The release whose own files are the oracle of a backport run in the speculators row
 # (tests/test_aux_final_layer.py: 0.25.0 ships PR 46973); its overlay is built for the
 # row and named in VLLM_HSFIX_ORACLE_OVERLAY.
@@ -401,7 +410,8 @@ def speculators_rows(
         oracle = next((o for r, _, o in envs if r == SPECULATORS_ORACLE), None)
         env["VLLM_HSFIX_ORACLE_OVERLAY"] = str(oracle or "")
         marker = "speculators" + ("" if args.extended else " and not extended")
-        pytest_into(row, py, ["-m", marker, *SPECULATORS_TESTS], env, args.pytest_args)
+        tests = SPECULATORS_PART.get(release, SPECULATORS_TESTS) if not args.extended else None
+        pytest_into(row, py, ["-m", marker, *(tests or SPECULATORS_TESTS)], env, args.pytest_args)
     return rows
 
 
@@ -580,10 +590,11 @@ def main() -> int:
             continue
         if files:  # a subset release: release-sensitive tests only, none of them e2e
             pytest_into(row, py, ["-m", marker, *XDIST, *files], env, user)
-            if release == max(matrix.RELEASES, key=matrix.releases.key) and not args.fast:
-                # The next release, simulated on the newest overlay: an engine run, a serve.
-                e2e_args = ["-m", base + " and e2e", *NEWEST_E2E]
-                pytest_into(row, py, e2e_args, env, user, part="-e2e")
+            newest = release == max(matrix.RELEASES, key=matrix.releases.key)
+            # The newest: the next release simulated on its overlay (an engine run, a serve).
+            e2e = NEWEST_E2E if newest else SUBSET_E2E.get(release)
+            if e2e and not args.fast:
+                pytest_into(row, py, ["-m", base + " and e2e", *e2e], env, user, part="-e2e")
             continue
         # A whole row: what needs no engine in parallel, the engine and image runs after
         # it one at a time (each uses both cores).

@@ -18,7 +18,7 @@ from conftest import connector
 from vllm_hsfix import checks
 from vllm_hsfix.patches import PATCHES
 from vllm_hsfix.patches._wrap import FunctionSwap, HsfixWrapper, Replacement
-from vllm_hsfix.patches.cpu_zero_blocks import fix as zero_patch
+from vllm_hsfix.patches.cpu_zero_blocks import checks as zero_checks
 from vllm_hsfix.state import STATE
 
 pytestmark = pytest.mark.needs_vllm
@@ -258,7 +258,7 @@ def runner_class() -> type:
 @pytest.mark.parametrize("how", ["stand-in as self", "override calling super()", "per-group lists"])
 def test_zeroing_however_called(patched: Any, how: str) -> None:
     cls = runner_class()
-    runner, bufs = zero_patch.cpu_runner_case(cls)
+    runner, bufs = zero_checks.cpu_runner_case(cls)
     if how == "stand-in as self":
         # no num_blocks on the config: the first axis is the block axis, as upstream indexes
         stub = SimpleNamespace(
@@ -266,7 +266,7 @@ def test_zeroing_however_called(patched: Any, how: str) -> None:
             compilation_config=runner.compilation_config,
         )
         cls._zero_block_ids(stub, [2, 5])
-        assert zero_patch.zeroed_blocks(bufs["shared"]) == [2, 5]
+        assert zero_checks.zeroed_blocks(bufs["attention"]) == [2, 5]
     elif how == "override calling super()":
 
         class Runner(cls):  # type: ignore[misc, valid-type]
@@ -276,12 +276,12 @@ def test_zeroing_however_called(patched: Any, how: str) -> None:
         sub = Runner.__new__(Runner)
         sub.__dict__.update(runner.__dict__)
         sub._zero_block_ids(block_ids=[2, 5])
-        assert zero_patch.zeroed_blocks(bufs["shared"]) == [2, 5]
+        assert zero_checks.zeroed_blocks(bufs["attention"]) == [2, 5]
     else:
         groups = runner.kv_cache_config.kv_cache_groups
         per_group = [[3] if i == 1 else [] for i in range(len(groups))]  # group 1: attention
         runner._zero_block_ids(per_group)
-        assert zero_patch.zeroed_blocks(bufs["shared"]) == [3]
+        assert zero_checks.zeroed_blocks(bufs["attention"]) == [3]
         if "hidden" in bufs:  # its own group got no ids
             assert bool(bufs["hidden"].isnan().all())
-    assert bool(torch.isnan(bufs["shared"][[0, 1, 4, 6, 7]]).all())
+    assert bool(torch.isnan(bufs["attention"][[0, 1, 4, 6, 7]]).all())

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_hsfix.patches.cpu_zero_blocks import checks as zero_checks
 from vllm_hsfix.patches.cpu_zero_blocks import fix as patch
 
 pytestmark = pytest.mark.needs_vllm
@@ -18,8 +19,11 @@ NUM_BLOCKS = 8
 
 
 def _runner(kv_split: int = 1) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A real CPUModelRunner with a hybrid layout full of NaN (``cpu_runner_case``)."""
-    return patch.cpu_runner_case(importlib.import_module(RUNNER_MODULE).CPUModelRunner, kv_split)
+    """A real CPUModelRunner with a hybrid layout full of NaN (``cpu_runner_case``), its
+    attention cache in the release's own layout (0.22-0.23: K and V first)."""
+    return zero_checks.cpu_runner_case(
+        importlib.import_module(RUNNER_MODULE).CPUModelRunner, kv_split
+    )
 
 
 def _zeroed_blocks(t: torch.Tensor) -> list[int]:
@@ -33,7 +37,7 @@ def test_the_release_method_leaves_stale_bytes(patched: Any) -> None:
     runner, bufs = _runner()
     live = type(runner).__dict__[patch.METHOD]
     live.__wrapped__(runner, [2, 5])
-    assert _zeroed_blocks(bufs["shared"]) == [] and bool(bufs["shared"].isnan().all())
+    assert _zeroed_blocks(bufs["attention"]) == [] and bool(bufs["attention"].isnan().all())
 
 
 @pytest.mark.applies("cpu-zero-blocks")
@@ -43,12 +47,12 @@ def test_patched_runner_zeroes_exactly_the_listed_blocks(patched: Any, kv_split:
     assert patched.status()["patches"][patch.PATCH_ID]["status"] == "applied"
     runner, bufs = _runner(kv_split)
     runner._zero_block_ids([2, 5])
-    assert _zeroed_blocks(bufs["shared"]) == [2, 5]
+    assert _zeroed_blocks(bufs["attention"]) == [2, 5]
     assert _zeroed_blocks(bufs["hidden"]) == [2, 5]
     untouched = [b for b in range(NUM_BLOCKS) if b not in (2, 5)]
-    assert bool(bufs["shared"][untouched].isnan().all())
+    assert bool(bufs["attention"][untouched].isnan().all())
     runner._zero_block_ids([])  # the scheduler's "nothing new" is a no-op
-    assert _zeroed_blocks(bufs["shared"]) == [2, 5]
+    assert _zeroed_blocks(bufs["attention"]) == [2, 5]
 
 
 @pytest.mark.applies("cpu-zero-blocks")

@@ -5,8 +5,6 @@ do (docs/patches.md). Goes when: 0.24.x is no longer supported.
 from __future__ import annotations
 
 import ast
-import importlib
-from types import SimpleNamespace
 from typing import Any
 
 from ... import checks
@@ -14,6 +12,7 @@ from ...shapes import Probe, attribute_chains
 from .._probe import calls, definition, expect, fingerprints, params, probes
 from .._wrap import Replacement, arg, wrap
 from ..hooks import Hooks
+from .checks import check_zeroing
 
 PATCH_ID = "cpu-zero-blocks"
 ATTRIBUTE = "CPUModelRunner"
@@ -55,27 +54,32 @@ def _views(runner: Any) -> list[Any]:
     return _distinct([t for _, views in _views_by_group(runner) for t in views])
 
 
+def _block_axis(kv: Any, num_blocks: int | None) -> tuple[int, int]:
+    """(axis, rows per block) of a KV-cache view: blocks first (0.24.0 on), or K and V
+    first, ``[2, blocks, ...]`` (0.22-0.23's CPU attention); a view split into kernel
+    blocks has ``ratio`` rows per block. Without a known block count: the first axis."""
+    kv_first = kv.dim() == 5 and kv.shape[0] == 2
+    axis = 1 if kv_first and (num_blocks is None or kv.shape[1] % num_blocks == 0) else 0
+    if num_blocks is None:
+        return axis, 1
+    if kv.shape[axis] % num_blocks == 0:
+        return axis, kv.shape[axis] // num_blocks
+    raise ValueError(
+        f"vllm-hsfix {PATCH_ID}: a KV-cache view of shape {tuple(kv.shape)} for "
+        f"{num_blocks} blocks; cannot tell which memory block ids address"
+    )
+
+
 def _zero_rows(kv: Any, block_ids: list[int], num_blocks: int | None) -> None:
-    """Zero ``block_ids`` of one blocks-first view; a view with ``ratio`` rows per
-    block (kernel blocks) has each block's rows zeroed. Without a known block count
-    (a config without ``num_blocks``) the first axis is taken as the block axis."""
+    """Zero ``block_ids`` of one view, every row of each (``_block_axis``)."""
     import torch
 
     if not block_ids:
         return
     ids = torch.tensor([int(b) for b in block_ids], dtype=torch.long)
-    rows = kv.shape[0]
-    if num_blocks is None or rows == num_blocks:
-        index = ids
-    elif num_blocks and rows % num_blocks == 0:
-        ratio = rows // num_blocks
-        index = (ids[:, None] * ratio + torch.arange(ratio)).reshape(-1)
-    else:
-        raise ValueError(
-            f"vllm-hsfix {PATCH_ID}: a KV-cache view has {rows} rows on its first axis "
-            f"for {num_blocks} blocks; cannot tell which memory block ids address"
-        )
-    kv.index_fill_(0, index.to(kv.device), 0)
+    axis, ratio = _block_axis(kv, num_blocks)
+    index = (ids[:, None] * ratio + torch.arange(ratio)).reshape(-1)
+    kv.index_fill_(axis, index.to(kv.device), 0)
 
 
 def zero_blocks(runner: Any, block_ids: list[Any]) -> None:
@@ -151,81 +155,3 @@ def verify(module: Any, ctx: checks.Context) -> list[dict[str, Any]]:
     splits = (1, 2) if ctx.shape is not None else (1,)
     name = f"{ATTRIBUTE}.{METHOD} zeroes exactly the listed blocks"
     return checks.one(name, lambda: check_zeroing(getattr(module, ATTRIBUTE), splits=splits))
-
-
-ZEROING_BLOCKS = 8
-
-
-def cpu_runner_case(cls: type, kv_split: int = 1) -> tuple[Any, dict[str, Any]]:
-    """A real ``CPUModelRunner`` (without its heavy ``__init__``) with a real hybrid
-    ``KVCacheConfig``: one buffer shared by mamba and attention, NaN everywhere."""
-    import torch
-    from vllm.config import CompilationConfig
-
-    k = importlib.import_module("vllm.v1.kv_cache_interface")
-    n = ZEROING_BLOCKS
-    shared = torch.full((n, 4096), float("nan"), dtype=torch.bfloat16)
-    attn = shared.view(n * kv_split, 2, 16 // kv_split, 128)  # CPU layout: blocks first
-    mamba = shared.view(torch.float32)[:, :1024]  # another group's view of the same bytes
-    hidden = torch.full((n, 16, 2, 256), float("nan"), dtype=torch.bfloat16)
-    groups = [
-        k.KVCacheGroupSpec(
-            ["model.layers.0.linear_attn"],
-            k.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
-        ),
-        k.KVCacheGroupSpec(
-            ["model.layers.1.self_attn.attn"],
-            k.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16),
-        ),
-    ]
-    buffers = {"shared": shared}
-    context: dict[str, Any] = {
-        "model.layers.0.linear_attn": SimpleNamespace(kv_cache=mamba),
-        "model.layers.1.self_attn.attn": SimpleNamespace(kv_cache=attn),
-    }
-    if hasattr(k, "HiddenStateCacheSpec"):
-        groups.append(
-            k.KVCacheGroupSpec(
-                ["cache_only_layers.0"],
-                k.HiddenStateCacheSpec(
-                    block_size=16, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
-                ),
-            )
-        )
-        context["cache_only_layers.0"] = SimpleNamespace(kv_cache=hidden)
-        buffers["hidden"] = hidden
-    runner = object.__new__(cls)
-    runner.kv_cache_config = k.KVCacheConfig(
-        num_blocks=n, kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    runner.compilation_config = CompilationConfig()
-    runner.compilation_config.static_forward_context = context
-    return runner, buffers
-
-
-def zeroed_blocks(t: Any) -> list[int]:
-    """Blocks of ``t`` (blocks first) whose bytes are all zero."""
-    flat = t.reshape(t.shape[0], -1)
-    return [b for b in range(t.shape[0]) if bool((flat[b] == 0).all())]
-
-
-def check_zeroing(
-    cls: type, blocks: tuple[int, ...] = (2, 5), splits: tuple[int, ...] = (1, 2)
-) -> list[str]:
-    """What is wrong after the live ``cls._zero_block_ids``: listed blocks must be zero,
-    others unchanged. ``splits``: kernel blocks per block in the attention view."""
-    problems: list[str] = []
-    for kv_split in splits:
-        runner, buffers = cpu_runner_case(cls, kv_split)
-        runner._zero_block_ids(list(blocks))
-        for name, buf in buffers.items():
-            got = zeroed_blocks(buf)
-            if got != list(blocks):
-                problems.append(
-                    f"kernel split {kv_split}: {name} buffer has blocks {got} zeroed, "
-                    f"expected {list(blocks)}"
-                )
-            others = [b for b in range(buf.shape[0]) if b not in blocks]
-            if not bool(buf[others].isnan().all()):
-                problems.append(f"kernel split {kv_split}: {name} buffer: unlisted blocks changed")
-    return problems
