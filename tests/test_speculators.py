@@ -159,3 +159,54 @@ def test_without_46301_files_are_wrong_validation_passes_audit_flags_every_one(
     assert rc == 1, report.get("totals", report)
     v = verdicts(report)
     assert len(v) == SAMPLES and set(v.values()) == {"corrupt"}, v
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching through speculators (0.22-0.23: slots-from-blocks). vLLM's CPU build
+# turns prefix caching off for the hybrid; a dense verifier keeps it on, its default.
+
+
+@pytest.fixture(scope="module")
+def dense() -> Path:
+    return tiny_model.build(CACHE / "models" / "dense", "dense")
+
+
+def hit_rate(log: Path) -> float:
+    """The largest prefix-cache hit rate the server logged (percent)."""
+    import re
+
+    rates = re.findall(r"Prefix cache hit rate: ([0-9.]+)%", log.read_text(errors="replace"))
+    return max(map(float, rates), default=0.0)
+
+
+def dense_run(tmp_path: Path, dense: Path, dataset: Path, off: str = "") -> list[int]:
+    """The dense verifier through the pipeline (file backend, offline); the samples
+    whose file is wrong against transformers."""
+    args = tuple(a for a in SERVE_ARGS if "mamba" not in a and a != "float32")
+    run = spec.pipeline(tmp_path, dense, dataset, "file", TARGET_LAYERS, args, off=off,
+                        with_online=False, concurrency=CONCURRENCY)  # fmt: skip
+    gen = run["generate"]
+    assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
+    assert hit_rate(tmp_path / "server.log") > 0, "no prefix-cache hit: the case is not run"
+    ref = hsrows.load(dense)
+    got = offline_rows(run["out"], "file")
+    want = [hsrows.rows(ref, ids, run["aux"]) for ids in prompts()]
+    wrong = [i for i, g in enumerate(got) if spec.worst(g, want[i]) >= THRESHOLD]
+    print(f"{'off: ' + off if off else 'patched'}: {len(wrong)} of {SAMPLES} files wrong")
+    return wrong
+
+
+def test_prefix_cached_prompts_write_right_files(
+    dense: Path, dataset: Path, tmp_path: Path
+) -> None:
+    """Every release: prefix caching on, half the prompts share a 144-token template, 8
+    requests at a time: every file right."""
+    assert dense_run(tmp_path, dense, dataset) == []
+
+
+@pytest.mark.applies("slots-from-blocks")
+def test_without_slots_from_blocks_prefix_cached_files_are_wrong(
+    dense: Path, dataset: Path, tmp_path: Path
+) -> None:
+    """Fails first (0.22-0.23): the release's own save on the same run."""
+    assert dense_run(tmp_path, dense, dataset, off="slots-from-blocks") != []
