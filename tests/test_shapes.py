@@ -169,6 +169,17 @@ STATED_SHAPES = {
     "cpu-gdn-wide-conv-state": {"0.17.0": None, "0.22.0": "narrow-state-kernels", "0.26.0": None},
     "atomic-writes": {"0.17.0": None, "0.22.0": "write-in-place"},
     "cpu-dist-name": {"0.17.0": "version-of-vllm"},
+    # issue 54 rows, read from the connector, scheduler and proposer of each release
+    "slots-from-blocks": {"0.17.0": "fixed", "0.22.0": "step-sliced", "0.24.0": "fixed"},
+    "atomic-writes-in-step": {"0.17.0": "save-file-in-step", "0.22.0": "fixed"},
+    "tp-rank-zero-writes": {"0.17.0": "every-rank-saves", "0.24.0": "fixed"},
+    "drafter-skip-guard": {"0.17.0": "fixed", "0.25.0": "pad-to-max-model-len", "0.29.0": "fixed"},
+    "next-token-last-valid": {"0.17.0": "first-column"},
+    # issue 57 rows
+    "nested-text-config": {"0.17.0": "flattened", "0.20.0": "fixed"},
+    "hidden-cache-dtype": {"0.17.0": "asserts-cache-dtype", "0.20.0": "fixed"},
+    "draft-column": {"0.17.0": "unsqueezed", "0.18.0": "whole", "0.20.0": "fixed"},
+    "no-new-blocks": {"0.17.0": "asserts-new-blocks", "0.18.0": "fixed"},
 }
 
 

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""What each of issue 54's rows costs in throughput: the same run with every row on,
+and with the row (or rows) turned off (``VLLM_HSFIX_DISABLED_PATCHES``), alternating so
+drift hits both alike. Throughput: prompt tokens per second of the generate call
+(waiting for the files included). The run without the row writes wrong files where its
+release has the bug; only its time is compared. Run from the repository root:
+
+    python3 benchmarks/bench_rows.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import vllm_env  # noqa: E402
+
+# (release, case, its settings over the case's, rows compared)
+SETS = (
+    # 16 prompts sharing a 140-token prefix, prefix caching on: prefix-cache hits
+    (
+        "0.22.0",
+        "dense-mp",
+        {"prompts": "shared", "engine": (("enable_prefix_caching", True), ("max_num_seqs", 8))},
+        "slots-from-blocks",
+    ),
+    # 128 concurrent prompts of mixed lengths, at most 16 running, prefix caching on
+    (
+        "0.25.0",
+        "load-mp",
+        {"engine": (("enable_prefix_caching", True),)},
+        "drafter-skip-guard,next-token-last-valid",
+    ),
+)
+
+ONE_RUN = """
+import dataclasses, json, tempfile
+from pathlib import Path
+from hsfix_demo import e2e
+case = dataclasses.replace(e2e.CASES[{case!r}], **{over!r})
+r = e2e.run_case(case, patched=True, workdir=Path(tempfile.mkdtemp()), models=Path({models!r}),
+                 extra_env={env!r})
+print("BENCH " + json.dumps({{"ok": r.ok_run, "correct": r.rows_correct == r.rows,
+      "rows": [r.rows_correct, r.rows], "run": r.run, "error": r.error}}))
+"""
+
+
+def one(release: str, case: str, over: dict, off: str) -> dict:
+    ((_, py, overlay),) = vllm_env.ensure([release])
+    env = vllm_env.env_for(overlay)
+    env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT)])  # hsfix_demo
+    extra = {"VLLM_HSFIX_DISABLED_PATCHES": off} if off else {}
+    models = str(vllm_env.CACHE / "models")
+    code = ONE_RUN.format(case=case, over=over, models=models, env=extra)
+    out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if line is None:
+        raise SystemExit(f"run failed:\n{out.stderr[-2000:]}")
+    data = json.loads(line[6:])
+    if not data["ok"]:
+        raise SystemExit(f"run failed: {data['error']}")
+    run = data["run"]
+    return {"tok_s": run["prompt_tokens"] / run["generate_s"], "rows": data["rows"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    worst = 1.0
+    for release, case, over, rows in SETS:
+        runs: dict[str, list[dict]] = {"on": [], "off": []}
+        for i in range(args.repeats):
+            for label, off in (("on", ""), ("off", rows)):
+                r = one(release, case, over, off)
+                runs[label].append(r)
+                right, total = r["rows"]
+                print(f"{release} {case} {rows} {label:>3} run {i + 1}: {r['tok_s']:8.1f} "
+                      f"tok/s, rows right {right}/{total}", flush=True)  # fmt: skip
+        on, off = (statistics.median(x["tok_s"] for x in runs[k]) for k in ("on", "off"))
+        worst = min(worst, on / off)
+        print(f"{release} {rows}: median {on:.1f} tok/s with, {off:.1f} without: {on / off:.3f}\n")
+        if not all(r["rows"][0] == r["rows"][1] for r in runs["on"]):
+            print("FAILED: a run with every row on wrote a wrong row")
+            return 1
+    print(f"worst ratio with/without: {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
