@@ -316,7 +316,9 @@ def unapply() -> None:
             if rep is not None:
                 rep.restore()
                 STATE.extras[extra_id] = None
-        for rec in STATE.records.values():
+        # Last applied, first restored: rows that wrap one attribute (the table's order)
+        # come off outermost first, so each finds its own wrapper on top.
+        for rec in reversed(list(STATE.records.values())):
             kept = [rep.restore() for rep in reversed(rec.replacements)].count("pass-through")
             if rec.replacements:
                 rec.set(

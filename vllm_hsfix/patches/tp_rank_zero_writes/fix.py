@@ -21,10 +21,14 @@ RANK_ZERO = "_hsfix_tp_rank_zero"  # read once, after distributed init (first sa
 
 # The fix, upstream's rule: a rank other than tensor-parallel rank 0 saves nothing (its
 # hidden states are the same rows; it reports its requests done, as 0.24.0's do).
-def tp_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def tp_rank() -> int | None:
+    """This process's tensor-parallel rank; None before vLLM set up its groups (a save
+    outside an engine, e.g. ``vllm-hsfix verify``: a lone process, which writes)."""
+    from vllm.distributed import parallel_state as ps
 
-    return int(get_tensor_model_parallel_rank())
+    if not ps.model_parallel_is_initialized():
+        return None
+    return int(ps.get_tensor_model_parallel_rank())
 
 
 def _installed_save() -> Any:
@@ -33,7 +37,10 @@ def _installed_save() -> Any:
     ) -> Any:
         zero = instance.__dict__.get(RANK_ZERO)
         if zero is None:
-            zero = instance.__dict__[RANK_ZERO] = tp_rank() == 0
+            rank = tp_rank()
+            zero = rank in (None, 0)
+            if rank is not None:  # read once the groups exist, as 0.24.0 does
+                instance.__dict__[RANK_ZERO] = zero
         return wrapped(*args, **kwargs) if zero else None
 
     return save_kv_layer
