@@ -16,8 +16,11 @@ def attention_view(buffer: Any, num_blocks: int, block_size: int) -> tuple[Any, 
     2 KV heads of 64, and its block axis: the one axis that follows ``num_blocks``."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    shape = tuple(CPUAttentionBackend.get_kv_cache_shape(num_blocks, block_size, 2, 64))
-    more = tuple(CPUAttentionBackend.get_kv_cache_shape(num_blocks + 1, block_size, 2, 64))
+    layout = getattr(CPUAttentionBackend, "get_kv_cache_shape", None)
+    if layout is None:  # 0.32.0: no such method on the backend; its cache is blocks first
+        return buffer.view(num_blocks, 2, block_size, 128), 0
+    shape = tuple(layout(num_blocks, block_size, 2, 64))
+    more = tuple(layout(num_blocks + 1, block_size, 2, 64))
     (axis,) = [i for i, (a, b) in enumerate(zip(shape, more, strict=True)) if a != b]
     return buffer.view(shape), axis
 
