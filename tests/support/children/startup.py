@@ -67,14 +67,16 @@ def plugins() -> dict[str, Any]:
 
 def gpu_worker(mark: str) -> dict[str, Any]:
     """What a GPU worker does: vLLM's plugin call (activation), ``mark`` printed, then
-    the model module, the connector and the GPU model runner."""
+    the model module, the connector, the GPU model runner and the scheduler (the engine
+    core's: ``drafter-skip-guard``'s target)."""
     from vllm.plugins import load_general_plugins
 
     assert "vllm_hsfix" not in sys.modules
     load_general_plugins()
     early = sys.modules["vllm_hsfix"].status()
     print(mark, flush=True)
-    for name in (MODEL_MODULE, CONNECTOR_MODULE, "vllm.v1.worker.gpu_model_runner"):
+    runner, scheduler = "vllm.v1.worker.gpu_model_runner", "vllm.v1.core.sched.scheduler"
+    for name in (MODEL_MODULE, CONNECTOR_MODULE, runner, scheduler):
         importlib.import_module(name)
     from vllm.platforms import current_platform
 
