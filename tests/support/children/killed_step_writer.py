@@ -12,9 +12,10 @@ import sys
 from types import SimpleNamespace
 
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import save, save_file
 from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionMetadata
 
+from support import torn
 from vllm_hsfix.patches.atomic_writes_in_step import fix
 from vllm_hsfix.patches.hooks import Hooks
 
@@ -53,17 +54,7 @@ def one(case, patched):
     _, status = os.waitpid(pid, 0)
     for r in reps:
         r.restore()
-    try:
-        got = load_file(final)
-        content = "old" if torch.equal(got["token_ids"], old["token_ids"]) else "other"
-    except Exception as exc:
-        content = "unloadable: " + type(exc).__name__
-    return {
-        "killed_by": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "size": os.path.getsize(final),
-        "content": content,
-        "leftovers": sorted(n for n in os.listdir(work) if n.startswith(".")),
-    }
+    return torn.found(final, old, status, work)
 
 
 module.safetensors = SimpleNamespace(torch=SimpleNamespace(save_file=in_place))

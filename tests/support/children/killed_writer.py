@@ -12,8 +12,9 @@ import sys
 
 import safetensors
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import save, save_file
 
+from support import torn
 from vllm_hsfix.patches.atomic_writes import fix as atomic_writes
 from vllm_hsfix.patches.hooks import Hooks
 
@@ -55,17 +56,7 @@ def one(case, patched, writer):
         r.restore()
     with open(final + ".lock") as lf:  # a reader: the dead writer's lock is released
         fcntl.flock(lf, fcntl.LOCK_SH)
-        try:
-            got = load_file(final)
-            content = "old" if torch.equal(got["token_ids"], old["token_ids"]) else "other"
-        except Exception as exc:
-            content = "unloadable: " + type(exc).__name__
-    return {
-        "killed_by": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        "size": os.path.getsize(final),
-        "content": content,
-        "leftovers": sorted(n for n in os.listdir(work) if n.startswith(".")),
-    }
+        return torn.found(final, old, status, work)
 
 
 real = module.save_file
