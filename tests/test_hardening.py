@@ -176,11 +176,16 @@ def test_unapply_puts_back_every_replaced_attribute_and_apply_wraps_once() -> No
                     assert ours_in(rep.original, pid) is None, (pid, rep.name)  # once
         # Rows that wrap one attribute (0.22's save_kv_layer: three) chain: each wraps the
         # one before; unapply() must put back the release's own, beneath them all.
-        release_own = {
+        ours = {  # each replacement's own object: a wrapper, or a swapped-in function
+            id(getattr(rep, "wrapper", None) or getattr(rep, "replacement", None))
+            for done in reps.values()
+            for rep in done
+        }
+        release_own = {  # what the first row in each chain found there
             (id(rep.owner), rep.name): rep.original
             for done in reps.values()
             for rep in done
-            if rep.original is not ABSENT and ours_in(rep.original) is None
+            if rep.original is not ABSENT and id(rep.original) not in ours
         }
         vllm_hsfix.unapply()
         for pid, done in reps.items():
