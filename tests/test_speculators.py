@@ -187,12 +187,13 @@ def dense_run(tmp_path: Path, dense: Path, dataset: Path, off: str = "") -> list
                         with_online=False, concurrency=CONCURRENCY)  # fmt: skip
     gen = run["generate"]
     assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
-    assert hit_rate(tmp_path / "server.log") > 0, "no prefix-cache hit: the case is not run"
     ref = hsrows.load(dense)
     got = offline_rows(run["out"], "file")
     want = [hsrows.rows(ref, ids, run["aux"]) for ids in prompts()]
     wrong = [i for i, g in enumerate(got) if spec.worst(g, want[i]) >= THRESHOLD]
-    print(f"{'off: ' + off if off else 'patched'}: {len(wrong)} of {SAMPLES} files wrong")
+    rate = hit_rate(tmp_path / "server.log")  # logged every few seconds: may miss a run
+    print(f"{'off: ' + off if off else 'patched'}: {len(wrong)} of {SAMPLES} files wrong, "
+          f"prefix-cache hit rate logged up to {rate}%")  # fmt: skip
     return wrong
 
 
@@ -210,5 +211,6 @@ def test_prefix_cached_prompts_write_right_files(
 def test_without_slots_from_blocks_prefix_cached_files_are_wrong(
     dense: Path, dataset: Path, tmp_path: Path
 ) -> None:
-    """Fails first (0.22-0.23): the release's own save on the same run."""
+    """Fails first (0.22-0.23): the release's own save on the same run (which also shows
+    the prompts do hit the prefix cache: without hits its files would be right)."""
     assert dense_run(tmp_path, dense, dataset, off="slots-from-blocks") != []
