@@ -12,49 +12,13 @@ Target: ratio >= 0.98. Run from the repository root with any Python 3:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import vllm_env  # noqa: E402
-
-ONE_RUN = """
-import json, sys, tempfile
-from pathlib import Path
-from hsfix_demo import e2e
-r = e2e.run_case(e2e.CASES["hybrid-mp"], patched={patched}, workdir=Path(tempfile.mkdtemp()),
-                 models=Path({models!r}), count={count})
-print("BENCH " + json.dumps({{"ok": r.ok_run, "correct": r.rows_correct == r.rows,
-      "run": r.run, "error": r.error}}))
-"""
+import case_run
 
 
 def one(release: str, patched: bool, count: int) -> dict:
-    ((_, py, overlay),) = vllm_env.ensure([release])
-    env = vllm_env.env_for(overlay)
-    env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT)])  # hsfix_demo
-    code = ONE_RUN.format(patched=patched, models=str(vllm_env.CACHE / "models"), count=count)
-    out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BENCH ")), None)
-    if line is None:
-        raise SystemExit(f"run failed:\n{out.stderr[-2000:]}")
-    data = json.loads(line[6:])
-    if not data["ok"]:
-        raise SystemExit(f"run failed: {data['error']}")
-    run = data["run"]
-    return {
-        "tok_s": run["prompt_tokens"] / run["generate_s"],
-        "correct": data["correct"],
-        "generate_s": run["generate_s"],
-        "startup_s": run["startup_s"],
-    }
+    return case_run.run(release, "hybrid-mp", patched=patched, count=count)
 
 
 def main() -> None:

@@ -11,17 +11,10 @@ release has the bug; only its time is compared. Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import vllm_env  # noqa: E402
+import case_run
 
 # (release, case, its settings over the case's, rows compared)
 SETS = (
@@ -41,35 +34,10 @@ SETS = (
     ),
 )
 
-ONE_RUN = """
-import dataclasses, json, tempfile
-from pathlib import Path
-from hsfix_demo import e2e
-case = dataclasses.replace(e2e.CASES[{case!r}], **{over!r})
-r = e2e.run_case(case, patched=True, workdir=Path(tempfile.mkdtemp()), models=Path({models!r}),
-                 extra_env={env!r})
-print("BENCH " + json.dumps({{"ok": r.ok_run, "correct": r.rows_correct == r.rows,
-      "rows": [r.rows_correct, r.rows], "run": r.run, "error": r.error}}))
-"""
-
 
 def one(release: str, case: str, over: dict, off: str) -> dict:
-    ((_, py, overlay),) = vllm_env.ensure([release])
-    env = vllm_env.env_for(overlay)
-    env["VLLM_HSFIX_CACHE"] = str(vllm_env.CACHE)
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT)])  # hsfix_demo
-    extra = {"VLLM_HSFIX_DISABLED_PATCHES": off} if off else {}
-    models = str(vllm_env.CACHE / "models")
-    code = ONE_RUN.format(case=case, over=over, models=models, env=extra)
-    out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BENCH ")), None)
-    if line is None:
-        raise SystemExit(f"run failed:\n{out.stderr[-2000:]}")
-    data = json.loads(line[6:])
-    if not data["ok"]:
-        raise SystemExit(f"run failed: {data['error']}")
-    run = data["run"]
-    return {"tok_s": run["prompt_tokens"] / run["generate_s"], "rows": data["rows"]}
+    env = {"VLLM_HSFIX_DISABLED_PATCHES": off} if off else {}
+    return case_run.run(release, case, over=over, env=env)
 
 
 def main() -> int:
@@ -77,7 +45,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--release", help="only the sets of this release")
     args = ap.parse_args()
-    worst = 1.0
+    worst = float("inf")
     for release, case, over, rows in SETS:
         if args.release and release != args.release:
             continue
