@@ -13,7 +13,7 @@ from ... import checks
 from ...shapes import Probe, method
 from .._connector_io import fsync, temp_path
 from .._probe import calls, class_def, expect, fingerprints, params, probes
-from .._wrap import Replacement, wrap
+from .._wrap import Replacement, arg, wrap
 from ..hooks import Hooks
 
 PATCH_ID = "atomic-writes-in-step"
@@ -37,6 +37,9 @@ def _publish(temps: list[str], finals: list[str]) -> None:
 def save_atomically(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    layer = arg(args, kwargs, 0, "layer_name")
+    if layer not in getattr(instance, "cache_layers", (layer,)):  # the release saves nothing
+        return wrapped(*args, **kwargs)  # for this layer: no temporary name to make
     requests = list(getattr(instance._get_connector_metadata(), "requests", None) or ())
     finals = [r.filename for r in requests]
     temps = [temp_path(f) for f in finals]
@@ -114,11 +117,11 @@ def check_rename(cls: type, directory: str) -> list[str]:
 
     problems = []
     with contextlib.suppress(OSError):
-        save_atomically(torn, conn, (), {})
+        save_atomically(torn, conn, ("hsfix-layer",), {})
     with open(final, "rb") as fh:
         if fh.read() != b"older" or request.filename != final:
             problems.append("a failed write changed the file at the final path")
-    save_atomically(whole, conn, (), {})
+    save_atomically(whole, conn, ("hsfix-layer",), {})
     with open(final, "rb") as fh:
         if fh.read() != b"newer":
             problems.append("a whole write did not replace the file")

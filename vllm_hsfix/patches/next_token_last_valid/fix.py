@@ -37,11 +37,14 @@ def last_valid(sampled: Any, vocab_size: int) -> tuple[Any, Any]:
     return torch.where(count > 0, token, torch.full_like(token, -1)), count
 
 
-def _installed() -> Any:
+def _installed(sig: inspect.Signature) -> Any:
+    """``sig``: the release's method without ``self`` (0.17.x takes one argument more),
+    read once at apply rather than at every step."""
+
     def prepare(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         import torch
 
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)  # 0.17.x takes one more
+        bound = sig.bind(*args, **kwargs)
         sampled, batch = bound.arguments[SAMPLED], bound.arguments[BATCH]
         token, count = last_valid(sampled, batch.vocab_size)
         bound.arguments[SAMPLED] = token.unsqueeze(1)
@@ -53,7 +56,10 @@ def _installed() -> Any:
 
 
 def apply(module: Any, shape: str, hooks: Hooks) -> list[Replacement]:
-    return [wrap(getattr(module, ATTRIBUTE), PREPARE, _installed(), PATCH_ID)]
+    cls = getattr(module, ATTRIBUTE)
+    sig = inspect.signature(getattr(cls, PREPARE))
+    sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return [wrap(cls, PREPARE, _installed(sig), PATCH_ID)]
 
 
 # The gate for code of no tested build: the method reads the first column only.
