@@ -35,6 +35,7 @@ LAYERS: list[set[str]] = [
     UNIT_CHECKS,
     PATCH_MODULES,
     {"plan", "state", "audit"},
+    {"views"},
     {"report"},
     {"runtime"},
     {"activation", "verify", "repair"},

@@ -1,4 +1,4 @@
-"""One decision for ``status``, ``verify`` and strict mode (``report.not_in_place``): one
+"""One decision for ``status``, ``verify`` and strict mode (``views.not_in_place``): one
 table of settings, each run through all three in fresh processes on the real release."""
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_an_altered_target_is_refused_end_to_end(tmp_path: Path) -> None:
     # Strict mode: the same refusal stops the process at activation.
     strict = child_json("lookups.py", "altered_target", path, env=clean_env(VLLM_HSFIX_STRICT="1"))
     want = "HsfixError: strict mode: the fix cannot apply: scatter-clamp: unknown-shape: "
-    assert strict.startswith(want), strict  # as status names it (report.not_in_place)
+    assert strict.startswith(want), strict  # as status names it (views.not_in_place)
 
 
 @pytest.mark.applies("scatter-clamp")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .codes import Code
-from .report import not_in_place
+from .views import REQUIREMENTS
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 ENTRY_POINT = "vllm_hsfix"
@@ -38,60 +38,6 @@ def _entry_point() -> dict[str, Any]:
     }
 
 
-def static_status() -> dict[str, Any]:
-    """What activation would do here, from metadata and source files (vLLM is not
-    imported), decided by ``plan.decide`` as the runtime decides."""
-    from . import backends, config, detect, hazards, plan, releases, tested
-    from ._version import __version__
-    from .patches import PATCH_IDS, PATCHES
-
-    cfg = config.load(known_patches=PATCH_IDS)
-    inst = detect.detect(cfg.vllm_version_override)
-    patches: dict[str, Any] = {}
-    by_shape: list[str] = []  # past the last release read, decided by the code alone
-    for patch in PATCHES:
-        decision = plan.decide_from_file(patch, inst, cfg)
-        if decision.probe is not None and plan.by_shape(patch, inst.version or ""):
-            by_shape.append(patch.id)
-        patches[patch.id] = {
-            "code": decision.code.value,
-            "reason": decision.reason,
-            "target": patch.target,
-            "releases": patch.releases,
-            "platform": patch.platform,
-            "optional": patch.optional,
-            "why": patch.why,
-            "shape": decision.probe.shape if decision.probe else None,
-            "fingerprints": dict(decision.probe.fingerprints) if decision.probe else {},
-        }
-    ep = _entry_point()
-    codes = {pid: p["code"] for pid, p in patches.items()}
-    newer = bool(inst.version) and releases.newer_than_read(inst.version or "")
-    return {
-        "vllm_hsfix": __version__,
-        "vllm": inst.as_dict(),
-        "tested_build": tested.describe(
-            inst, {pid: p["fingerprints"] for pid, p in patches.items()}
-        ),
-        "patches": patches,
-        "releases_read": {"last": releases.LAST_READ, "newer": newer, "by_shape": by_shape},
-        "hazards": hazards.assess_all(
-            inst.release if inst.present else None,
-            codes,
-            inst.cpu_build,
-            hazards.cpu_has_amx(),
-        ),
-        "hs_connectors": backends.describe(codes),
-        "activation": {
-            "entry_point": ep,
-            "bootstrap_dir": str(BOOTSTRAP_DIR),
-            "bootstrap_usable": (BOOTSTRAP_DIR / "sitecustomize.py").is_file(),
-        },
-        "config": cfg.as_dict(),
-    }
-
-
-REQUIREMENTS = ("applied", "fixed", "tested")
 PIPE = "141 the reader of stdout went away (e.g. | head)"
 STATUS_EXITS = f"""exit codes: 0 the fix is in place here or not needed; 1 a row this release
 needs is disabled, refused or failed, the plugin is not registered or filtered out by
@@ -100,41 +46,6 @@ VERIFY_EXITS = f"""exit codes: 0 verified; 1 a check failed, or a row this relea
 not in place (disabled, refused, failed); 2 cannot run here (no vLLM, no torch, no GPU
 for --device cuda, a target that does not import); {PIPE}."""
 RUN_EXITS = """exit codes: the command's own; 2 no command given; 127 it cannot be run."""
-
-
-def status_exit_code(
-    report: dict[str, Any], require: tuple[str, ...] = ()
-) -> tuple[int, list[str]]:
-    """(exit code, problems) for ``vllm-hsfix status``: see the module docstring."""
-    codes = {p["code"] for p in report["patches"].values()}
-    if not report["vllm"]["present"]:
-        return 2, ["no vLLM is importable by this interpreter (is this the image's Python?)"]
-    problems = not_in_place(
-        (pid, p["code"], p["reason"], p["optional"]) for pid, p in report["patches"].items()
-    )
-    ep = report["activation"]["entry_point"]
-    affected = Code.APPLY in codes
-    if affected and not ep["registered"]:
-        problems.append("the vllm.general_plugins entry point is not registered here")
-    if affected and ep["filtered_out_by_VLLM_PLUGINS"]:
-        problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
-    if "applied" in require and not affected:
-        problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
-    if "fixed" in require:
-        unfixed = [
-            pid
-            for pid, p in report["patches"].items()
-            if p["code"] not in (Code.NOT_NEEDED, Code.UPSTREAM_FIX)
-        ]
-        unfixed += [pid for pid in report["releases_read"]["by_shape"] if pid not in unfixed]
-        if unfixed:
-            problems.append(
-                "--require fixed: this vLLM does not carry the upstream fix of "
-                + ", ".join(unfixed)
-            )
-    if "tested" in require and not report["tested_build"]["tested"]:
-        problems.append(f"--require tested: {report['tested_build']['reason']}")
-    return (1 if problems else 0), problems
 
 
 def _print_hazards(found: dict[str, Any]) -> None:
@@ -229,8 +140,10 @@ def _requirements(text: str) -> tuple[str, ...]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    report = static_status()
-    code, problems = status_exit_code(report, args.require)
+    from . import views
+
+    report = views.static(_entry_point(), BOOTSTRAP_DIR)
+    code, problems = views.exit_code(report, args.require)
     report["ok"], report["problems"] = code == 0, problems
     if args.json:
         print(json.dumps(report, indent=2, default=str))

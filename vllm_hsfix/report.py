@@ -1,6 +1,5 @@
-"""What this process tells the world: the status dict, the one log line, status files.
-Logs go to the application's handlers, else to ``sys.stderr``.
-"""
+"""What this process tells the world: its one log line and status files (``views.live``).
+Logs go to the application's handlers, else to ``sys.stderr``."""
 
 from __future__ import annotations
 
@@ -8,41 +7,16 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from . import _lazy
+from . import views
 from ._version import __version__
-from .codes import APPLIED, FAILED, IN_PLACE, NOTHING_TO_DO, REFUSED, Code
+from .codes import APPLIED, FAILED, REFUSED, Code
 from .config import Config
 from .state import STATE
 
 log = logging.getLogger("vllm_hsfix")
-
-# Codes under which a row is fine here: in place (or will be), not needed, not decided
-# yet, or taken back by the program's own ``unapply()``.
-FINE = IN_PLACE | NOTHING_TO_DO | {Code.WAITING, Code.REVERTED, Code.NO_VLLM}
-
-
-def not_in_place(rows: Iterable[tuple[str, str, str, bool]]) -> list[str]:
-    """The one policy of ``status``, ``verify`` and strict mode: of the rows
-    ``(patch id, code, reason, optional)``, those whose fix cannot apply here, as
-    ``"id: code: reason"``. A row the release needs that is disabled, refused, failed or
-    overwritten counts; an optional row (``atomic-writes``, beyond upstream: no data is
-    wrong without it) may be turned off. No vLLM is each caller's own answer (exit 2)."""
-    return [
-        f"{pid}: {Code(code)}: {reason}"
-        for pid, code, reason, optional in rows
-        if Code(code) not in FINE and not (Code(code) == Code.DISABLED and optional)
-    ]
-
-
-def records_not_in_place() -> list[str]:
-    """:func:`not_in_place` of this process's records (strict mode, ``verify``)."""
-    return not_in_place(
-        (pid, rec.code, rec.reason, rec.patch.optional) for pid, rec in STATE.records.items()
-    )
 
 
 class FallbackStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -81,49 +55,6 @@ def setup_logging(cfg: Config) -> None:
         log.addHandler(handler)
 
 
-def process_role() -> str:
-    """Which vLLM process this is, from the names vLLM gives its processes."""
-    import multiprocessing
-
-    name = multiprocessing.current_process().name
-    if name.startswith("EngineCore"):
-        return "engine-core"
-    if name.startswith("VllmWorker"):
-        return "worker-" + name.rsplit("-", 1)[-1]
-    if name == "MainProcess":
-        return "main"
-    return name
-
-
-def _extra_in_effect(extra_id: str) -> bool:
-    rep = STATE.extras.get(extra_id)
-    return rep is not None and rep.in_effect()
-
-
-def status_dict() -> dict[str, Any]:
-    from . import tested  # reads tested.json: not at activation
-
-    cfg, inst = STATE.config, STATE.install
-    assert cfg is not None and inst is not None
-    return {
-        "vllm_hsfix": __version__,
-        "pid": os.getpid(),
-        "role": process_role(),
-        "activated_by": _lazy.sources(),
-        "enabled": STATE.enabled,
-        "unapplied": STATE.unapplied,
-        "vllm": inst.as_dict(),
-        "tested_build": tested.describe(
-            inst, {pid: rec.fingerprints for pid, rec in STATE.records.items()}
-        ),
-        "config": cfg.as_dict(),
-        "patches": {pid: rec.as_dict() for pid, rec in STATE.records.items()},
-        "verify": STATE.verify,
-        "provenance": _extra_in_effect("provenance"),
-        "errors": list(STATE.errors) + _lazy.errors(),
-    }
-
-
 def summary_line() -> str:
     """The process's one line: the patches applied, armed (patched on import), and
     those skipped, refused or failed, each with its code."""
@@ -143,7 +74,7 @@ def summary_line() -> str:
             groups.setdefault(rec.status, []).append(f"{rec.patch.id} [{rec.code}]")
     parts = [f"{k} {', '.join(v)}" for k, v in groups.items()]
     line = (
-        f"vllm-hsfix {__version__} pid={os.getpid()} role={process_role()} vllm={vllm}: "
+        f"vllm-hsfix {__version__} pid={os.getpid()} role={views.process_role()} vllm={vllm}: "
         + "; ".join(parts)
     )
     if STATE.verify is not None:
@@ -184,7 +115,7 @@ def write_status_file() -> None:
         path = Path(cfg.status_dir)
         path.mkdir(parents=True, exist_ok=True)
         tmp = path / f".{os.getpid()}.json.tmp"
-        tmp.write_text(json.dumps(status_dict(), indent=2, default=str))
+        tmp.write_text(json.dumps(views.live(), indent=2, default=str))
         tmp.replace(path / f"{os.getpid()}.json")
     except Exception as exc:
         log.debug("could not write status file: %r", exc)

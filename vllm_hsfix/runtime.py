@@ -15,7 +15,7 @@ from functools import cache
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import _lazy, config, detect, plan, report
+from . import _lazy, config, detect, plan, report, views
 from ._lazy import LOCK
 from .codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
 from .errors import HsfixError
@@ -143,7 +143,7 @@ def _on_import(module: ModuleType, late: bool = False) -> None:
                     report.deviation(rec)
         _install_extras()
         _report()
-        bad = report.records_not_in_place()  # the one policy: status and verify use it too
+        bad = views.records_not_in_place()  # the one policy: status and verify use it too
         if bad and STATE.config is not None and STATE.config.strict:
             raise HsfixError("strict mode: the fix cannot apply: " + "; ".join(bad))
 
@@ -342,7 +342,7 @@ def status() -> dict[str, Any]:
         _init_locked()
         install()
         _refresh()
-        return report.status_dict()
+        return views.live()
 
 
 def _report() -> None:

@@ -31,18 +31,6 @@ class Record:
     def set(self, code: Code, reason: str) -> None:
         self.code, self.reason = Code(code), reason
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "code": self.code.value,
-            "reason": self.reason,
-            "target": self.patch.target,
-            "releases": self.patch.releases,
-            "upstream": self.patch.upstream,
-            "shape": self.shape,
-            "fingerprints": dict(self.fingerprints),
-        }
-
 
 class State:
     """This process's state (one instance, :data:`STATE`)."""

@@ -8,7 +8,7 @@ import importlib
 import traceback
 from typing import Any
 
-from . import checks, hazards, report, runtime
+from . import checks, hazards, runtime, views
 from .codes import Code
 from .errors import HsfixError
 from .patches import PATCHES
@@ -52,9 +52,8 @@ def run(device: str = "auto") -> tuple[int, dict[str, Any]]:
             why = f"{patch.id}: concerns {patch.platform} builds only: {patch.other_platforms}"
         elif rec["code"] in SKIP_CODES:
             why = f"{patch.id}: {rec['code']}: {rec['reason']}"
-        if why is not None:  # a needed row turned off fails (report.not_in_place)
-            row = (patch.id, rec["code"], rec["reason"], patch.optional)
-            missing = report.not_in_place([row])
+        if why is not None:  # a needed row turned off fails (views.not_in_place)
+            missing = views.not_in_place({patch.id: rec})
             skipped = {} if missing else {"skipped": why}
             results.append(checks.result(patch.id, missing, **skipped))
             continue
@@ -77,14 +76,12 @@ def _verdict(out: dict[str, Any], results: list[dict[str, Any]]) -> tuple[int, d
     """The checks' results, the patches and hazards as they stand, and the exit code:
     1 when a check failed or a row the release needs is not in place."""
     st = runtime.status()
-    out["patches"] = {
-        k: {"status": v["status"], "reason": v["reason"]} for k, v in st["patches"].items()
-    }
+    out["patches"] = st["patches"]  # the one entry schema (views.entry)
     out["checks"] = results
     codes = {k: v["code"] for k, v in st["patches"].items()}
     v = st["vllm"]
     out["hazards"] = hazards.assess_all(v["release"], codes, v["cpu_build"], hazards.cpu_has_amx())
-    bad = report.records_not_in_place()
+    bad = st["problems"]
     if bad:
         out["error"] = "the fix is not in place: " + "; ".join(bad)
     out["ok"] = all(c["ok"] for c in results) and not bad
