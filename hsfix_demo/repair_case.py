@@ -9,7 +9,7 @@
 4. every file is compared row by row with a transformers forward of its own token ids,
    before and after.
 
-Test harness and demo only; ``tests/test_repair_e2e.py`` builds its harder scenario
+Test harness and demo only; ``tests/e2e/test_repair_e2e.py`` builds its harder scenario
 (a kill halfway, correct files that must stay byte-identical) from the same parts.
 """
 

@@ -5,7 +5,7 @@
 on which releases and why; the README shows it between the markers
 ``<!-- patch-table:start -->`` and ``<!-- patch-table:end -->``. This script writes
 that block from the rows; ``--check`` only compares and exits 1 naming each row whose
-README line drifted (``tests/test_doc_tables.py`` runs it).
+README line drifted (``tests/unit/test_doc_tables.py`` runs it).
 
     python3 scripts/doc_tables.py           # rewrite the block in README.md
     python3 scripts/doc_tables.py --check   # exit 1 if it is out of date

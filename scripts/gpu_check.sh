@@ -9,7 +9,7 @@
 #
 # Steps (each one's output in $OUT/<step>.txt, pytest's junit in $OUT/<step>-junit.xml):
 #   release-code       the copied release files are there (the tests need them)
-#   tests              tests/test_gpu.py: both replacements (bytes, no host sync, CUDA-graph
+#   tests              tests/gpu/test_gpu.py: both replacements (bytes, no host sync, CUDA-graph
 #                      capture + replay with new inputs, contiguous and strided) and the
 #                      releases' own basic_cache in a padded CUDA graph (the original
 #                      overwrites a live request's last slot, the patched one never does);
@@ -191,7 +191,7 @@ check_release_code() {
 }
 
 # pytest_step NAME TIMEOUT_S MODE PLANT [REQUIRED...] [-- PYTEST_ARGS...]: run
-# tests/test_gpu.py; MODE clean passes when pytest passed and the report is clean, MODE
+# tests/gpu/test_gpu.py; MODE clean passes when pytest passed and the report is clean, MODE
 # planted when pytest FAILED (exit 1) exactly as verify_junit demands.
 pytest_step() {
   local name=$1 limit=$2 mode=$3 plant=$4
@@ -204,7 +204,7 @@ pytest_step() {
   [ $# -gt 0 ] && shift
   local xml="$OUT/$name-junit.xml" verdict=0
   run "$name" "$limit" env VLLM_HSFIX_CHECK_PLANT="$plant" \
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/test_gpu.py \
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs tests/gpu/test_gpu.py \
     --junitxml="$xml" "$@"
   if crashed $RC; then
     record "$name" 3 "pytest exit $RC: $OUT/$name.txt"

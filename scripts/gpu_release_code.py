@@ -9,7 +9,7 @@ script copies each release's ``vllm/model_executor/models/extract_hidden_states.
 git-ignored folder (default ``gpu-release-code/``, ~10 KB a release) that the device tool
 carries along. Nothing of vLLM is ever committed: the folder is in ``.gitignore``.
 
-The tests (``tests/test_gpu.py``) and the benchmark compile only the ``basic_cache``
+The tests (``tests/gpu/test_gpu.py``) and the benchmark compile only the ``basic_cache``
 function out of each copy (:func:`compile_basic_cache`): the module itself imports vLLM
 at its top and could not be imported there.
 

@@ -34,7 +34,7 @@
    - ``gpu-image 0.24.0`` / ``gpu-image 0.25.0``: a GPU image's vLLM on this CPU
      machine: the whole CUDA ``vllm`` wheel of the release (downloaded once, 250-280
      MB, unpacked into ``cuda-overlays/``) over the release's torch venv, running
-     ``GPU_IMAGE_TESTS`` (``tests/test_gpu_image.py``, marker ``gpu_image``).
+     ``GPU_IMAGE_TESTS`` (``tests/gpu/test_gpu_image.py``, marker ``gpu_image``).
    - ``upstream``: vLLM's own tests of each backported fix (PRs 46301, 56841, 46202),
      unchanged, from the sdist of the release that ships the fix (downloaded once into
      ``~/.cache/vllm-hsfix/sdists``), on each release the patch covers, with vllm-hsfix
@@ -103,28 +103,18 @@ LEAN = ["0.25.0"]
 # e2e files a LEAN row leaves out: the user's own script (its fixed-release claim, that
 # vllm-hsfix changes nothing there, is test_e2e's byte-identical run on the same
 # release; 54 s). ``--extended`` runs them.
-LEAN_E2E_LEFT_OUT = ["tests/test_user_script.py"]
+LEAN_E2E_LEFT_OUT = ["tests/e2e/test_user_script.py"]
 RELEASE_TESTS = [
-    "tests/test_matrix.py",
-    "tests/test_probes.py",
-    "tests/test_scatter.py",
-    "tests/test_connector.py",
-    "tests/test_cpu_zero_blocks.py",
-    "tests/test_hardening.py",
-    "tests/test_cpu_build.py",
-    "tests/test_hazards.py",
-    "tests/test_patch_wraps.py",
-    # 0.17-0.19 rows (issue 57): the release's own config, drafter, proposer, connector
-    "tests/test_nested_text_config.py",
-    "tests/test_hidden_cache_dtype.py",
-    "tests/test_draft_column.py",
-    "tests/test_no_new_blocks.py",
-    # issue 54 rows: the release's own proposer and KV cache manager
-    "tests/test_next_token_last_valid.py",
-    "tests/test_drafter_skip_guard.py",
+    # every patch unit's own tests, one file per unit (tests/patches/test_<unit>.py)
+    "tests/patches",
+    "tests/unit/test_matrix.py",
+    "tests/unit/test_probes.py",
+    "tests/unit/test_hardening.py",
+    "tests/unit/test_hazards.py",
+    "tests/unit/test_patch_wraps.py",
     # verify on the release's live code: patched rows checked, fixed ones as upstream has them
     *(
-        f"tests/test_cli.py::test_verify_{name}"
+        f"tests/unit/test_cli.py::test_verify_{name}"
         for name in (
             "cpu_json_passes_on_the_real_release",
             "checks_the_patched_connector",
@@ -140,22 +130,27 @@ RELEASE_TESTS = [
 # The next vLLM release, simulated: the newest overlay's version raised past the last
 # release read. Its status tests are static; its engine run and serve run on that
 # overlay's row (the newest of the matrix).
-NEXT_RELEASE_TESTS = "tests/test_next_release.py"
+NEXT_RELEASE_TESTS = "tests/e2e/test_next_release.py"
 # The newest release's row also runs these engine tests (what no older row can show).
-NEWEST_E2E = [NEXT_RELEASE_TESTS, "tests/test_provenance_engine.py"]
+NEWEST_E2E = [NEXT_RELEASE_TESTS, "tests/e2e/test_provenance_engine.py"]
 # Engine tests a subset row runs besides its release-sensitive tests: what only that
 # release shows (0.22.0: prefix caching and tensor parallelism, issue 54's rows).
-SUBSET_E2E = {"0.22.0": ["tests/test_prefix_cache.py", "tests/test_tensor_parallel_writes.py"]}
+SUBSET_E2E = {
+    "0.22.0": [
+        "tests/patches/test_slots_from_blocks.py",
+        "tests/patches/test_tp_rank_zero_writes.py",
+    ]
+}
 STATIC_TESTS = [
     NEXT_RELEASE_TESTS,
-    "tests/test_plan.py",
-    "tests/test_shapes.py",
-    "tests/test_vendor_builds.py",
-    "tests/test_architecture.py",
-    "tests/test_config.py",
-    "tests/test_doc_tables.py",
-    "tests/test_patch_contract.py",
-    "tests/test_ci_rows.py",
+    "tests/unit/test_plan.py",
+    "tests/unit/test_shapes.py",
+    "tests/unit/test_vendor_builds.py",
+    "tests/unit/test_architecture.py",
+    "tests/unit/test_config.py",
+    "tests/unit/test_doc_tables.py",
+    "tests/unit/test_patch_contract.py",
+    "tests/unit/test_ci_rows.py",
 ]
 STATIC_PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 STATIC_RELEASE = "0.24.0"  # the overlay on the static runs' PYTHONPATH
@@ -175,32 +170,32 @@ PY312_MARKERS = "not e2e and not image and not gpu_image and not ray and not spe
 # about 55 s), the audit tests (numpy only), the GPU check's CPU dry run, the image and
 # process-tree tests (they run on the main Python).
 PY312_LEFT_OUT = (
-    "tests/test_hardening.py",
-    "tests/test_matrix.py",
-    "tests/test_probes.py",
-    "tests/test_patch_wraps.py",
+    "tests/unit/test_hardening.py",
+    "tests/unit/test_matrix.py",
+    "tests/unit/test_probes.py",
+    "tests/unit/test_patch_wraps.py",
 )
 PY312_TESTS = [
     *[t for t in RELEASE_TESTS if t not in PY312_LEFT_OUT and "::" not in t],
-    "tests/test_startup_line.py",
-    "tests/test_cli.py",
-    "tests/test_detect.py",
-    "tests/test_provenance.py",
+    "tests/unit/test_startup_line.py",
+    "tests/unit/test_cli.py",
+    "tests/unit/test_detect.py",
+    "tests/unit/test_provenance.py",
 ]
 # One e2e test per release (warm on 2 cores: 0.24.0's is one engine run, ~75 s). 0.25.0's
 # smallest is two engine runs (~105-125 s) and is left out to keep CI under 45 minutes
 # cold. A release left out of this table runs no e2e test on py3.12.
 PY312_E2E = {
-    "0.24.0": "tests/test_e2e.py::test_patched_024_hybrid_matches_the_reference_row_by_row"
+    "0.24.0": "tests/e2e/test_e2e.py::test_patched_024_hybrid_matches_the_reference_row_by_row"
     "[hybrid-mp]",
 }
-# The CUDA wheel's own Python code (tests/test_gpu_image.py needs it installed; every
-# other row deselects the gpu_image marker). tests/test_matrix.py also runs there
+# The CUDA wheel's own Python code (tests/gpu/test_gpu_image.py needs it installed; every
+# other row deselects the gpu_image marker). tests/unit/test_matrix.py also runs there
 # (VLLM_HSFIX_EXPECT_DISTRIBUTION=vllm) but is left out: what it adds is covered by the
 # static rows' fingerprints of the same files, and it costs two more vLLM imports.
 GPU_IMAGE_RELEASES = ["0.24.0", "0.25.0"]
-GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
-# speculators' real pipeline (tests/test_speculators.py): `vllm serve` as its launcher
+GPU_IMAGE_TESTS = ["tests/gpu/test_gpu_image.py"]
+# speculators' real pipeline (tests/e2e/test_speculators.py): `vllm serve` as its launcher
 # starts it, `speculators generate-offline-data` and the online ArrowDataset path, from
 # the layers of scripts/locks/{hs-connectors,speculators}-0.9.0.txt over the release venv
 # (nothing in the venv moves). CI: 0.24.0 (the release 46301 is for) and 0.22.0 (its
@@ -208,17 +203,17 @@ GPU_IMAGE_TESTS = ["tests/test_gpu_image.py"]
 # and the rest of 0.22.0's.
 SPECULATORS_RELEASES = ["0.24.0", "0.22.0"]
 SPECULATORS_EXTENDED = ["0.25.0"]
-SPECULATORS_TESTS = ["tests/test_speculators.py", "tests/test_aux_final_layer.py"]
+SPECULATORS_TESTS = ["tests/e2e/test_speculators.py", "tests/e2e/test_aux_final_layer_serve.py"]
 # A release whose row runs part of them: 0.22.0, speculators' own minimum (prefix caching
 # on, a template longer than a block, 8 concurrent requests: prefix-cache-slicing's case).
 SPECULATORS_PART = {
     "0.22.0": [
-        "tests/test_speculators.py::test_prefix_cached_prompts_write_right_files",
-        "tests/test_speculators.py::test_without_slots_from_blocks_prefix_cached_files_are_wrong",
+        "tests/e2e/test_speculators.py::test_prefix_cached_prompts_write_right_files",
+        "tests/e2e/test_speculators.py::test_without_slots_from_blocks_prefix_cached_files_are_wrong",
     ]
 }
 # The release whose own files are the oracle of a backport run in the speculators row
-# (tests/test_aux_final_layer.py: 0.25.0 ships PR 46973); its overlay is built for the
+# (tests/e2e/test_aux_final_layer_serve.py: 0.25.0 ships PR 46973); its overlay is built for the
 # row and named in VLLM_HSFIX_ORACLE_OVERLAY.
 SPECULATORS_ORACLE = "0.25.0"
 GROUPS = ("main", "static", "py3.12", "gpu-image", "ray", "speculators", "upstream")
@@ -228,7 +223,7 @@ GROUPS = ("main", "static", "py3.12", "gpu-image", "ray", "speculators", "upstre
 UPSTREAM_DRIVER = "scripts/upstream_tests.py"
 # The ray row: `audit --ray` on a real local two-node Ray cluster, in a venv with Ray,
 # numpy, tqdm and pytest only (scripts/locks/ray.txt).
-RAY_TESTS = ["tests/test_audit_ray.py"]
+RAY_TESTS = ["tests/unit/test_audit_ray.py"]
 NO_TESTS_COLLECTED = 5  # pytest's exit status
 
 

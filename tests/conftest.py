@@ -113,11 +113,36 @@ def _release_mismatch(item: pytest.Item) -> str | None:
     return None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--patch",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="only a patch row's tests: its unit's file (tests/patches/test_<unit>.py) and "
+        "every test whose applies/fixed_upstream marker names it (repeatable)",
+    )
+
+
+def _not_of_patches(item: pytest.Item, ids: list[str]) -> bool:
+    """``item`` is neither in one of the rows' unit files nor marked with one of them."""
+    if item.path.parent.name == "patches" and item.path.stem[5:].replace("_", "-") in ids:
+        return False
+    marks = ("applies", "fixed_upstream")
+    return not {a for m in item.iter_markers() if m.name in marks for a in m.args} & set(ids)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from vllm_hsfix.patches import PATCH_IDS
+
+    ids = config.getoption("--patch")
+    if set(ids) - set(PATCH_IDS):
+        raise pytest.UsageError(f"--patch: no row {sorted(set(ids) - set(PATCH_IDS))}")
     # From the table's ranges: a row that moves moves its tests, in CI and by hand alike.
     keep, drop = [], []
     for item in items:
-        (drop if _release_mismatch(item) else keep).append(item)
+        mismatch = _release_mismatch(item) or (ids and _not_of_patches(item, ids))
+        (drop if mismatch else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

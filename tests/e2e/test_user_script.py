@@ -1,7 +1,7 @@
 """A user's plain extraction script (``hsfix_demo/user_script.py``, which does not import
 vllm-hsfix) on vLLM's CPU build writes right files with vllm-hsfix installed. Dense tiny
 model: no linear attention, so the run is exactly a user's. Without vllm-hsfix each
-release fails as its patches' failing-first tests show (test_cpu_build.py); the worker's
+release fails as its patches' failing-first tests show (test_cpu_connector_save.py); the worker's
 patches and in-situ check: test_e2e.py's plugin test."""
 
 from __future__ import annotations

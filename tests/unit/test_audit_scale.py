@@ -22,7 +22,7 @@ from support.procs import audit_child
 import vllm_hsfix.audit as audit_api
 from vllm_hsfix.audit import command, pipeline, progress
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_list_writes_paths_only_and_keeps_corrupt_and_suspect_apart(

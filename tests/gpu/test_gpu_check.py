@@ -83,7 +83,7 @@ def junit(path: Path) -> dict[str, str]:
     return states
 
 
-# Written out, not derived from tests/test_gpu.py: the tests that check what the
+# Written out, not derived from tests/gpu/test_gpu.py: the tests that check what the
 # replacement stores, on the CPU.
 RELEASES_LAYOUTS = ["0.17.0-contiguous", "0.22.0-contiguous", "0.22.0-strided"]
 RELEASES_LAYOUTS += ["0.24.0-contiguous", "0.24.0-strided"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import inspect
 import os
 import threading
@@ -198,28 +197,3 @@ def test_it_saves_with_the_hidden_groups_own_block_size(patched: Any, tmp_path: 
         assert got["hidden_states"].equal(expected) and got["token_ids"].equal(ids)
     finally:
         conn._executor.shutdown(wait=True)
-
-
-def _sampler_module() -> Any:
-    return importlib.import_module(SAMPLER_MODULE)
-
-
-@needs_sampler
-def test_the_release_sampler_rejects_the_keyword_its_caller_passes() -> None:
-    """Failing first: the release's stand-in, called as the 0.23+ sampler calls it."""
-    import vllm_hsfix
-
-    vllm_hsfix.unapply()
-    with pytest.raises(TypeError, match="USE_FP64_GUMBEL"):
-        sampler.check_recovered_tokens(_sampler_module())
-
-
-@needs_sampler
-def test_the_patched_sampler_recovers_the_right_tokens(patched: Any) -> None:
-    """... and hands every other kernel out unchanged."""
-    module = _sampler_module()
-    assert patched.status()["patches"][sampler.PATCH_ID]["status"] == "applied"
-    assert sampler.check_recovered_tokens(module) == []
-    assert module.expand_kernel[(1,)] is module.expand_kernel.func
-    kernel = module.sample_recovered_tokens_kernel
-    assert kernel[(1,)] is not kernel.func

@@ -91,7 +91,7 @@ class Image:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The release as tests/test_wheel.py checks it: the sdist, the wheel from the sdist."""
+    """The release as tests/unit/test_wheel.py checks it: the sdist, the wheel from the sdist."""
     return build_release(tmp_path_factory.mktemp("release"))
 
 

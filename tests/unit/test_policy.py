@@ -1,5 +1,6 @@
-"""One decision for ``status``, ``verify`` and strict mode (``views.not_in_place``): one
-table of settings, each run through all three in fresh processes on the real release."""
+"""One decision for ``status``, ``verify``, strict mode and the live ``status()``
+(``views.not_in_place``): one table of settings, each run through all four in fresh
+processes on the real release."""
 
 from __future__ import annotations
 
@@ -32,30 +33,39 @@ CASES = {
 }
 
 
-def strict_import(env: dict[str, str]) -> tuple[int, str]:
-    """Import vLLM's scatter-clamp target with vllm-hsfix active, in strict mode."""
+def import_target(env: dict[str, str], then: str = "") -> tuple[int, str, str]:
+    """Import vLLM's scatter-clamp target with vllm-hsfix active in a fresh process, then
+    run ``then``: (exit code, stdout, stderr)."""
     target = by_id("scatter-clamp").module
-    code = f"import vllm_hsfix, importlib; importlib.import_module({target!r})"
-    out = run([sys.executable, "-c", code], clean_env(VLLM_HSFIX_STRICT="1", **env))
-    return out.returncode, out.stderr
+    code = f"import vllm_hsfix, importlib, json; importlib.import_module({target!r}); {then}"
+    out = run([sys.executable, "-c", code], clean_env(**env))
+    return out.returncode, out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_status_verify_and_strict_take_one_decision(case: str) -> None:
     env, named = CASES[case]
     status = cli("status", "--json", env=clean_env(**env))
-    problems = json.loads(status.stdout)["problems"]
+    static = json.loads(status.stdout)
+    problems = static["problems"]
     verify = cli("verify", "--device", "cpu", env=clean_env(**env))
-    strict_code, strict_err = strict_import(env)
+    strict_code, _, strict_err = import_target({"VLLM_HSFIX_STRICT": "1", **env})
+    _, out, err = import_target(env, "print(json.dumps(vllm_hsfix.status(), default=str))")
+    live = json.loads(out.splitlines()[-1])
+    # One model: the live view's rows carry the static view's entry, key for key.
+    assert {p: sorted(e) for p, e in live["patches"].items()} == {
+        p: sorted(e) for p, e in static["patches"].items()
+    }
     if not named:
-        assert (status.returncode, problems) == (0, [])
+        assert (status.returncode, problems, live["problems"]) == (0, [], [])
         assert verify.returncode == 0 and "result: verified" in verify.stdout, verify.stdout
         assert strict_code == 0, strict_err[-3000:]
         return
-    assert status.returncode == 1
+    assert status.returncode == 1 and live["ok"] is False, err[-3000:]
     assert verify.returncode == 1 and "result: NOT verified" in verify.stdout, verify.stdout
     assert strict_code == 1 and "HsfixError: strict mode" in strict_err, strict_err[-3000:]
     for pid in named:
         assert any(p.startswith(f"{pid}: ") for p in problems), problems
+        assert any(p.startswith(f"{pid}: ") for p in live["problems"]), live["problems"]
         assert f"{pid}: " in verify.stdout.split("result:")[0]
         assert f"{pid}: " in strict_err

@@ -13,7 +13,7 @@ from support.procs import child
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.applies("scatter-clamp")]
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 CHILD = str(HERE / "support" / "children" / "processes.py")
 
 

@@ -184,7 +184,7 @@ def test_verify_cuda_without_a_gpu_says_so() -> None:
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the CUDA path is tested in tests/test_gpu.py")
+        pytest.skip("this machine has a GPU: the CUDA path is tested in tests/gpu/test_gpu.py")
     out = cli("verify", "--device", "cuda", "--json")
     report = json.loads(out.stdout)
     assert out.returncode == 2

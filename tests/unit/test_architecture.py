@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vllm_hsfix.patches import PATCHES
 
-PACKAGE = Path(__file__).resolve().parent.parent / "vllm_hsfix"
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_hsfix"
 ROOT = "vllm_hsfix"
 # The patch modules are the table's: a new row's module takes its place here by itself.
 PATCH_MODULES = {p.impl[len(ROOT) + 1 :] for p in PATCHES}
@@ -122,7 +122,7 @@ def layer_of(name: str) -> int:
     for i, layer in enumerate(LAYERS):
         if name in layer:
             return i
-    raise AssertionError(f"module {name} is in no layer of tests/test_architecture.py")
+    raise AssertionError(f"module {name} is in no layer of tests/unit/test_architecture.py")
 
 
 def group_of(name: str) -> str | None:

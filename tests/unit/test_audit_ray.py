@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (the ray row of ru
 from vllm_hsfix.audit import pipeline  # noqa: E402
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
