@@ -599,8 +599,9 @@ SKELETON_STAMP = ".vllm-hsfix-skeleton"
 # 3: cpu-dist-name's cli/main.py; 4: cpu-gdn-wide-conv-state's _custom_ops.py;
 # 5: aux-final-layer's models/deepseek_v2.py; 6: nested-text-config's
 # transformers_utils/configs/extract_hidden_states.py, draft-column's spec_decode file;
-# 7: drafter-skip-guard's v1/core/sched/scheduler.py
-SKELETON_LAYOUT = 7
+# 7: drafter-skip-guard's v1/core/sched/scheduler.py; 8: allow-chunked-prefill's
+# config/vllm.py
+SKELETON_LAYOUT = 8
 
 
 def _skeleton_member(name: str) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _lazy, config, detect, plan, report, views
 from ._lazy import LOCK
-from .codes import APPLIED, FAILED, ON_IMPORT, REFUSED, REVERTED, Code
+from .codes import APPLIED, FAILED, IN_PLACE, ON_IMPORT, REFUSED, REVERTED, Code
 from .errors import HsfixError
 from .patches import CONNECTOR, EXTRAS, MODULES, PATCH_IDS, PATCHES
 from .state import STATE, Record
@@ -269,7 +269,19 @@ def hooks() -> Hooks:
     """The callbacks the patches get, built when a patch is first applied."""
     from .patches.hooks import Hooks
 
-    return Hooks(on_failure=_on_failure)
+    return Hooks(on_failure=_on_failure, in_place=_in_place)
+
+
+def _in_place(patch_id: str) -> bool:
+    """The row is applied here, or its target, not imported yet, would be patched as
+    ``status`` decides it from the file."""
+    with LOCK:
+        rec = STATE.records.get(patch_id)
+        if rec is None or rec.code not in IN_PLACE:
+            return False
+        if rec.code == Code.APPLIED:
+            return True
+        return plan.decide_from_file(rec.patch, install(), STATE.config).code == Code.APPLY  # type: ignore[arg-type]
 
 
 def _install_extras() -> None:

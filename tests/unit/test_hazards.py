@@ -1,8 +1,6 @@
-"""The hazard register, the ``abort-before-scheduling`` and ``atomic-writes`` patches,
-without an engine: the register against the patch table, ``assess`` on releases chosen
-by hand, the gates on one-line edits of 0.24.0's connector, and the live connector class
-and writer failing without the patch and passing with it. Engine level:
-test_hazards_e2e.py."""
+"""The hazard register against the patch table, and ``assess`` on releases chosen by
+hand. A patched hazard's own proof is its row's file in tests/patches/; engine level:
+tests/e2e/test_hazards_e2e.py."""
 
 from __future__ import annotations
 
@@ -57,6 +55,7 @@ def test_a_patched_hazard_spans_the_releases_its_bug_is_in() -> None:
         "drafter-skip": ">=0.25.0,<0.29.0",
         "torn-files-in-step": ">=0.17.0,<0.22.0",
         "next-token-first-column": ">=0.17.0",  # PR 56442 not merged
+        "chunked-prefill-refused": ">=0.22.0,<0.24.0",  # PR 43805
         # issue 57: read in the 0.17.0-0.20.0 wheels
         "nested-text-config": ">=0.17.0,<0.20.0",
         "hidden-cache-dtype": ">=0.17.0,<0.20.0",

@@ -171,6 +171,11 @@ STATED_SHAPES = {
     "cpu-dist-name": {"0.17.0": "version-of-vllm"},
     # issue 54 rows, read from the connector, scheduler and proposer of each release
     "slots-from-blocks": {"0.17.0": "fixed", "0.22.0": "step-sliced", "0.24.0": "fixed"},
+    "allow-chunked-prefill": {
+        "0.17.0": "fixed",
+        "0.22.0": "refuses-chunked-prefill",
+        "0.24.0": "fixed",
+    },
     "atomic-writes-in-step": {"0.17.0": "save-file-in-step", "0.22.0": "fixed"},
     "tp-rank-zero-writes": {"0.17.0": "every-rank-saves", "0.24.0": "fixed"},
     "drafter-skip-guard": {"0.17.0": "fixed", "0.25.0": "pad-to-max-model-len", "0.29.0": "fixed"},

@@ -24,6 +24,7 @@ UNITS = (
     "abort_before_scheduling",
     "cpu_connector_save",
     "slots_from_blocks",  # after cpu_connector_save: its save wrapper goes outside
+    "allow_chunked_prefill",  # lifts 0.22-0.23's refusal where slots_from_blocks is in place
     "atomic_writes_in_step",  # 0.17-0.21's in-step writer; the rank check goes outside
     "tp_rank_zero_writes",  # outside both save wrappers: a rank other than 0 saves nothing
     "drafter_skip_guard",

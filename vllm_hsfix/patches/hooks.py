@@ -10,9 +10,12 @@ from typing import Any
 @dataclass(frozen=True)
 class Hooks:
     """``on_failure(patch_id, exc)``: a wrapper met an unexpected error (it is recorded;
-    the wrapper itself decides whether to raise)."""
+    the wrapper itself decides whether to raise). ``in_place(patch_id)``: that row is,
+    or once its target is imported will be, in place in this process (a row whose fix
+    rests on another's)."""
 
     on_failure: Callable[[str, BaseException], None]
+    in_place: Callable[[str], bool] = lambda patch_id: False
 
 
 @dataclass(frozen=True)
