@@ -134,10 +134,11 @@ NEXT_RELEASE_TESTS = "tests/e2e/test_next_release.py"
 # The newest release's row also runs these engine tests (what no older row can show).
 NEWEST_E2E = [NEXT_RELEASE_TESTS, "tests/e2e/test_provenance_engine.py"]
 # Engine tests a subset row runs besides its release-sensitive tests: what only that
-# release shows (0.22.0: prefix caching and tensor parallelism, issue 54's rows).
+# release shows (0.22.0: prefix caching, chunked prefill and tensor parallelism).
 SUBSET_E2E = {
     "0.22.0": [
         "tests/patches/test_slots_from_blocks.py",
+        "tests/patches/test_allow_chunked_prefill.py",
         "tests/patches/test_tp_rank_zero_writes.py",
     ]
 }
