@@ -207,13 +207,14 @@ def _alone(ctx: Any, files: list[str], i: int, total: int, stall_s: float) -> Fi
 def _abandon(pool: Any) -> None:
     """Kill a pool's workers (one is stuck in a read), so leaving it does not wait."""
     # ``_processes``: the executor's map of its workers (3.14 adds terminate_workers()).
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    for proc in procs:
-        with contextlib.suppress(Exception):
-            proc.kill()
-    for proc in procs:  # reaped: none outlives the run
-        with contextlib.suppress(Exception):
-            proc.join(timeout=10)
+    for _ in range(3):  # again while one lives on (slow to die, or started meanwhile)
+        procs = [p for p in (getattr(pool, "_processes", None) or {}).values() if p.is_alive()]
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.kill()
+        for proc in procs:  # reaped: none outlives the run
+            with contextlib.suppress(Exception):
+                proc.join(timeout=10)
     pool.shutdown(wait=False, cancel_futures=True)
 
 
