@@ -29,8 +29,8 @@ from transformers import AutoConfig, Qwen3Config
 
 DRAFT_AUX = [1, 2, 3]
 TTT_STEPS = 3
-MAX_LEN = 1024  # tokens packed into one training step
-PER_STEP = 10  # samples per step (about 900 tokens)
+MAX_LEN = 768  # tokens packed into one training step
+PER_STEP = 8  # samples per step (about 700 tokens)
 
 
 class Files(BaseDataset):
@@ -116,8 +116,10 @@ def top1(draft: Path, verifier: Path, heldout: Path) -> float:
     """How often the draft's first proposal is the verifier's greedy next token, given
     the verifier's right hidden states (the reference rows of held-out prompts)."""
     model = build(verifier)
-    state = load_file(str(draft / "model.safetensors"))
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(load_file(str(draft / "model.safetensors")),
+                                                strict=False)  # fmt: skip
+    if unexpected or any(not k.startswith("verifier_") for k in missing):
+        raise SystemExit(f"draft {draft}: missing {missing}, unexpected {unexpected}")
     model.float().eval()
     ds = Files(sorted(heldout.glob("*.safetensors")))
     collate = CollateFn(MAX_LEN, model.hidden_size, len(DRAFT_AUX), torch.float32, shift_batch)
@@ -128,10 +130,12 @@ def top1(draft: Path, verifier: Path, heldout: Path) -> float:
             n = int((b["document_ids"] >= 0).sum())
             args = forward_args(b)
             last = args.pop("verifier_last_hidden_states")
-            proposal = model(**args, ttt_steps=1)[0][0, : n - 1]
-            greedy = model.verifier_lm_head(model.verifier_norm(last)).argmax(-1)[0, 1:n]
+            # position j: the draft reads token j+1 and the rows of j, proposes token
+            # j+2; the verifier's last hidden state at j+1 gives its greedy token j+2
+            proposal = model(**args, ttt_steps=1)[0][0, :n]
+            greedy = model.verifier_lm_head(model.verifier_norm(last)).argmax(-1)[0, :n]
             right += int((proposal == greedy).sum())
-            total += n - 1
+            total += n
     return right / max(total, 1)
 
 

@@ -10,6 +10,7 @@ draft tokens, accepted tokens) and the generated token ids.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ def counters(llm: Any) -> dict[str, float]:
 
 def main() -> None:
     """One engine, one draft: generate greedily and report the counters."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
     a = json.loads(Path(sys.argv[1]).read_text())
