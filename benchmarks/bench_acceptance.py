@@ -47,7 +47,7 @@ import vllm_env  # noqa: E402
 
 EXTRACT_RELEASE, SERVE_RELEASE = "0.24.0", "0.32.0"
 DATASETS = ("fixes-off", "vllm-hsfix", "reference")
-SETTINGS = {"verifier_steps": 120, "draft_steps": 150, "seed": 0, "train_prompts": 128,
+SETTINGS = {"verifier_steps": 100, "draft_steps": 100, "seed": 0, "train_prompts": 128,
             "heldout_prompts": 16, "max_tokens": 64, "v": 1}  # fmt: skip
 MIN_REFERENCE, MAX_BROKEN_SHARE, MIN_FIXED_SHARE = 0.3, 1 / 3, 0.8
 
@@ -103,7 +103,7 @@ def stages(root: Path, ensure: bool) -> dict[str, Any]:
     s, out, secs = SETTINGS, {}, {}
     py24, paths24 = environment(EXTRACT_RELEASE, ensure)
     verifier = root / "verifier"
-    _say("stage 1: train the tiny hybrid verifier on the synthetic language (cold: ~4 min)")
+    _say("stage 1: train the tiny hybrid verifier on the synthetic language (cold: ~3 min)")
     verifier_args = {"out": str(verifier), "steps": s["verifier_steps"]}
     out["verifier"], secs["verifier"] = cached(
         root / "verifier.json", lambda: child(py24, paths24, "verifier", verifier_args, root)

@@ -40,7 +40,8 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(
         model=a["verifier"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-        max_model_len=256, seed=0, max_num_seqs=8,
+        max_model_len=256, seed=0, max_num_seqs=8, enable_prefix_caching=False,
+        disable_log_stats=False,
         speculative_config={"method": "eagle3", "model": a["draft"],
                             "num_speculative_tokens": SPEC_TOKENS},
     )  # fmt: skip
