@@ -85,11 +85,23 @@ def forward_args(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: batch[k] for k in keys}
 
 
+def finite_files(data: Path) -> list[Path]:
+    """``data``'s files without a NaN or infinite value: a file with one turns the loss,
+    and then every weight, into NaN (vLLM 0.24.0's wrong rows are other blocks' memory,
+    which can hold any bytes), so a user's training would leave it out."""
+    return [
+        f
+        for f in sorted(data.glob("*.safetensors"))
+        if bool(load_file(str(f))["hidden_states"].float().isfinite().all())
+    ]
+
+
 def train(verifier: Path, data: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
-    """Train a draft on ``data``'s files ``steps`` steps from ``seed``; save it to ``out``."""
+    """Train a draft on ``data``'s finite files ``steps`` steps from ``seed``; save it to
+    ``out``."""
     torch.manual_seed(seed)
     model = build(verifier).float().train()
-    ds = Files(sorted(data.glob("*.safetensors")))
+    ds = Files(finite_files(data))
     collate = CollateFn(MAX_LEN, model.hidden_size, len(DRAFT_AUX), torch.float32, shift_batch)
     loss_config = resolve_loss_config("kl_div", "eager")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -109,7 +121,9 @@ def train(verifier: Path, data: Path, out: Path, steps: int, seed: int) -> dict[
             print(f"draft {data.name} step {step} loss {loss.item():.3f}", file=sys.stderr,
                   flush=True)  # fmt: skip
     model.save_pretrained(out)
-    return {"loss": float(loss.item()), "train_s": round(time.monotonic() - t0, 1)}
+    left_out = len(list(data.glob("*.safetensors"))) - len(ds)
+    return {"loss": float(loss.item()), "train_s": round(time.monotonic() - t0, 1),
+            "files": len(ds), "nonfinite_files": left_out}  # fmt: skip
 
 
 def top1(draft: Path, verifier: Path, heldout: Path) -> float:
