@@ -48,7 +48,7 @@ import vllm_env  # noqa: E402
 EXTRACT_RELEASE, SERVE_RELEASE = "0.24.0", "0.32.0"
 DATASETS = ("fixes-off", "vllm-hsfix", "reference")
 SETTINGS = {"verifier_steps": 100, "draft_steps": 100, "seed": 0, "train_prompts": 128,
-            "heldout_prompts": 16, "max_tokens": 64, "v": 1}  # fmt: skip
+            "heldout_prompts": 16, "max_tokens": 64, "v": 2}  # fmt: skip
 MIN_REFERENCE, MAX_BROKEN_SHARE, MIN_FIXED_SHARE = 0.3, 1 / 3, 0.8
 
 
