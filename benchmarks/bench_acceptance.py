@@ -103,7 +103,7 @@ def stages(root: Path, ensure: bool) -> dict[str, Any]:
     s, out, secs = SETTINGS, {}, {}
     py24, paths24 = environment(EXTRACT_RELEASE, ensure)
     verifier = root / "verifier"
-    _say("stage 1: train the tiny hybrid verifier on the synthetic language (cold: ~3 min)")
+    _say("stage 1: train the tiny hybrid verifier on the synthetic language (cold: ~1 min)")
     verifier_args = {"out": str(verifier), "steps": s["verifier_steps"]}
     out["verifier"], secs["verifier"] = cached(
         root / "verifier.json", lambda: child(py24, paths24, "verifier", verifier_args, root)
@@ -131,7 +131,7 @@ def stages(root: Path, ensure: bool) -> dict[str, Any]:
     py32, paths32 = environment(SERVE_RELEASE, ensure)
     heldout = language.prompts(3, s["heldout_prompts"], 24, 48)
     for name in DATASETS:
-        _say(f"stage 4: {name} draft in vLLM {SERVE_RELEASE}'s EAGLE-3 decoding (~2 min)")
+        _say(f"stage 4: {name} draft in vLLM {SERVE_RELEASE}'s EAGLE-3 decoding (~1 min)")
         args = {"verifier": str(verifier), "draft": str(root / "drafts" / name),
                 "prompts": heldout, "max_tokens": s["max_tokens"]}  # fmt: skip
         out[f"serve-{name}"], secs[f"serve-{name}"] = cached(
@@ -191,6 +191,7 @@ def times(seconds: dict[str, float | None]) -> str:
 
 
 def main() -> int:
+    """Run the stages, print the table and the stage times; the verdict's exit code."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--no-ensure",
