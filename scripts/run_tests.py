@@ -53,14 +53,15 @@ release-sensitive tests (``RELEASE_TESTS``) on a representative subset of the ma
 issue 57's rows, torch 2.10: a new overlay only), 0.22.0 (2-D shape, clamp only) and 0.32.0 (fixed,
 newer buffer layout, torch 2.13); plus the static rows, 0.24.0 on py3.12 and the rows
 below. ``--extended`` adds the ``extended`` tests, 0.25.0 whole and 0.25.0 on py3.12:
-what CI leaves out to stay under 45 minutes (docs/testing.md lists it, with the times).
+what CI leaves out to stay under 45 minutes (docs/testing.md lists it, with the times);
+and the ``acceptance`` row, ``benchmarks/bench_acceptance.py`` (also ``--only acceptance``).
 
 Options: ``--matrix`` (release-sensitive tests on every release of
 ``scripts/matrix.py``), ``--releases A,B`` (whole suite on just these), ``--fast``
 (leave out the ``e2e`` tests, the py3.12 rows' one included), ``--no-extra-pythons``
 (no static, py3.12 and gpu-image rows: only the main runs, for quick local runs), ``--only
 GROUPS`` (run just these of ``main``, ``static``, ``py3.12``, ``gpu-image``, ``ray``,
-``speculators``, ``upstream``, comma-separated; e.g.
+``speculators``, ``upstream``, ``acceptance``, comma-separated; e.g.
 ``--only static`` takes seconds warm); anything after ``--`` goes to every pytest
 run (a run it leaves with nothing to collect then counts as empty, not failed). The
 load case runs once per configuration; ``VLLM_HSFIX_LOAD_RUNS=3`` in the environment
@@ -217,7 +218,12 @@ SPECULATORS_PART = {
 # (tests/e2e/test_aux_final_layer_serve.py: 0.25.0 ships PR 46973); its overlay is built for the
 # row and named in VLLM_HSFIX_ORACLE_OVERLAY.
 SPECULATORS_ORACLE = "0.25.0"
-GROUPS = ("main", "static", "py3.12", "gpu-image", "ray", "speculators", "upstream")
+GROUPS = ("main", "static", "py3.12", "gpu-image", "ray", "speculators", "upstream", "acceptance")
+# The acceptance row (``--extended`` or ``--only acceptance``): the user's outcome,
+# benchmarks/bench_acceptance.py (drafts trained on 0.24.0's files with the fixes off,
+# with vllm-hsfix, and on the reference, their acceptance in vLLM 0.32.0's EAGLE-3
+# decoding); about 10 minutes cold on 2 cores, seconds with its stages cached.
+ACCEPTANCE_BENCH = "benchmarks/bench_acceptance.py"
 # The upstream row: vLLM's own tests of each backported fix, unchanged, from the sdist of
 # the release that ships it (scripts/upstream_tests.py; the list and the reasons for
 # anything not run: tests/upstream/upstream_tests.toml). Arguments after -- do not apply.
@@ -412,6 +418,20 @@ def speculators_rows(
         tests = SPECULATORS_PART.get(release, SPECULATORS_TESTS) if not args.extended else None
         pytest_into(row, py, ["-m", marker, *(tests or SPECULATORS_TESTS)], env, args.pytest_args)
     return rows
+
+
+def acceptance_row() -> Row:
+    """``ACCEPTANCE_BENCH``, one count: passed with the contrast (exit 0), skipped where
+    vLLM 0.24.0 cannot run the MoE hybrid on this CPU (exit 2), failed otherwise."""
+    row = Row("acceptance", vllm_env.THIS_PYTHON, "2.11/2.13", "draft acceptance (bench)")
+    print(flush=True)
+    say(f"acceptance: {ACCEPTANCE_BENCH}")
+    t1 = time.monotonic()
+    rc = subprocess.call([sys.executable, str(ROOT / ACCEPTANCE_BENCH)])
+    row.took = time.monotonic() - t1
+    row.counts[{0: "passed", 2: "skipped"}.get(rc, "failed")] += 1
+    row.ok = rc in (0, 2)
+    return row
 
 
 def upstream_row(extended: bool = False) -> Row:
@@ -627,6 +647,8 @@ def main() -> int:
         rows.append(ray_row(user))
     if "upstream" in groups:
         rows.append(upstream_row(args.extended))
+    if "acceptance" in groups and (args.extended or args.only):
+        rows.append(acceptance_row())
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     print(flush=True)
     say("per run:")
