@@ -9,44 +9,39 @@ from typing import Any
 
 import pytest
 from conftest import INSTALL, NO_HOOKS, connector
-from support.skeletons import connector_file
+from support.skeletons import probe_edited
 
 from vllm_hsfix import checks
 from vllm_hsfix.patches._wrap import ours_in, wrap
 from vllm_hsfix.patches.abort_before_scheduling import fix as abort_unscheduled
-from vllm_hsfix.shapes import parse
 
 # ---------------------------------------------------------------------------
 # The shape gate on changed files
 
 
-# One-line edits of 0.24.0's connector: (the patch whose gate reads it, old, new, whether
-# the gate must call the result fixed upstream); never a shape it patches.
+# One-line edits of 0.24.0's connector: (old, new, whether the gate must call the result
+# fixed upstream); never a shape it patches.
 VARIANTS = {
     # the connector half of the fix alone: the crash moves to the scheduler's assert
     "pop with a default only": (
-        abort_unscheduled,
         "filename = self._request_filenames.pop(req_id)",
         "filename = self._request_filenames.pop(req_id, None)",
         False,
     ),
     # a metadata class that cannot carry the mark to the workers
     "metadata with slots": (
-        abort_unscheduled,
         "@dataclass\nclass ExampleHiddenStatesConnectorMetadata",
         "@dataclass(slots=True)\nclass ExampleHiddenStatesConnectorMetadata",
         False,
     ),
     # a request that never holds its blocks
     "request_finished returns False": (
-        abort_unscheduled,
         'return True, {"hidden_states_path": filename}',
         'return False, {"hidden_states_path": filename}',
         False,
     ),
     # the worker no longer reports requests without a copy (upstream's worker half)
     "get_finished reports copies only": (
-        abort_unscheduled,
         "if event is None or event.query():",
         "if event is not None and event.query():",
         False,
@@ -56,13 +51,9 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_changed_connector_is_not_patched(variant: str) -> None:
-    impl, old, new, fixed = VARIANTS[variant]
-    src = connector_file("0.24.0").read_text()
-    assert src.count(old) == 1, variant
-    tree = parse(src.replace(old, new))
-    assert tree is not None
-    got = impl.probe_tree(tree)
-    assert got.shape is None and got.fixed is fixed, (variant, got)
+    old, new, fixed = VARIANTS[variant]
+    got = probe_edited(abort_unscheduled, old, new)
+    assert got.shape is None and got.fixed is fixed, (variant, got)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------

@@ -16,13 +16,12 @@ import pytest
 import torch
 from conftest import CONNECTOR_MODULE, NO_HOOKS, connector
 from support.hsrows import NoEvent
-from support.skeletons import connector_file
+from support.skeletons import probe_edited
 
 from vllm_hsfix import checks
 from vllm_hsfix.patches._wrap import ours_in
 from vllm_hsfix.patches.atomic_writes import fix as atomic_writes
 from vllm_hsfix.releases import key as release_key
-from vllm_hsfix.shapes import parse
 
 pytestmark = [pytest.mark.needs_vllm]
 
@@ -125,18 +124,16 @@ def test_verify_covers_the_fp8_writer_and_names_an_unknown_one(applied) -> None:
 # The shape gate on changed files
 
 
-# One-line edits of 0.24.0's connector: (the patch whose gate reads it, old, new, whether
-# the gate must call the result fixed upstream); never a shape it patches.
+# One-line edits of 0.24.0's connector: (old, new, whether the gate must call the result
+# fixed upstream); never a shape it patches.
 VARIANTS = {
     "writer renames into place": (
-        atomic_writes,
         "save_file(tensors, filename)",
         "save_file(tensors, filename + '.tmp')\n"
         "            os.replace(filename + '.tmp', filename)",
         True,
     ),
     "writer unlocks before the write": (
-        atomic_writes,
         "            event.synchronize()\n            save_file(tensors, filename)\n"
         "        finally:\n            if lock_fd is not None:\n"
         "                os.close(lock_fd)  # releases LOCK_EX",
@@ -150,13 +147,9 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_changed_connector_is_not_patched(variant: str) -> None:
-    impl, old, new, fixed = VARIANTS[variant]
-    src = connector_file("0.24.0").read_text()
-    assert src.count(old) == 1, variant
-    tree = parse(src.replace(old, new))
-    assert tree is not None
-    got = impl.probe_tree(tree)
-    assert got.shape is None and got.fixed is fixed, (variant, got)
+    old, new, fixed = VARIANTS[variant]
+    got = probe_edited(atomic_writes, old, new)
+    assert got.shape is None and got.fixed is fixed, (variant, got)  # type: ignore[attr-defined]
 
 
 @pytest.mark.needs_vllm

