@@ -5,11 +5,12 @@ processes on the real release."""
 from __future__ import annotations
 
 import json
-import sys
+import subprocess
 
 import pytest
-from conftest import clean_env, run
+from conftest import clean_env, last_json
 from support.commands import cli
+from support.procs import child
 
 from vllm_hsfix.patches import by_id
 
@@ -33,13 +34,10 @@ CASES = {
 }
 
 
-def import_target(env: dict[str, str], then: str = "") -> tuple[int, str, str]:
-    """Import vLLM's scatter-clamp target with vllm-hsfix active in a fresh process, then
-    run ``then``: (exit code, stdout, stderr)."""
-    target = by_id("scatter-clamp").module
-    code = f"import vllm_hsfix, importlib, json; importlib.import_module({target!r}); {then}"
-    out = run([sys.executable, "-c", code], clean_env(**env))
-    return out.returncode, out.stdout, out.stderr
+def import_target(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """vLLM's scatter-clamp target imported with vllm-hsfix active in a fresh process,
+    which prints its live ``status()`` (support/children/import_status.py)."""
+    return child("import_status.py", by_id("scatter-clamp").module, env=clean_env(**env))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -49,9 +47,10 @@ def test_status_verify_and_strict_take_one_decision(case: str) -> None:
     static = json.loads(status.stdout)
     problems = static["problems"]
     verify = cli("verify", "--device", "cpu", env=clean_env(**env))
-    strict_code, _, strict_err = import_target({"VLLM_HSFIX_STRICT": "1", **env})
-    _, out, err = import_target(env, "print(json.dumps(vllm_hsfix.status(), default=str))")
-    live = json.loads(out.splitlines()[-1])
+    strict = import_target({"VLLM_HSFIX_STRICT": "1", **env})
+    strict_code, strict_err = strict.returncode, strict.stderr
+    own = import_target(env)
+    live, err = last_json(own.stdout), own.stderr
     # One model: the live view's rows carry the static view's entry, key for key.
     assert {p: sorted(e) for p, e in live["patches"].items()} == {
         p: sorted(e) for p, e in static["patches"].items()
