@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +20,6 @@ from .codes import Code
 from .views import REQUIREMENTS
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
-ENTRY_POINT = "vllm_hsfix"
-
-
-def _entry_point() -> dict[str, Any]:
-    eps = [
-        ep for ep in metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT
-    ]
-    allowed = os.environ.get("VLLM_PLUGINS")
-    filtered = allowed is not None and ENTRY_POINT not in [n.strip() for n in allowed.split(",")]
-    return {
-        "registered": bool(eps),
-        "value": eps[0].value if eps else None,
-        "vllm_plugins": allowed,
-        "filtered_out_by_VLLM_PLUGINS": filtered,
-    }
 
 
 PIPE = "141 the reader of stdout went away (e.g. | head)"
@@ -142,7 +126,7 @@ def _requirements(text: str) -> tuple[str, ...]:
 def cmd_status(args: argparse.Namespace) -> int:
     from . import views
 
-    report = views.static(_entry_point(), BOOTSTRAP_DIR)
+    report = views.static(BOOTSTRAP_DIR)
     code, problems = views.exit_code(report, args.require)
     report["ok"], report["problems"] = code == 0, problems
     if args.json:

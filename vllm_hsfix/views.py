@@ -18,6 +18,7 @@ from .state import STATE
 # yet, or taken back by the program's own ``unapply()``.
 FINE = IN_PLACE | NOTHING_TO_DO | {Code.WAITING, Code.REVERTED, Code.NO_VLLM}
 REQUIREMENTS = ("applied", "fixed", "tested")
+ENTRY_POINT = "vllm_hsfix"
 
 
 def entry(
@@ -106,7 +107,24 @@ def live() -> dict[str, Any]:
     }
 
 
-def static(entry_point: dict[str, Any], bootstrap: Any) -> dict[str, Any]:
+def entry_point() -> dict[str, Any]:
+    """vLLM's plugin entry point for vllm-hsfix here, and whether VLLM_PLUGINS keeps it."""
+    from importlib import metadata
+
+    eps = [
+        ep for ep in metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT
+    ]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    filtered = allowed is not None and ENTRY_POINT not in [n.strip() for n in allowed.split(",")]
+    return {
+        "registered": bool(eps),
+        "value": eps[0].value if eps else None,
+        "vllm_plugins": allowed,
+        "filtered_out_by_VLLM_PLUGINS": filtered,
+    }
+
+
+def static(bootstrap: Any) -> dict[str, Any]:
     """What activation would do here, from metadata and source files (vLLM is not
     imported), decided by ``plan.decide`` as the runtime decides."""
     from . import backends, config, detect, hazards, plan, releases, tested
@@ -134,7 +152,7 @@ def static(entry_point: dict[str, Any], bootstrap: Any) -> dict[str, Any]:
         "hazards": hazards.assess_all(inst.release, codes, inst.cpu_build, hazards.cpu_has_amx()),
         "hs_connectors": backends.describe(codes),
         "activation": {
-            "entry_point": entry_point,
+            "entry_point": entry_point(),
             "bootstrap_dir": str(bootstrap),
             "bootstrap_usable": (bootstrap / "sitecustomize.py").is_file(),
         },
@@ -153,7 +171,7 @@ def exit_code(view: dict[str, Any], require: tuple[str, ...] = ()) -> tuple[int,
     if affected and not ep["registered"]:
         problems.append("the vllm.general_plugins entry point is not registered here")
     if affected and ep["filtered_out_by_VLLM_PLUGINS"]:
-        problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out vllm_hsfix")
+        problems.append(f"VLLM_PLUGINS={ep['vllm_plugins']!r} leaves out {ENTRY_POINT}")
     if "applied" in require and not affected:
         problems.append("--require applied: vllm-hsfix has nothing to patch on this vLLM")
     if "fixed" in require:
