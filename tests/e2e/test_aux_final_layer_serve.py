@@ -36,9 +36,11 @@ TARGETS = [1, 2, 3]  # the launcher appends 4 = num_hidden_layers
 ALL, PAIR = [1, 2, 3, 4], [2, 4]
 CPU_ENV = {"VLLM_MLA_DISABLE": "1"}
 # Relative L2 per row against 0.25.0: the plain engine's same batch gives the same
-# bytes (0.0); vllm serve batches the requests otherwise (bf16 noise, about 0.02). A
-# slot holding another slot's state is at least 0.4 from it on this model.
-SAME, DISTINCT = 0.05, 0.1
+# bytes (0.0). vllm serve batches and chunks the requests otherwise: bf16 noise, 0.0-0.02
+# in most runs, 0.08 on a 276-token prompt in one CI run. A wrong row lies at least 0.39
+# from the right one on this model (another slot's state; another prompt's: 0.64), so
+# SERVED sits between the two.
+SAME, SERVED, DISTINCT = 0.05, 0.2, 0.1
 
 
 def prompts() -> list[list[int]]:
@@ -132,9 +134,10 @@ def test_speculators_pipeline_writes_what_0_25_writes(
         if i < len(oracle):
             errs.append(round(spec.worst(have, oracle[i]), 4))
     print(f"worst row against 0.25.0, per file: {errs}")
-    assert max(errs) < SAME, errs
+    assert max(errs) < SERVED, errs
 
 
+@pytest.mark.extended  # 49 s, CI time: the repair test below writes [2, 4] with the row
 def test_two_ids_get_their_own_layers(
     model: Path, oracle: list[torch.Tensor], tmp_path: Path
 ) -> None:

