@@ -61,9 +61,8 @@ def environment(release: str, ensure: bool) -> tuple[Path, list[str]]:
     if ensure:
         ((_, py, overlay),) = vllm_env.ensure([release])
     else:
-        torch_version = vllm_env.TORCH_FOR_RELEASE[release]
-        py = vllm_env.CACHE / "envs" / f"torch-{torch_version}" / "bin" / "python"
-        overlay = vllm_env.CACHE / "overlays" / f"vllm-{release}"
+        py = vllm_env.venv_python(vllm_env.TORCH_FOR_RELEASE[release])
+        overlay = vllm_env.overlay_dir(release)
     if not py.exists() or not overlay.is_dir():
         raise SystemExit(f"no environment for vLLM {release} ({py}, {overlay})")
     return py, [str(overlay)]
@@ -120,8 +119,8 @@ def stages(root: Path, ensure: bool) -> dict[str, Any]:
     if "skip" in out["extract"]:
         (root / "extract.json").unlink()
         return {"skip": out["extract"]["skip"]}
-    layer = vllm_env.ensure_layer("speculators", py24) if ensure else (
-        vllm_env.CACHE / "overlays" / vllm_env.LAYERS["speculators"])  # fmt: skip
+    layer = vllm_env.ensure_layer("speculators", py24) if ensure else vllm_env.layer_dir(
+        "speculators")  # fmt: skip
     _say("stage 3: one EAGLE-3 draft per dataset (speculators 0.9.0), offline top-1")
     draft_args = {"verifier": str(verifier), "root": str(root), "datasets": DATASETS,
                   "steps": s["draft_steps"], "seed": s["seed"]}  # fmt: skip

@@ -201,8 +201,8 @@ GPU_IMAGE_TESTS = ["tests/gpu/test_gpu_image.py"]
 # starts it, `speculators generate-offline-data` and the online ArrowDataset path, from
 # the layers of scripts/locks/{hs-connectors,speculators}-0.9.0.txt over the release venv
 # (nothing in the venv moves). CI: 0.24.0 (the release 46301 is for) and 0.22.0 (its
-# file-backend run, SPECULATORS_PART); --extended adds 0.25.0, the fp8 failing-first case
-# and the rest of 0.22.0's.
+# file-backend run, SPECULATORS_PART); --extended adds 0.25.0, the fp8 runs (fixed and
+# failing first) and the rest of 0.22.0's.
 SPECULATORS_RELEASES = ["0.24.0", "0.22.0"]
 SPECULATORS_EXTENDED = ["0.25.0"]
 SPECULATORS_TESTS = ["tests/e2e/test_speculators.py", "tests/e2e/test_aux_final_layer_serve.py"]

@@ -34,16 +34,17 @@ import there, on vLLM's ``UnspecifiedPlatform``; no engine starts).
 
 Reproducible: each venv is installed with ``--no-deps`` from an exact lock,
 ``scripts/locks/torch-<T>.txt`` (every distribution, recorded from a build the suite
-passed on), and each overlay from ``scripts/locks/vllm-<V>.txt``. A cold build on a
-fresh machine months later gets the same versions. Updating a lock is deliberate
-(``lock``); a release without a lock is resolved from its wheel's ranges, with a
-warning, and nothing is written. A venv on another Python uses
-``scripts/locks/torch-<T>-py3.X.txt`` where that exists, else the same lock (every pin
-of ``torch-2.11.0.txt`` has a cp312 wheel). The static venvs install
-``scripts/locks/static.txt``. The overlays (pure Python plus abi3 extensions) serve
-every Python.
+passed on; by uv, which downloads in parallel and keeps the unpacked wheels in
+``~/.cache/uv``, with the wheel folders pip is configured with), and each overlay from
+``scripts/locks/vllm-<V>.txt``. A cold build on a fresh machine months later gets the
+same versions. Updating a lock is deliberate (``lock``); a release without a lock is
+resolved from its wheel's ranges, with a warning, and nothing is written. A venv on
+another Python uses ``scripts/locks/torch-<T>-py3.X.txt`` where that exists, else the
+same lock (every pin of ``torch-2.11.0.txt`` has a cp312 wheel). The static venvs
+install ``scripts/locks/static.txt``. The overlays (pure Python plus abi3 extensions)
+serve every Python.
 
-Every step prints one line (what, size, elapsed); full pip command lines and output
+Every step prints one line (what, size, elapsed); full command lines and output
 go to a build log under ``$VLLM_HSFIX_CACHE/logs`` whose path is printed, and a failed
 step names itself and that log.
 
@@ -174,7 +175,7 @@ def log_path() -> Path:
         logs = CACHE / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         _LOG = logs / f"build-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        log(f"build log (full pip commands and output): {_LOG}")
+        log(f"build log (full commands and output): {_LOG}")
     return _LOG
 
 
@@ -225,8 +226,7 @@ def pip(py: Path | str, *args: str) -> list[str]:
 def uv_install(py: Path, *args: str, uv: Path | None = None) -> list[str]:
     """``args`` (``-r LOCK``, wheels) installed into ``py``'s venv by uv (``uv``, else
     the venv's own): exact versions, no dependencies, copied out of uv's cache
-    (~/.cache/uv). Parallel downloads, nothing unpacked twice: torch 2.11.0's lock took
-    22 s cold and 15 s warm where pip took 135 s and 117 s (docs/testing.md)."""
+    (~/.cache/uv): parallel downloads, nothing unpacked twice (timings: docs/testing.md)."""
     uv = uv or py.parent / "uv"
     links = [f"--find-links={d}" for d in pip_find_links()]
     return [str(uv), "pip", "install", "-q", "--python", str(py), "--no-deps",
@@ -383,12 +383,27 @@ def lock_key(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "unlocked"
 
 
+def venv_python(torch_version: str, python: str | None = None) -> Path:
+    """Where ``ensure_venv`` puts the torch version's interpreter (built or not)."""
+    suffix = f"-py{python}" if python else ""
+    return CACHE / "envs" / f"torch-{torch_version}{suffix}" / "bin" / "python"
+
+
+def overlay_dir(version: str) -> Path:
+    """Where ``ensure_overlay`` unpacks a release (built or not)."""
+    return CACHE / "overlays" / f"vllm-{version}"
+
+
+def layer_dir(name: str) -> Path:
+    """Where ``ensure_layer`` unpacks a layer of LAYERS (built or not)."""
+    return CACHE / "overlays" / LAYERS[name]
+
+
 def ensure_venv(torch_version: str, resolve: bool = False, python: str | None = None) -> Path:
     """The torch version's venv, installed from its lock (or resolved, with ``resolve``);
     on Python ``python`` (``3.X``) when given, else on this interpreter."""
-    suffix = f"-py{python}" if python else ""
-    env = CACHE / "envs" / f"torch-{torch_version}{suffix}"
-    py = env / "bin" / "python"
+    py = venv_python(torch_version, python)
+    env = py.parent.parent
     lock = venv_lock(torch_version, python)
     if not py.exists():
         base = require_python(python) if python else Path(sys.executable)
@@ -494,7 +509,7 @@ def _overlay_dists(overlay: Path) -> list[str]:
 
 def ensure_overlay(version: str, py: Path, resolve: bool = False) -> Path:
     """One release's wheel (plus the requirement versions that differ from the venv's)."""
-    overlay = CACHE / "overlays" / f"vllm-{version}"
+    overlay = overlay_dir(version)
     whl = wheel_path(version)
     lock = overlay_lock(version)
     if resolve or not lock.exists():
@@ -536,7 +551,7 @@ LAYERS = {"hs-connectors": "hs-connectors-0.9.0", "speculators": "speculators-0.
 def ensure_layer(name: str, py: Path) -> Path:
     """``overlays/<lock name>/``: the lock ``scripts/locks/<lock name>.txt`` unpacked."""
     lock = LOCKS / f"{LAYERS[name]}.txt"
-    layer = CACHE / "overlays" / LAYERS[name]
+    layer = layer_dir(name)
     key = json.dumps({"lock": lock_key(lock), "python": _python_version(py)})
     stamp = layer / ".vllm-hsfix-layer"
     if not stamp_ok(stamp, key):
@@ -559,7 +574,7 @@ def write_locks(releases: list[str]) -> None:
         "`python3 scripts/vllm_env.py lock RELEASES`, do not edit by hand.\n"
     )
     for torch_version in sorted({TORCH_FOR_RELEASE[v] for v in releases}):
-        py = CACHE / "envs" / f"torch-{torch_version}" / "bin" / "python"
+        py = venv_python(torch_version)
         frozen = subprocess.run(
             [str(py), "-m", "pip", "freeze", "--all", "--exclude-editable"],
             check=True,
@@ -570,7 +585,7 @@ def write_locks(releases: list[str]) -> None:
         venv_lock(torch_version).write_text(header + "\n".join(sorted(keep, key=str.lower)) + "\n")
         log(f"wrote {venv_lock(torch_version).relative_to(ROOT)} ({len(keep)} distributions)")
     for v in releases:
-        dists = _overlay_dists(CACHE / "overlays" / f"vllm-{v}")
+        dists = _overlay_dists(overlay_dir(v))
         overlay_lock(v).write_text(header + "".join(d + "\n" for d in dists))
         log(f"wrote {overlay_lock(v).relative_to(ROOT)} ({len(dists)} overlay distributions)")
 
