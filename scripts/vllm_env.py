@@ -223,14 +223,17 @@ def pip(py: Path | str, *args: str) -> list[str]:
     return [str(py), "-m", "pip", *args, "--progress-bar", "off", "--disable-pip-version-check"]
 
 
-def uv_install(py: Path, *args: str, uv: Path | None = None) -> list[str]:
+def uv_install(py: Path, *args: str, uv: Path | None = None, compile: bool = True) -> list[str]:
     """``args`` (``-r LOCK``, wheels) installed into ``py``'s venv by uv (``uv``, else
     the venv's own): exact versions, no dependencies, copied out of uv's cache
-    (~/.cache/uv): parallel downloads, nothing unpacked twice (timings: docs/testing.md)."""
+    (~/.cache/uv): parallel downloads, nothing unpacked twice (timings: docs/testing.md).
+    Byte-compiled as pip does: with PYTHONDONTWRITEBYTECODE set (CI machines set it)
+    every process would compile torch and vLLM again."""
     uv = uv or py.parent / "uv"
     links = [f"--find-links={d}" for d in pip_find_links()]
     return [str(uv), "pip", "install", "-q", "--python", str(py), "--no-deps",
-            "--link-mode=copy", *links, *args]  # fmt: skip
+            "--link-mode=copy", *(["--compile-bytecode"] if compile else []), *links,
+            *args]  # fmt: skip
 
 
 def pip_find_links() -> list[str]:

