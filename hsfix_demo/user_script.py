@@ -46,7 +46,7 @@ def main():
         mamba_ssm_cache_dtype="float32",  # CPU linear attention (hybrid models) needs it
         enforce_eager=True,
         enable_prefix_caching=False,
-        enable_chunked_prefill=False,  # required by extract_hidden_states
+        enable_chunked_prefill=False,  # vLLM's docs ask it (0.22-0.23 refuse it here)
         max_model_len=256,
         speculative_config={
             "method": "extract_hidden_states",
