@@ -128,7 +128,8 @@ TOOLS = [
     "pytest>=8", "pytest-timeout", "pytest-xdist", "ruff", "wrapt", "packaging", "build", "twine",
     "uv",
 ]  # fmt: skip
-# The installer of the release venvs' locks (and a test tool: in every torch lock).
+# The installer of the release venvs' locks, put into each venv first; the version torch
+# 2.11.0's lock pins (uv is one of TOOLS there).
 UV = "uv==0.13.9"
 # The static-test venvs: exactly these (and their dependencies), from STATIC_LOCK.
 STATIC_LOCK = LOCKS / "static.txt"
@@ -248,7 +249,7 @@ def pip_find_links() -> list[str]:
 
 
 def ensure_uv(py: Path) -> None:
-    """uv in ``py``'s venv, at the version the venv's lock pins (pip fetches it)."""
+    """uv (``UV``) in ``py``'s venv, fetched by pip, to install the venv's lock."""
     if (py.parent / "uv").exists():
         return
     run_step(f"install {UV} into {py.parent.parent}", pip(py, "install", "-q", UV))

